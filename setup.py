@@ -1,0 +1,38 @@
+"""rloo_jax: critic-free online RLHF with RLOO in JAX."""
+from setuptools import find_packages, setup
+
+setup(
+    name="rloo_jax",
+    version="0.1.0",
+    description="REINFORCE Leave-One-Out (RLOO) for RLHF in JAX / Flax NNX",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rloo_jax", "rloo_jax.*"]),
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.12",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "chex>=0.1.90",
+        "ml_collections>=1.0",
+        # Datasets are tfds builders stored as array_record and read with tfds.data_source / grain:
+        # no TensorFlow anywhere.
+        "tensorflow-datasets>=4.9.8",
+        "array_record>=0.7",
+        "grain>=0.2.10",
+        "numpy>=1.26",
+        "absl-py",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
+        "tensorboardX>=2.6",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "nbclient>=0.10", "nbformat>=5.10", "ipykernel"],
+        # Live parity checks against transformers and the TRL / HF-generate benchmarks. torch 2.13.0
+        # is pinned so pip takes the CPU wheel rather than a multi-GB CUDA build.
+        "hf": ["torch==2.13.0", "transformers>=4.50"],
+    },
+)
