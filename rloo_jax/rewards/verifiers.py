@@ -1,0 +1,73 @@
+"""Programmatic rewards: `fn(prompts, completions, **fields) -> float32 [N]`, NaN = unscorable.
+
+Fields arrive aligned with the completions (one entry per sample); a function ignores the ones it
+does not use, which is why every reward takes `**fields`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+def _cut(text: str, stop: str | None) -> str:
+  if stop:
+    i = text.find(stop)
+    if i >= 0:
+      text = text[:i]
+  return text
+
+
+def arithmetic_exact_match(prompts: Sequence[str], completions: Sequence[str], *,
+                           answer: Sequence[str | None] | None = None, stop: str | None = None,
+                           **fields: Any) -> np.ndarray:
+  """1.0 where the completion, cut at `stop` (an eos string, for tokenizers that decode it) and
+  stripped of surrounding whitespace, equals the answer exactly; 0.0 otherwise.
+
+  Samples whose answer is missing or '' get NaN: the trainer masks them out of the baselines
+  instead of counting them as failures.
+  """
+  del fields
+  n = len(completions)
+  if len(prompts) != n:
+    raise ValueError(f"{len(prompts)} prompts but {n} completions")
+  if answer is None:
+    return np.full((n,), np.nan, np.float32)
+  if len(answer) != n:
+    raise ValueError(f"{len(answer)} answers but {n} completions")
+  out = np.empty((n,), np.float32)
+  for i, (c, a) in enumerate(zip(completions, answer)):
+    if a is None or (isinstance(a, float) and np.isnan(a)) or str(a).strip() == "":
+      out[i] = np.nan
+    else:
+      out[i] = float(_cut(str(c), stop).strip() == str(a).strip())
+  return out
+
+
+def load_reward_fn(spec: str) -> Callable[..., Any]:
+  """Resolves `'package.module:function'` (the attribute may be dotted: `module:Class.method`)."""
+  if not isinstance(spec, str) or spec.count(":") != 1:
+    raise ValueError(f"reward function {spec!r}: expected 'package.module:function'")
+  module_name, attr_path = spec.split(":")
+  if not module_name or not attr_path or any(not p for p in attr_path.split(".")):
+    raise ValueError(f"reward function {spec!r}: expected 'package.module:function' with both "
+                     "parts non-empty")
+  try:
+    obj = importlib.import_module(module_name)
+  except ModuleNotFoundError as e:
+    # Distinguish "the named module does not exist" from "it exists but imports something missing".
+    if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+      raise ValueError(f"reward function {spec!r}: module {module_name!r} not found "
+                       "(is it installed or on PYTHONPATH?)") from None
+    raise ImportError(f"reward function {spec!r}: importing {module_name!r} failed: {e}") from e
+  for part in attr_path.split("."):
+    if not hasattr(obj, part):
+      public = sorted(a for a in dir(obj) if not a.startswith("_"))[:20]
+      raise ValueError(f"reward function {spec!r}: {getattr(obj, '__name__', obj)!r} has no "
+                       f"attribute {part!r} (public names: {', '.join(public)})")
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise TypeError(f"reward function {spec!r} resolves to a {type(obj).__name__}, not a callable")
+  return obj
