@@ -1,0 +1,90 @@
+"""Supervised fine-tuning: the stage that makes the starting policy (and the RL reference).
+
+No pretrained weights can be fetched offline, so the embedded experiments start from a small
+policy trained here from scratch on the task's demonstrations. The result is cached in
+`<workdir>/sft` with Orbax, so reruns (and the RL stage's restarts) reuse it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+from absl import logging
+from flax import struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from rloo_jax import loss
+from rloo_jax.data import pipeline
+
+
+@struct.dataclass
+class SftState:
+  step: jax.Array
+  params: object
+  opt_state: object
+
+
+def sft_loss(fns, params, batch):
+  """Mean next-token cross-entropy over the answer (+ eos) tokens, and token accuracy."""
+  tokens = batch["tokens"]
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  logits = fns.forward(params, tokens, positions, batch["token_mask"])[:, :-1]
+  targets, weights = tokens[:, 1:], batch["loss_mask"][:, 1:]
+  logp = loss.token_logprobs(logits, targets, weights)
+  correct = (jnp.argmax(logits, -1) == targets)
+  return -loss.masked_mean(logp, weights), {"token_accuracy": loss.masked_mean(correct, weights)}
+
+
+def sft_step(state: SftState, batch, *, fns, tx):
+  (value, metrics), grads = jax.value_and_grad(
+      functools.partial(sft_loss, fns), has_aux=True)(state.params, batch)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  return SftState(state.step + 1, params, opt_state), dict(metrics, loss=value)
+
+
+def train(config, workdir: str, fns, params, task, *, log=print):
+  """Runs (or restores) the SFT stage; returns the fine-tuned params."""
+  from rloo_jax.trainer import make_optimizer  # the same AdamW + schedule as the RL stage
+  c = config.sft
+  directory = os.path.abspath(os.path.join(workdir, "sft"))
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=1))
+  if manager.latest_step() == c.steps:
+    params = manager.restore(c.steps, args=ocp.args.StandardRestore(params))
+    manager.close()
+    log(f"[sft] restored the cached SFT policy from {directory}")
+    return params
+  tx = make_optimizer(_sft_optim(c), c.steps)
+  state = SftState(jnp.zeros((), jnp.int32), params, tx.init(params))
+  step_fn = jax.jit(functools.partial(sft_step, fns=fns, tx=tx), donate_argnums=0)
+  batches = pipeline.sft_batches(task.demonstrations, task.tokenizer,
+                                 global_batch_size=c.batch_size,
+                                 max_seq_len=config.data.max_prompt_len + config.rloo.max_new_tokens,
+                                 seed=config.seed, process_index=jax.process_index(),
+                                 process_count=jax.process_count())
+  start = time.time()
+  for i in range(c.steps):
+    batch = next(batches)
+    state, metrics = step_fn(state, {k: batch[k] for k in ("tokens", "token_mask", "loss_mask")})
+    if (i + 1) % c.log_every == 0 or i + 1 == c.steps:
+      m = jax.device_get(metrics)
+      log(f"[sft] step {i + 1}/{c.steps} loss {float(m['loss']):.4f} "
+          f"token_accuracy {float(m['token_accuracy']):.3f} ({time.time() - start:.0f}s)")
+  manager.save(c.steps, args=ocp.args.StandardSave(state.params))
+  manager.wait_until_finished()
+  manager.close()
+  return state.params
+
+
+def _sft_optim(c):
+  """Cosine decay to zero: the SFT stage has a fixed budget and should end converged."""
+  return ml_collections.ConfigDict(dict(
+      learning_rate=c.learning_rate, warmup_steps=c.warmup_steps, schedule="cosine",
+      weight_decay=c.weight_decay, b1=0.9, b2=0.99, max_grad_norm=1.0))

@@ -1,0 +1,110 @@
+"""Tasks: where prompts come from, how they are tokenised, and what the SFT stage imitates.
+
+A task bundles the train/test prompt sources, the tokenizer and the demonstrations of the SFT stage.
+Rewards are not part of a task: they are named in `config.rewards` by import path, so any task
+can be trained against any weighted set of reward functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from rloo_jax.data import arithmetic, jsonl, summarize
+from rloo_jax.data.builder import load_split
+
+
+@dataclasses.dataclass
+class Task:
+  name: str
+  tokenizer: Any
+  train: Any  # random-access source of {'prompt', 'answer', ...} records
+  test: Any
+  # Demonstrations for the SFT stage: a random-access source with 'prompt' and 'answer' fields.
+  demonstrations: Optional[Any] = None
+  stop: Optional[str] = None  # text after which a completion is cut before scoring
+
+
+def drop_carries(a: int, b: int) -> str:
+  """The answer of a demonstrator that forgets every carry: digit-wise sums mod 10."""
+  digits, place = 0, 1
+  while a or b:
+    digits += ((a % 10 + b % 10) % 10) * place
+    a, b, place = a // 10, b // 10, place * 10
+  return str(digits)
+
+
+def noisy_arithmetic_demonstrations(source, error_rate: float, seed: int) -> list[dict]:
+  """Demonstrations where a fraction `error_rate` of the carry problems drop their carries."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(len(source)):
+    record = dict(source[i])
+    a, b = (int(x) for x in record["prompt"].rstrip("=").split("+"))
+    wrong = drop_carries(a, b)
+    if wrong != record["answer"] and rng.random() < error_rate:
+      record["answer"] = wrong
+    out.append(record)
+  return out
+
+
+def _arithmetic(config, data_dir: str) -> Task:
+  d = config.data
+  builder = arithmetic.prepare(data_dir, min_digits=d.min_digits, max_digits=d.max_digits,
+                               num_train=d.num_train, num_test=d.num_test, seed=d.data_seed)
+  train, test = load_split(builder, "train"), load_split(builder, "test")
+  demos = noisy_arithmetic_demonstrations(train, config.sft.demo_error_rate, config.seed)
+  return Task("arithmetic", arithmetic.make_tokenizer(), train, test, demonstrations=demos)
+
+
+def _jsonl(config, data_dir: str) -> Task:
+  del data_dir
+  d = config.data
+  for key in ("jsonl_train", "jsonl_test"):
+    if not d[key]:
+      raise ValueError(f"task=jsonl needs config.data.{key}: a JSONL file of "
+                       "{\"prompt\": ..., \"answer\": ...} lines")
+    if not os.path.exists(d[key]):
+      raise FileNotFoundError(f"config.data.{key}={d[key]!r} does not exist")
+  if not config.model.init_from:
+    raise ValueError("task=jsonl needs a tokenizer and a starting policy: set "
+                     "config.model.init_from to a local Hugging Face checkpoint directory")
+  from rloo_jax.models import hf  # the HF tokenizer is only needed for this task
+  tokenizer = hf.load_tokenizer(config.model.init_from)
+  train = jsonl.JsonlSource(d.jsonl_train)
+  return Task("jsonl", tokenizer, train, jsonl.JsonlSource(d.jsonl_test), demonstrations=train)
+
+
+def _summarize(config, data_dir: str) -> Task:
+  """TL;DR in miniature: the SFT stage imitates the dataset's imperfect summaries (`answer`), so
+  the starting policy sits well below the gold optimum and a learned reward has room to help."""
+  d = config.data
+  builder = summarize.prepare(data_dir, num_train=d.num_train, num_test=d.num_test,
+                              min_keys=d.get("min_keys", 1), max_keys=d.get("max_keys", 3),
+                              seed=d.data_seed)
+  train, test = load_split(builder, "train"), load_split(builder, "test")
+  return Task("summarize", summarize.make_tokenizer(), train, test, demonstrations=train)
+
+
+_TASKS: dict[str, Callable[[Any, str], Task]] = {
+    "arithmetic": _arithmetic,
+    "jsonl": _jsonl,
+    "summarize": _summarize,
+}
+
+
+def register(name: str, factory: Callable[[Any, str], Task]):
+  _TASKS[name] = factory
+
+
+def names() -> Sequence[str]:
+  return tuple(sorted(_TASKS))
+
+
+def make(config, data_dir: str) -> Task:
+  if config.task not in _TASKS:
+    raise ValueError(f"unknown task {config.task!r}; choose one of {list(names())} (config.task)")
+  return _TASKS[config.task](config, data_dir)

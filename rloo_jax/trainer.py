@@ -1,0 +1,572 @@
+"""The RLOO trainer: rollout -> rewards -> reference log-probs -> penalised rewards -> advantages
+-> `num_epochs` x minibatches of one jitted, donated `train_step(state, batch) -> (state, metrics)`.
+
+Everything between the data iterator and the metric writer is a pure function of arrays; the outer
+loop (`run`) owns the side effects: data, checkpoints, logging, the progress bar.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from absl import logging
+from flax import struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from rloo_jax import advantage, loss, sampler, sampling
+from rloo_jax.checkpoint import Checkpointer
+from rloo_jax.data import pipeline
+from rloo_jax.metrics import MetricWriter
+from rloo_jax.models import transformer
+from rloo_jax import rewards as rewards_lib
+
+LOSS_TYPES = ("reinforce", "ppo_clip")
+
+
+# ----------------------------------------------------------------------------------------------
+# State and optimizer
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: RL iterations completed
+  params: Any  # policy, an nnx.State
+  ref_params: Any  # frozen reference (the SFT policy), an nnx.State
+  opt_state: Any
+  rng: jax.Array  # base key; iteration i uses fold_in(rng, i), so resuming replays exactly
+  adv_state: Any  # the advantage estimator's state (a scalar placeholder when stateless)
+
+
+def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with linear warm-up then constant or cosine decay, after global-norm clipping."""
+  warmup = max(int(c.warmup_steps), 0)
+  if c.schedule == "constant":
+    after = optax.constant_schedule(c.learning_rate)
+  elif c.schedule == "cosine":
+    after = optax.cosine_decay_schedule(c.learning_rate, max(total_steps - warmup, 1))
+  else:
+    raise ValueError(f"unknown schedule {c.schedule!r}; choose 'constant' or 'cosine' "
+                     "(config.optim.schedule)")
+  schedule = optax.join_schedules(
+      [optax.linear_schedule(0.0, c.learning_rate, max(warmup, 1)), after], [warmup]) \
+      if warmup else after
+  return optax.chain(
+      optax.clip_by_global_norm(c.max_grad_norm) if c.max_grad_norm > 0 else optax.identity(),
+      optax.adamw(schedule, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure pieces of one iteration
+
+
+def rollout_sequences(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, k: int):
+  """Rows of [left-padded prompt | completion] for the B*k samples, n = b * k + j.
+
+  Left-padding the prompt puts every completion at the same offset P, so the logits that
+  predict completion token t are always at P - 1 + t; RoPE sees the true positions.
+  Returns tokens_ns, positions_ns, mask_ns (S = P + T).
+  """
+  b, p = prompt_tokens_bp.shape
+  shift_b = p - prompt_lengths_b
+  idx_bp = (jnp.arange(p)[None, :] - shift_b[:, None]) % p
+  left_bp = jnp.take_along_axis(prompt_tokens_bp, idx_bp, axis=1)
+  pmask_bp = jnp.arange(p)[None, :] >= shift_b[:, None]
+  ppos_bp = jnp.maximum(jnp.arange(p)[None, :] - shift_b[:, None], 0)
+  rep = lambda x: jnp.repeat(x, k, axis=0)
+  t = completions_nt.shape[1]
+  cpos_nt = rep(prompt_lengths_b)[:, None] + jnp.arange(t)[None, :]
+  tokens = jnp.concatenate([rep(left_bp), completions_nt], axis=1)
+  positions = jnp.concatenate([rep(ppos_bp), cpos_nt], axis=1)
+  mask = jnp.concatenate([rep(pmask_bp), cmask_nt], axis=1)
+  return tokens.astype(jnp.int32), positions.astype(jnp.int32), mask
+
+
+def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, num_prompt: int, t: int):
+  logits = fns.forward(params, tokens_ns, positions_ns, mask_ns)
+  return jax.lax.dynamic_slice_in_dim(logits, num_prompt - 1, t, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """The static (hashable) part of the policy loss, resolved from config once."""
+  type: str = "reinforce"
+  clip_eps: float = 0.2
+  clip_eps_high: Optional[float] = None
+  ratio_level: str = "sequence"
+  aggregation: str = "sequence_sum"
+
+  @classmethod
+  def from_config(cls, c):
+    return cls(c.type, c.clip_eps, c.clip_eps_high or None, c.ratio_level, c.aggregation)
+
+
+def policy_loss(spec: LossSpec, logp_nt, old_logp_nt, cmask_nt, adv_n, logits_ntv):
+  t = cmask_nt.shape[1]
+  if spec.type == "reinforce":
+    return loss.reinforce_loss(logp_nt, cmask_nt, adv_n, aggregation=spec.aggregation,
+                               max_len=t, logits_btv=logits_ntv)
+  return loss.ppo_clip_loss(logp_nt, old_logp_nt, cmask_nt, adv_n, clip_eps=spec.clip_eps,
+                            clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
+                            aggregation=spec.aggregation, max_len=t, logits_btv=logits_ntv)
+
+
+def train_step(state: TrainState, batch: dict, *, fns, tx, spec: LossSpec, num_prompt: int):
+  """One gradient step on a minibatch of rollout rows. Pure; jitted with the state donated."""
+  t = batch["completions"].shape[1]
+
+  def loss_fn(params):
+    logits = completion_logits(fns, params, batch["tokens"], batch["positions"], batch["mask"],
+                               num_prompt, t)
+    logp = loss.token_logprobs(logits, batch["completions"], batch["cmask"])
+    return policy_loss(spec, logp, batch["old_logp"], batch["cmask"], batch["advantages"], logits)
+
+  (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = dict(metrics, loss=value, grad_norm=optax.global_norm(grads))
+  return state.replace(params=params, opt_state=opt_state), metrics
+
+
+def score_rollout(ref_params, adv_state, tokens_ns, positions_ns, mask_ns, completions_nt, cmask_nt,
+                  policy_logp_nt, rewards_bk, usable_bk, *, fns, num_prompt: int, beta: float,
+                  kl_estimator: str, kl_reduction: str, estimator: str, options: tuple):
+  """Reference log-probs, KL, penalised rewards R = r - beta * KL and advantages, all [B, k]."""
+  b, k = rewards_bk.shape
+  t = completions_nt.shape[1]
+  ref_logits = completion_logits(fns, ref_params, tokens_ns, positions_ns, mask_ns, num_prompt, t)
+  ref_logp = loss.token_logprobs(ref_logits, completions_nt, cmask_nt)
+  penalised, kl = loss.penalized_reward(rewards_bk.reshape(-1), policy_logp_nt, ref_logp,
+                                        cmask_nt, beta=beta, estimator=kl_estimator,
+                                        reduction=kl_reduction)
+  adv, new_adv_state = advantage.call(estimator, penalised.reshape(b, k), usable_bk,
+                                      state=adv_state, **dict(options))
+  return dict(kl_bk=kl.reshape(b, k), penalised_bk=penalised.reshape(b, k), advantages_bk=adv,
+              ref_logp_nt=ref_logp), new_adv_state
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards (host side: reward functions are arbitrary Python)
+
+
+@dataclasses.dataclass
+class RewardSet:
+  fns: Sequence[Callable[..., Any]]
+  weights: Sequence[float]
+  names: Sequence[str]
+
+  @classmethod
+  def from_config(cls, c):
+    if len(c.fns) != len(c.weights):
+      raise ValueError(f"config.rewards.fns has {len(c.fns)} entries but config.rewards.weights "
+                       f"has {len(c.weights)}; give one weight per reward function")
+    if not c.fns:
+      raise ValueError("config.rewards.fns is empty: name at least one reward function "
+                       "('package.module:function')")
+    return cls([rewards_lib.resolve(f) for f in c.fns],
+               [float(w) for w in c.weights],
+               [f if isinstance(f, str) else getattr(f, "__name__", "fn") for f in c.fns])
+
+  def __call__(self, prompts, completions, fields):
+    """Weighted sum [N] and per-function scores; NaN (unscorable) in any function -> NaN."""
+    total = np.zeros(len(completions), np.float64)
+    parts = {}
+    for fn, w, name in zip(self.fns, self.weights, self.names):
+      r = fn(list(prompts), list(completions), **fields)
+      r = np.array([np.nan if x is None else x for x in r], np.float64)
+      if r.shape != (len(completions),):
+        raise ValueError(f"reward function {name} returned shape {r.shape}; expected "
+                         f"({len(completions)},): one score per completion")
+      parts[name.rsplit(":", 1)[-1]] = r
+      total = total + w * r
+    return total, parts
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: every check that can fail runs before anything compiles.
+
+
+def validate_config(config) -> None:
+  r = config.rloo
+  est = advantage.spec(config.advantage.estimator)  # raises naming the registry
+  if r.k < est.min_k:
+    raise ValueError(f"config.rloo.k = {r.k}, but estimator {est.name!r} needs k >= {est.min_k} "
+                     f"(a leave-one-out baseline needs another sample); set config.rloo.k >= "
+                     f"{est.min_k}")
+  if r.k < 1 or r.num_prompts < 1 or r.max_new_tokens < 1:
+    raise ValueError("config.rloo.k, num_prompts and max_new_tokens must be >= 1")
+  if config.loss.type not in LOSS_TYPES:
+    raise ValueError(f"unknown config.loss.type {config.loss.type!r}; choose one of {LOSS_TYPES}")
+  if config.loss.aggregation not in loss.AGGREGATIONS:
+    raise ValueError(f"unknown config.loss.aggregation {config.loss.aggregation!r}; choose one "
+                     f"of {loss.AGGREGATIONS}")
+  if config.loss.ratio_level not in ("sequence", "token"):
+    raise ValueError(f"config.loss.ratio_level must be 'sequence' or 'token', got "
+                     f"{config.loss.ratio_level!r}")
+  if config.kl.estimator not in loss.KL_ESTIMATORS:
+    raise ValueError(f"unknown config.kl.estimator {config.kl.estimator!r}; choose one of "
+                     f"{loss.KL_ESTIMATORS}")
+  if config.kl.reduction not in ("sum", "mean"):
+    raise ValueError(f"config.kl.reduction must be 'sum' or 'mean', got {config.kl.reduction!r}")
+  n = r.num_prompts * r.k
+  if n % config.train.num_minibatches:
+    raise ValueError(f"the rollout batch (config.rloo.num_prompts * config.rloo.k = {n}) is not "
+                     f"divisible by config.train.num_minibatches = {config.train.num_minibatches}; "
+                     f"choose num_minibatches dividing {n}")
+  if config.train.num_epochs < 1 or config.train.num_iterations < 0:
+    raise ValueError("config.train.num_epochs must be >= 1 and num_iterations >= 0")
+  need = config.data.max_prompt_len + r.max_new_tokens
+  if need > config.model.max_seq_len:
+    raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "
+                     f"config.rloo.max_new_tokens ({r.max_new_tokens}) = {need} exceeds the "
+                     f"model context config.model.max_seq_len = {config.model.max_seq_len}; "
+                     f"shorten one or raise the context")
+  if config.rewards.nan_policy not in ("raise", "mask"):
+    raise ValueError(f"config.rewards.nan_policy must be 'raise' or 'mask', got "
+                     f"{config.rewards.nan_policy!r}")
+  sampling_method(r)  # raises on bad temperature / top_k / top_p
+  if config.model.init_from and not os.path.isdir(config.model.init_from):
+    raise FileNotFoundError(f"config.model.init_from={config.model.init_from!r} is not a "
+                            "directory; point it at a local Hugging Face checkpoint "
+                            "(config.json + model.safetensors)")
+
+
+def sampling_method(r) -> sampling.Method:
+  if r.top_k and r.top_p < 1.0:
+    raise ValueError("set at most one of config.rloo.top_k and config.rloo.top_p")
+  if r.top_k:
+    return sampling.TopK(int(r.top_k), float(r.temperature))
+  if r.top_p < 1.0:
+    return sampling.TopP(float(r.top_p), float(r.temperature))
+  if r.temperature == 0:
+    return sampling.Greedy()
+  return sampling.Temperature(float(r.temperature))
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up
+
+
+def model_config(config, vocab_size: int) -> transformer.TransformerConfig:
+  m = config.model
+  maker = {"llama": transformer.TransformerConfig.llama, "qwen2": transformer.TransformerConfig.qwen2,
+           "gpt2": transformer.TransformerConfig.gpt2}
+  if m.family not in maker:
+    raise ValueError(f"unknown config.model.family {m.family!r}; choose one of {sorted(maker)}")
+  return maker[m.family](
+      vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+      intermediate_size=m.intermediate_size, max_seq_len=m.max_seq_len, dtype=m.dtype,
+      param_dtype=m.param_dtype)
+
+
+@dataclasses.dataclass
+class Experiment:
+  """The static pieces of a run, resolved from the config once."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  task: Any
+  model_config: transformer.TransformerConfig
+  graphdef: Any
+  fns: transformer.ModelFns
+  tx: optax.GradientTransformation
+  loss_spec: LossSpec
+  rewards: RewardSet
+  method: sampling.Method
+  step_fn: Callable
+  score_fn: Callable
+  sequences_fn: Callable
+
+  @property
+  def tokenizer(self):
+    return self.task.tokenizer
+
+
+def build(config, workdir: str, task=None) -> Experiment:
+  """Validates the config, prepares the task and compiles nothing yet."""
+  from rloo_jax import tasks  # tasks import data builders; keep `import trainer` light
+  validate_config(config)
+  rewards = RewardSet.from_config(config.rewards)
+  if task is None:
+    task = tasks.make(config, os.path.join(workdir, "data"))
+  if config.model.init_from:
+    from rloo_jax.models import hf
+    mcfg, graphdef, _ = hf.load_model(config.model.init_from, dtype=config.model.dtype)
+  else:
+    mcfg = model_config(config, task.tokenizer.vocab_size)
+    graphdef, _ = transformer.abstract(mcfg)
+  if config.data.max_prompt_len + config.rloo.max_new_tokens > mcfg.max_seq_len:
+    raise ValueError(f"config.data.max_prompt_len + config.rloo.max_new_tokens = "
+                     f"{config.data.max_prompt_len + config.rloo.max_new_tokens} exceeds the "
+                     f"model's context of {mcfg.max_seq_len} tokens")
+  fns = transformer.model_fns(graphdef)
+  r = config.rloo
+  updates_per_iteration = config.train.num_epochs * config.train.num_minibatches
+  tx = make_optimizer(config.optim, config.train.num_iterations * updates_per_iteration)
+  spec = LossSpec.from_config(config.loss)
+  p = config.data.max_prompt_len
+  step_fn = jax.jit(functools.partial(train_step, fns=fns, tx=tx, spec=spec, num_prompt=p),
+                    donate_argnums=0)
+  score_fn = jax.jit(functools.partial(
+      score_rollout, fns=fns, num_prompt=p, beta=float(config.kl.beta),
+      kl_estimator=config.kl.estimator, kl_reduction=config.kl.reduction,
+      estimator=config.advantage.estimator,
+      options=tuple(sorted(dict(config.advantage.options).items()))))
+  sequences_fn = jax.jit(rollout_sequences, static_argnames="k")
+  return Experiment(config, workdir, task, mcfg, graphdef, fns, tx, spec, rewards,
+                    sampling_method(r), step_fn, score_fn, sequences_fn)
+
+
+def initial_params(exp: Experiment, *, log=print):
+  """The starting policy: a local HF checkpoint, or the task's SFT stage from scratch."""
+  config = exp.config
+  if config.model.init_from:
+    from rloo_jax.models import hf
+    _, params = hf.load_checkpoint(config.model.init_from, dtype=config.model.dtype)
+    return params
+  from rloo_jax import sft
+  _, params = transformer.create(exp.model_config, seed=config.seed)
+  return sft.train(config, exp.workdir, exp.fns, params, exp.task, log=log)
+
+
+def init_state(exp: Experiment, params) -> TrainState:
+  spec = advantage.spec(exp.config.advantage.estimator)
+  adv_state = spec.init_state() if spec.stateful else jnp.zeros((), jnp.float32)
+  # A real copy: policy and reference must not share buffers, since the policy is donated.
+  ref_params = jax.tree.map(jnp.copy, params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, ref_params=ref_params,
+                    opt_state=exp.tx.init(params), rng=jax.random.PRNGKey(exp.config.seed),
+                    adv_state=adv_state)
+
+
+def abstract_state(exp: Experiment) -> TrainState:
+  _, params = transformer.abstract(exp.model_config)
+  return jax.eval_shape(lambda p: init_state(exp, p), params)
+
+
+# ----------------------------------------------------------------------------------------------
+# One iteration
+
+
+def decode_completions(tokenizer, tokens_nt, lengths_n) -> list[str]:
+  eos = tokenizer.eos_id
+  out = []
+  for row, n in zip(np.asarray(tokens_nt), np.asarray(lengths_n)):
+    ids = [int(t) for t in row[:n] if int(t) != eos]
+    out.append(tokenizer.decode(ids))
+  return out
+
+
+def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None):
+  """Samples k completions per prompt and scores them with the reward functions (host side)."""
+  c = exp.config
+  out = sampler.sample(exp.fns, params, batch["prompt_tokens"], batch["prompt_lengths"], rng,
+                       k=k, max_new_tokens=c.rloo.max_new_tokens,
+                       method=method or exp.method, eos_id=exp.tokenizer.eos_id,
+                       pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
+                       max_seq_len=exp.model_config.max_seq_len)
+  b = batch["prompt_tokens"].shape[0]
+  tokens_nt = np.asarray(out.tokens_bkt).reshape(b * k, -1)
+  lengths_n = np.asarray(out.lengths_bk).reshape(-1)
+  completions = decode_completions(exp.tokenizer, tokens_nt, lengths_n)
+  fields = {name: np.repeat(np.asarray(v), k, axis=0) for name, v in batch.items()
+            if name not in ("prompt_tokens", "prompt_lengths", "prompt", "index", "valid")}
+  prompts = list(np.repeat(np.asarray(batch["prompt"], object), k))
+  rewards_n, parts = exp.rewards(prompts, completions, fields)
+  return out, rewards_n.reshape(b, k), completions, parts
+
+
+def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
+  """rollout -> rewards -> reference -> advantages -> epochs x minibatches. Returns (state, metrics)."""
+  c = exp.config
+  k = c.rloo.k
+  step = int(state.step)
+  rng = jax.random.fold_in(state.rng, step)
+  timings = {}
+
+  t0 = time.perf_counter()
+  out, raw_rewards_bk, completions, _ = rollout(exp, state.params, batch,
+                                                jax.random.fold_in(rng, 0), k=k)
+  jax.block_until_ready(out.tokens_bkt)
+  timings["rollout_s"] = time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  rewards_bk, usable_bk, num_nonfinite = advantage.prepare_rewards(
+      raw_rewards_bk, nan_policy=c.rewards.nan_policy)
+  timings["reward_s"] = time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  b = rewards_bk.shape[0]
+  completions_nt = out.tokens_bkt.reshape(b * k, -1)
+  cmask_nt = out.mask_bkt.reshape(b * k, -1)
+  policy_logp_nt = out.policy_logprobs_bkt.reshape(b * k, -1)
+  tokens, positions, mask = exp.sequences_fn(jnp.asarray(batch["prompt_tokens"]),
+                                             jnp.asarray(batch["prompt_lengths"]),
+                                             completions_nt, cmask_nt, k=k)
+  scored, adv_state = exp.score_fn(state.ref_params, state.adv_state, tokens, positions, mask,
+                                   completions_nt, cmask_nt, policy_logp_nt, jnp.asarray(rewards_bk),
+                                   jnp.asarray(usable_bk))
+  jax.block_until_ready(scored["advantages_bk"])
+  timings["reference_s"] = time.perf_counter() - t0
+  state = state.replace(adv_state=adv_state)
+
+  t0 = time.perf_counter()
+  rows = dict(tokens=tokens, positions=positions, mask=mask, completions=completions_nt,
+              cmask=cmask_nt, old_logp=policy_logp_nt,
+              advantages=scored["advantages_bk"].reshape(-1))
+  n = b * k
+  mb = n // c.train.num_minibatches
+  step_metrics = []
+  for epoch in range(c.train.num_epochs):
+    order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), n)
+    for i in range(c.train.num_minibatches):
+      idx = order[i * mb:(i + 1) * mb]
+      state, m = exp.step_fn(state, jax.tree.map(lambda x: x[idx], rows))
+      step_metrics.append(m)
+  jax.block_until_ready(state.params)
+  timings["update_s"] = time.perf_counter() - t0
+  state = state.replace(step=state.step + 1)
+
+  m = {name: float(np.mean([float(x[name]) for x in step_metrics])) for name in step_metrics[0]}
+  usable = usable_bk
+  r = rewards_bk[usable]
+  lengths = np.asarray(out.lengths_bk)
+  num_tokens = int(lengths.sum())
+  all_equal = np.array([np.ptp(row[u]) == 0 if u.sum() >= 2 else True
+                        for row, u in zip(rewards_bk, usable)])
+  adv = np.asarray(scored["advantages_bk"])
+  m.update(
+      reward_mean=float(r.mean()) if r.size else float("nan"),
+      reward_std=float(r.std()) if r.size else float("nan"),
+      kl=float(np.asarray(scored["kl_bk"]).mean()),
+      penalised_reward=float(np.asarray(scored["penalised_bk"])[usable].mean()) if r.size else 0.0,
+      advantage_mean=float(adv.mean()), advantage_std=float(adv.std()),
+      advantage_abs_max=float(np.abs(adv).max()),
+      completion_length=float(lengths.mean()),
+      frac_groups_all_equal=float(all_equal.mean()),
+      num_unscorable=float((~usable).sum()), num_nonfinite=float(num_nonfinite),
+      rollout_tokens_per_s=num_tokens / max(timings["rollout_s"], 1e-9),
+      update_tokens_per_s=(c.train.num_epochs * n * tokens.shape[1])
+      / max(timings["update_s"], 1e-9),
+      **timings)
+  m["iteration_s"] = sum(timings.values())
+  return state, m
+
+
+def evaluate(exp: Experiment, params, source, rng, *, num_prompts: int, batch_size: int) -> dict:
+  """Held-out reward with greedy decoding (exact-match accuracy for verifier tasks) and sampled."""
+  c = exp.config
+  n = min(num_prompts, len(source))
+  records = [source[i] for i in range(n)]
+  results = {}
+  for name, method in (("greedy", sampling.Greedy()), ("sampled", exp.method)):
+    batches = pipeline.prompt_batches(records, exp.tokenizer, global_batch_size=batch_size,
+                                      max_prompt_len=c.data.max_prompt_len, shuffle=False,
+                                      num_epochs=1, drop_remainder=False,
+                                      overlong=c.data.overlong)
+    scores, lengths = [], []
+    for i, batch in enumerate(batches):
+      out, r_bk, _, _ = rollout(exp, params, batch, jax.random.fold_in(rng, i), k=1,
+                                method=method)
+      valid = np.asarray(batch["valid"])
+      scores.append(np.asarray(r_bk)[valid, 0])
+      lengths.append(np.asarray(out.lengths_bk)[valid, 0])
+    s = np.concatenate(scores)
+    results[f"{name}_reward"] = float(np.nanmean(s)) if np.isfinite(s).any() else float("nan")
+    results[f"{name}_length"] = float(np.concatenate(lengths).mean())
+  return results
+
+
+# ----------------------------------------------------------------------------------------------
+# The outer loop
+
+
+def _progress(total: int, initial: int, enabled: bool):
+  if not enabled:
+    return None
+  from tqdm import tqdm
+  return tqdm(total=total, initial=initial, desc="rloo", dynamic_ncols=True)
+
+
+def run(config, workdir: str, *, log=print) -> dict:
+  """Trains (resuming from `workdir` if it holds checkpoints) and returns the summary."""
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  exp = build(config, workdir)
+  c = config
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.train.keep_checkpoints)
+  data = pipeline.prompt_batches(exp.task.train, exp.tokenizer,
+                                 global_batch_size=c.rloo.num_prompts,
+                                 max_prompt_len=c.data.max_prompt_len, seed=c.seed,
+                                 overlong=c.data.overlong, process_index=jax.process_index(),
+                                 process_count=jax.process_count())
+  restored = ckpt.restore(abstract_state(exp)) if ckpt.latest_step() is not None else None
+  eval_rng = jax.random.PRNGKey(c.seed + 1)
+  if restored is not None:
+    step, state, meta = restored
+    data.set_state(meta["data"])
+    before = meta.get("before")
+    log(f"[rloo] resumed from step {step} in {ckpt.directory}")
+  else:
+    state = init_state(exp, initial_params(exp, log=log))
+    before = evaluate(exp, state.params, exp.task.test, eval_rng,
+                      num_prompts=c.train.eval_prompts, batch_size=c.train.eval_batch_size)
+    log(f"[eval] SFT policy: {json.dumps(before)}")
+  writer = MetricWriter(workdir)
+  if restored is None:
+    writer.write(0, before, prefix="eval/")
+  start = int(state.step)
+  bar = _progress(c.train.num_iterations, start, c.train.progress_bar)
+  metrics = {}
+  for it in range(start, c.train.num_iterations):
+    state, metrics = rl_iteration(exp, state, next(data))
+    step = it + 1
+    if step % c.train.log_every == 0 or step == c.train.num_iterations:
+      writer.write(step, metrics, prefix="train/")
+    if bar is not None:
+      bar.update(1)
+      bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
+    elif step % c.train.log_every == 0:
+      log(f"[rloo] iteration {step}: reward {metrics['reward_mean']:.3f} kl {metrics['kl']:.3f} "
+          f"({metrics['iteration_s']:.2f}s)")
+    if c.train.eval_every and step % c.train.eval_every == 0 and step != c.train.num_iterations:
+      writer.write(step, evaluate(exp, state.params, exp.task.test, eval_rng,
+                                  num_prompts=c.train.eval_prompts,
+                                  batch_size=c.train.eval_batch_size), prefix="eval/")
+    if step % c.train.checkpoint_every == 0 or step == c.train.num_iterations:
+      ckpt.save(step, state, {"data": data.get_state(), "before": before}, force=True)
+  if bar is not None:
+    bar.close()
+  ckpt.close()
+  after = evaluate(exp, state.params, exp.task.test, eval_rng, num_prompts=c.train.eval_prompts,
+                   batch_size=c.train.eval_batch_size)
+  writer.write(int(state.step), after, prefix="eval/")
+  writer.close()
+  summary = {"before": before, "after": after, "iterations": int(state.step), "seed": c.seed,
+             "eval_prompts": min(c.train.eval_prompts, len(exp.task.test))}
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+  log(format_summary(summary))
+  return dict(summary, state=state, last_metrics=metrics)
+
+
+def format_summary(summary: dict) -> str:
+  b, a = summary["before"], summary["after"]
+  rows = [("held-out greedy reward (exact match)", "greedy_reward"),
+          ("held-out mean sampled reward", "sampled_reward"),
+          ("mean completion length (greedy)", "greedy_length")]
+  lines = [f"\nheld-out evaluation on {summary['eval_prompts']} prompts, seed {summary['seed']}, "
+           f"{summary['iterations']} RLOO iterations",
+           f"| {'metric':<40} | {'SFT':>8} | {'RLOO':>8} |", f"|{'-' * 42}|{'-' * 10}|{'-' * 10}|"]
+  for label, key in rows:
+    lines.append(f"| {label:<40} | {b[key]:>8.3f} | {a[key]:>8.3f} |")
+  return "\n".join(lines)
