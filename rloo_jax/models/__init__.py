@@ -1,0 +1,18 @@
+"""Transformer model (Llama / Qwen2 / GPT-2 families), scalar head, and Hugging Face import."""
+
+from rloo_jax.models.transformer import (
+    DecodeCache,
+    ModelFns,
+    PrefixKV,
+    Transformer,
+    TransformerConfig,
+    abstract,
+    create,
+    init_cache,
+    model_fns,
+)
+
+__all__ = [
+    'DecodeCache', 'ModelFns', 'PrefixKV', 'Transformer', 'TransformerConfig', 'abstract',
+    'create', 'init_cache', 'model_fns',
+]

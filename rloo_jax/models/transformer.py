@@ -1,0 +1,458 @@
+"""One decoder-only transformer for the Llama, Qwen2 and GPT-2 families, with an explicit KV cache.
+
+The module is Flax NNX; everything outside this file calls the pure functions of `model_fns(graphdef)`
+(forward / prefill / init_cache / decode) on a params `nnx.State`, so jit, grad and donation see plain
+pytrees and no hidden mutable state.
+
+Decoding is built for RLOO's access pattern: k completions per prompt. `prefill` runs the prompt once;
+`decode` lets the k streams of a prompt attend to that single prefix cache (never copied k times) plus
+their own per-stream cache, with both score blocks joined in one float32 softmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+FAMILIES = ('llama', 'qwen2', 'gpt2')
+HEADS = ('lm', 'scalar')
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+# Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
+# finite distribution instead of NaNs that would leak into gradients through a masked mean.
+_MASKED = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Hashable (frozen) so it may be a static argument; `family` selects norm/MLP/position flavour."""
+
+  family: str = 'llama'
+  vocab_size: int = 32000
+  hidden_size: int = 256
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 4
+  head_dim: int = 64
+  intermediate_size: int = 1024
+  max_seq_len: int = 2048
+  norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+  head: str = 'lm'
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f'family={self.family!r}; supported: {FAMILIES}')
+    if self.head not in HEADS:
+      raise ValueError(f'head={self.head!r}; supported: {HEADS}')
+    for name in ('dtype', 'param_dtype'):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f'{name}={getattr(self, name)!r}; supported: {tuple(_DTYPES)}')
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f'num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}')
+
+  @classmethod
+  def llama(cls, **overrides) -> 'TransformerConfig':
+    kw = dict(family='llama', norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False,
+              qkv_bias=False)
+    return cls(**{**kw, **overrides})
+
+  @classmethod
+  def qwen2(cls, **overrides) -> 'TransformerConfig':
+    kw = dict(family='qwen2', norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=True,
+              qkv_bias=True)
+    return cls(**{**kw, **overrides})
+
+  @classmethod
+  def gpt2(cls, **overrides) -> 'TransformerConfig':
+    kw = dict(family='gpt2', vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
+              num_kv_heads=12, head_dim=64, intermediate_size=3072, max_seq_len=1024,
+              norm_eps=1e-5, tie_embeddings=True, qkv_bias=True)
+    kw = {**kw, **overrides}
+    # GPT-2 has no GQA; keep kv heads equal to heads unless told otherwise.
+    if 'num_heads' in overrides and 'num_kv_heads' not in overrides:
+      kw['num_kv_heads'] = kw['num_heads']
+    return cls(**kw)
+
+  def replace(self, **changes) -> 'TransformerConfig':
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def is_gpt2(self) -> bool:
+    return self.family == 'gpt2'
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count, computed from shapes (equals the size of `create(config)[1]`)."""
+    e, hd, f, v = self.hidden_size, self.head_dim, self.intermediate_size, self.vocab_size
+    q, kv = self.num_heads * hd, self.num_kv_heads * hd
+    norm = 2 * e if self.is_gpt2 else e
+    attn = e * (q + 2 * kv) + q * e
+    if self.qkv_bias:
+      attn += q + 2 * kv
+    if self.is_gpt2:
+      attn += e  # output-projection bias
+      mlp = 2 * e * f + f + e
+    else:
+      mlp = 3 * e * f
+    total = self.num_layers * (2 * norm + attn + mlp) + norm + v * e
+    if self.is_gpt2:
+      total += self.max_seq_len * e
+    if self.head == 'scalar':
+      total += e + 1
+    elif not self.tie_embeddings:
+      total += e * v
+    return total
+
+
+@flax.struct.dataclass
+class PrefixKV:
+  """Every layer's post-RoPE keys/values of a prefilled prompt batch."""
+
+  k_lbphd: jax.Array
+  v_lbphd: jax.Array
+
+
+@flax.struct.dataclass
+class DecodeCache:
+  """Prefix cache shared by the K streams of a row, plus each stream's own generated keys/values."""
+
+  prefix_k_lbphd: jax.Array
+  prefix_v_lbphd: jax.Array
+  prefix_mask_bp: jax.Array
+  k_lbkthd: jax.Array
+  v_lbkthd: jax.Array
+  index: jax.Array
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
+  # Draw flat, then reshape: XLA's compile time for rank-3 threefry draws is several times that of
+  # rank-1 ones (seconds per tensor on a small CPU), and the values are just as random.
+  def flat_init(key, shape, dtype):
+    return init(key, (math.prod(shape),), dtype).reshape(shape)
+
+  # eager_sharding=False: the logical names are metadata for the sharding module to map onto a
+  # mesh; creating a model outside any mesh (tests, HF import) must still work.
+  return nnx.Param(nnx.with_partitioning(flat_init, axes, eager_sharding=False)(
+      rngs.params(), shape, dtype))
+
+
+def _cast(param: nnx.Param, dtype) -> jax.Array:
+  return jnp.asarray(param[...], dtype)
+
+
+class Norm(nnx.Module):
+  """RMSNorm (llama/qwen2) or LayerNorm with bias (gpt2), statistics in float32 as in HF."""
+
+  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    pdt = _DTYPES[config.param_dtype]
+    self.eps = config.norm_eps
+    self.layer_norm = config.is_gpt2
+    self.scale = _param(rngs, nnx.initializers.ones, (config.hidden_size,), ('norm',), pdt)
+    if self.layer_norm:
+      self.bias = _param(rngs, nnx.initializers.zeros, (config.hidden_size,), ('norm',), pdt)
+
+  def __call__(self, x_bse: jax.Array) -> jax.Array:
+    x = x_bse.astype(jnp.float32)
+    if self.layer_norm:
+      x = x - x.mean(-1, keepdims=True)
+      y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
+      return (y * self.scale[...] + self.bias[...]).astype(x_bse.dtype)
+    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
+    # HF casts back to the activation dtype before the weight multiply; matching it keeps bf16 parity.
+    return self.scale[...].astype(x_bse.dtype) * y.astype(x_bse.dtype)
+
+
+def _rope(x_bshd: jax.Array, positions_bs: jax.Array, theta: float) -> jax.Array:
+  """HF-layout rotary embedding (rotate_half over the two halves of head_dim)."""
+  d = x_bshd.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  angles_bsf = positions_bs.astype(jnp.float32)[..., None] * inv_freq
+  cos = jnp.cos(angles_bsf)[:, :, None, :]
+  sin = jnp.sin(angles_bsf)[:, :, None, :]
+  x = x_bshd.astype(jnp.float32)
+  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_bshd.dtype)
+
+
+class Attention(nnx.Module):
+  """Projections only; the attention pattern (full, prefill, cached decode) is chosen by the caller."""
+
+  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    c = config
+    pdt = _DTYPES[c.param_dtype]
+    self.config = c
+    init = nnx.initializers.normal(0.02)
+    e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    self.q_kernel = _param(rngs, init, (e, hq, d), ('embed', 'q_heads', 'head_dim'), pdt)
+    self.k_kernel = _param(rngs, init, (e, hkv, d), ('embed', 'kv_heads', 'head_dim'), pdt)
+    self.v_kernel = _param(rngs, init, (e, hkv, d), ('embed', 'kv_heads', 'head_dim'), pdt)
+    self.o_kernel = _param(rngs, init, (hq, d, e), ('q_heads', 'head_dim', 'embed'), pdt)
+    if c.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.q_bias = _param(rngs, zeros, (hq, d), ('q_heads', 'head_dim'), pdt)
+      self.k_bias = _param(rngs, zeros, (hkv, d), ('kv_heads', 'head_dim'), pdt)
+      self.v_bias = _param(rngs, zeros, (hkv, d), ('kv_heads', 'head_dim'), pdt)
+    if c.is_gpt2:
+      self.o_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
+
+  def qkv(self, x_bse: jax.Array, positions_bs: jax.Array):
+    """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D]."""
+    c = self.config
+    dt = x_bse.dtype
+    q = jnp.einsum('bse,ehd->bshd', x_bse, _cast(self.q_kernel, dt))
+    k = jnp.einsum('bse,ehd->bshd', x_bse, _cast(self.k_kernel, dt))
+    v = jnp.einsum('bse,ehd->bshd', x_bse, _cast(self.v_kernel, dt))
+    if c.qkv_bias:
+      q = q + _cast(self.q_bias, dt)
+      k = k + _cast(self.k_bias, dt)
+      v = v + _cast(self.v_bias, dt)
+    if not c.is_gpt2:
+      q = _rope(q, positions_bs, c.rope_theta)
+      k = _rope(k, positions_bs, c.rope_theta)
+    # HF's repeat_kv gives kv head h to query heads h*G..h*G+G-1, i.e. a plain reshape.
+    b, s = q.shape[:2]
+    q_bshgd = q.reshape(b, s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+    return q_bshgd, k, v
+
+  def out(self, o_bshgd: jax.Array) -> jax.Array:
+    c = self.config
+    b, s = o_bshgd.shape[:2]
+    o_bshd = o_bshgd.reshape(b, s, c.num_heads, c.head_dim)
+    y = jnp.einsum('bshd,hde->bse', o_bshd, _cast(self.o_kernel, o_bshd.dtype))
+    if c.is_gpt2:
+      y = y + _cast(self.o_bias, y.dtype)
+    return y
+
+
+class MLP(nnx.Module):
+  """SwiGLU (llama/qwen2) or GELU-tanh with biases (gpt2 'gelu_new')."""
+
+  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    c = config
+    pdt = _DTYPES[c.param_dtype]
+    self.gpt2 = c.is_gpt2
+    init = nnx.initializers.normal(0.02)
+    e, f = c.hidden_size, c.intermediate_size
+    self.up_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
+    self.down_kernel = _param(rngs, init, (f, e), ('mlp', 'embed'), pdt)
+    if self.gpt2:
+      self.up_bias = _param(rngs, nnx.initializers.zeros, (f,), ('mlp',), pdt)
+      self.down_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
+    else:
+      self.gate_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
+
+  def __call__(self, x_bse: jax.Array) -> jax.Array:
+    dt = x_bse.dtype
+    up = jnp.einsum('bse,ef->bsf', x_bse, _cast(self.up_kernel, dt))
+    if self.gpt2:
+      h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=True)
+    else:
+      gate = jnp.einsum('bse,ef->bsf', x_bse, _cast(self.gate_kernel, dt))
+      h = jax.nn.silu(gate) * up
+    y = jnp.einsum('bsf,fe->bse', h, _cast(self.down_kernel, dt))
+    if self.gpt2:
+      y = y + _cast(self.down_bias, dt)
+    return y
+
+
+class Block(nnx.Module):
+
+  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    self.attn_norm = Norm(config, rngs)
+    self.attn = Attention(config, rngs)
+    self.mlp_norm = Norm(config, rngs)
+    self.mlp = MLP(config, rngs)
+
+
+def _softmax_f32(scores: jax.Array, mask: jax.Array) -> jax.Array:
+  return jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1)
+
+
+def _full_attention(q_bshgd, k_bthd, v_bthd, mask_bt):
+  """Causal in index order, keys masked by mask_bt, so padding may sit anywhere in a row."""
+  s, t = q_bshgd.shape[1], k_bthd.shape[1]
+  scale = 1.0 / math.sqrt(q_bshgd.shape[-1])
+  scores = jnp.einsum('bshgd,bthd->bhgst', q_bshgd, k_bthd,
+                      preferred_element_type=jnp.float32) * scale
+  causal_st = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
+  mask = causal_st[None, None, None] & mask_bt.astype(bool)[:, None, None, None, :]
+  probs = _softmax_f32(scores, mask).astype(v_bthd.dtype)
+  return jnp.einsum('bhgst,bthd->bshgd', probs, v_bthd)
+
+
+def _shared_prefix_attention(q_bkhgd, prefix_k_bphd, prefix_v_bphd, prefix_mask_bp,
+                             k_bkthd, v_bkthd, index):
+  """K streams per row attend to the row's single prefix cache and to their own keys 0..index.
+
+  The prefix is contracted against all K queries at once instead of being tiled per stream, so
+  its memory traffic is paid once per row; both score blocks share one float32 softmax.
+  """
+  scale = 1.0 / math.sqrt(q_bkhgd.shape[-1])
+  f32 = jnp.float32
+  scores_p = jnp.einsum('bkhgd,bphd->bkhgp', q_bkhgd, prefix_k_bphd, preferred_element_type=f32)
+  scores_t = jnp.einsum('bkhgd,bkthd->bkhgt', q_bkhgd, k_bkthd, preferred_element_type=f32)
+  p, t = scores_p.shape[-1], scores_t.shape[-1]
+  scores = jnp.concatenate([scores_p, scores_t], axis=-1) * scale
+  b, k = q_bkhgd.shape[:2]
+  mask_p = jnp.broadcast_to(prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
+  mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
+  mask = jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
+  probs = _softmax_f32(scores, mask).astype(v_bkthd.dtype)
+  out = jnp.einsum('bkhgp,bphd->bkhgd', probs[..., :p], prefix_v_bphd)
+  return out + jnp.einsum('bkhgt,bkthd->bkhgd', probs[..., p:], v_bkthd)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM (head='lm': logits [B,S,V]) or value/reward model (head='scalar': [B,S])."""
+
+  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    c = config
+    pdt = _DTYPES[c.param_dtype]
+    self.config = c
+    self.embedding = _param(rngs, nnx.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
+                            ('vocab', 'embed'), pdt)
+    if c.is_gpt2:
+      self.pos_embedding = _param(rngs, nnx.initializers.normal(0.01),
+                                  (c.max_seq_len, c.hidden_size), (None, 'embed'), pdt)
+    self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
+    self.final_norm = Norm(c, rngs)
+    if c.head == 'scalar':
+      self.score_kernel = _param(rngs, nnx.initializers.normal(0.02), (c.hidden_size, 1),
+                                 ('embed', None), pdt)
+      self.score_bias = _param(rngs, nnx.initializers.zeros, (1,), (None,), pdt)
+    elif not c.tie_embeddings:
+      self.lm_head = _param(rngs, nnx.initializers.normal(0.02), (c.hidden_size, c.vocab_size),
+                            ('embed', 'vocab'), pdt)
+
+  def _embed(self, tokens_bs, positions_bs):
+    dt = _DTYPES[self.config.dtype]
+    # mode='clip': jnp.take's default fills out-of-range ids with NaN, and a NaN value in a pad
+    # slot would survive its zero attention weight (0 * NaN) and poison the valid positions.
+    x = jnp.take(self.embedding[...], tokens_bs, axis=0, mode='clip').astype(dt)
+    if self.config.is_gpt2:
+      x = x + jnp.take(self.pos_embedding[...], positions_bs, axis=0, mode='clip').astype(dt)
+    return x
+
+  def _head(self, x_bse):
+    """Final norm and head; the contraction accumulates and returns float32 whatever the dtype."""
+    x = self.final_norm(x_bse)
+    f32 = jnp.float32
+    if self.config.head == 'scalar':
+      v = jnp.einsum('bse,eo->bso', x, _cast(self.score_kernel, x.dtype), preferred_element_type=f32)
+      return v[..., 0] + self.score_bias[...].astype(f32)[0]
+    if self.config.tie_embeddings:
+      return jnp.einsum('bse,ve->bsv', x, _cast(self.embedding, x.dtype), preferred_element_type=f32)
+    return jnp.einsum('bse,ev->bsv', x, _cast(self.lm_head, x.dtype), preferred_element_type=f32)
+
+  def prefill(self, tokens_bp, positions_bp, mask_bp):
+    x = self._embed(tokens_bp, positions_bp)
+    ks, vs = [], []
+    for block in self.layers:
+      q, k, v = block.attn.qkv(block.attn_norm(x), positions_bp)
+      x = x + block.attn.out(_full_attention(q, k, v, mask_bp))
+      x = x + block.mlp(block.mlp_norm(x))
+      ks.append(k)
+      vs.append(v)
+    return self._head(x), PrefixKV(k_lbphd=jnp.stack(ks), v_lbphd=jnp.stack(vs))
+
+  def __call__(self, tokens_bs, positions_bs, mask_bs):
+    # Same graph as prefill; XLA drops the unused stacked K/V.
+    return self.prefill(tokens_bs, positions_bs, mask_bs)[0]
+
+  def decode(self, tokens_bk, positions_bk, cache: DecodeCache):
+    """One token per stream, written at cache.index (callers keep index < max_new_tokens:
+    dynamic_update_slice clamps, so a step past the end would overwrite the last slot)."""
+    x = self._embed(tokens_bk, positions_bk)
+    k_cache, v_cache = cache.k_lbkthd, cache.v_lbkthd
+    idx = cache.index.astype(jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    for l, block in enumerate(self.layers):
+      q, k, v = block.attn.qkv(block.attn_norm(x), positions_bk)  # K plays the sequence axis
+      # dynamic_update_slice on the whole [L,...] buffer (not a per-layer slice + restack) so XLA
+      # updates the donated cache in place instead of copying it every step.
+      start = (jnp.int32(l), zero, zero, idx, zero, zero)
+      k_cache = jax.lax.dynamic_update_slice(k_cache, k[None, :, :, None].astype(k_cache.dtype),
+                                             start)
+      v_cache = jax.lax.dynamic_update_slice(v_cache, v[None, :, :, None].astype(v_cache.dtype),
+                                             start)
+      o = _shared_prefix_attention(q, cache.prefix_k_lbphd[l], cache.prefix_v_lbphd[l],
+                                   cache.prefix_mask_bp, k_cache[l], v_cache[l], idx)
+      x = x + block.attn.out(o)
+      x = x + block.mlp(block.mlp_norm(x))
+    new_cache = cache.replace(k_lbkthd=k_cache, v_lbkthd=v_cache, index=idx + 1)
+    return self._head(x), new_cache
+
+
+def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
+               max_new_tokens: int) -> DecodeCache:
+  """Empty per-stream buffers next to the (uncopied) prefix; stream slots are valid up to index."""
+  l, b, _, h, d = prefix.k_lbphd.shape
+  zeros = jnp.zeros((l, b, num_streams, max_new_tokens, h, d), prefix.k_lbphd.dtype)
+  return DecodeCache(prefix_k_lbphd=prefix.k_lbphd, prefix_v_lbphd=prefix.v_lbphd,
+                     prefix_mask_bp=jnp.asarray(mask_bp, bool), k_lbkthd=zeros,
+                     v_lbkthd=jnp.zeros_like(zeros), index=jnp.zeros((), jnp.int32))
+
+
+class ModelFns(NamedTuple):
+  """Pure functions over (params, arrays); hashable by identity, so usable as a static jit arg.
+
+  `config` rides along so callers (the sampler's context-length check) need no second argument.
+  """
+
+  forward: Callable
+  prefill: Callable
+  init_cache: Callable
+  decode: Callable
+  config: TransformerConfig | None = None
+
+
+def _config_of(graphdef) -> TransformerConfig | None:
+  # The root module's config is a static attribute of the graphdef; read it rather than merging.
+  for _, attr in getattr(graphdef, 'attributes', ()):
+    if isinstance(getattr(attr, 'value', None), TransformerConfig):
+      return attr.value
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def model_fns(graphdef) -> ModelFns:
+  """Memoised so one graphdef always yields the same ModelFns (no jit cache misses)."""
+
+  def forward(params, tokens_bs, positions_bs, mask_bs):
+    return nnx.merge(graphdef, params)(tokens_bs, positions_bs, mask_bs)
+
+  def prefill(params, tokens_bp, positions_bp, mask_bp):
+    return nnx.merge(graphdef, params).prefill(tokens_bp, positions_bp, mask_bp)
+
+  def decode(params, tokens_bk, positions_bk, cache):
+    return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache)
+
+  return ModelFns(forward=forward, prefill=prefill, init_cache=init_cache, decode=decode,
+                  config=_config_of(graphdef))
+
+
+def create(config: TransformerConfig, seed: int = 0):
+  """(graphdef, params) of a freshly initialised model; params is an nnx.State of Params."""
+  graphdef = abstract(config)[0]
+  # One compiled init instead of one eager dispatch (and compile) per tensor shape.
+  params = jax.jit(lambda: nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))[1])()
+  return graphdef, params
+
+
+def abstract(config: TransformerConfig):
+  """(graphdef, params of ShapeDtypeStructs with logical-axis metadata), nothing materialised."""
+  return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))

@@ -1,0 +1,178 @@
+"""Transformer properties that need no checkpoint: cache consistency, prefix sharing, dtypes, heads.
+
+Compilation dominates on a small CPU, so every test reuses one prompt shape and the jitted
+functions of a module-scoped fixture: each family compiles prefill, forward and decode once.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rloo_jax.models import (DecodeCache, PrefixKV, TransformerConfig, abstract, create,
+                             model_fns)
+
+TINY = dict(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, head_dim=8,
+            intermediate_size=48, max_seq_len=64)
+CONFIGS = {
+    'llama': TransformerConfig.llama(num_kv_heads=2, **TINY),   # GQA, 2 q heads per kv head
+    'qwen2': TransformerConfig.qwen2(num_kv_heads=1, **TINY),   # MQA, tied, qkv bias
+    'gpt2': TransformerConfig.gpt2(**TINY),                     # learned positions, LayerNorm
+}
+AXES = {'vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim', 'mlp', 'norm', None}
+B, P, K, T = 2, 6, 3, 4
+
+
+def random_params(config, seed=0, scale=0.3):
+  """Every param (biases and norms included) random, so a mis-wired one cannot hide.
+
+  Filled from numpy on the abstract model: no init compile.
+  """
+  graphdef, abstract_params = abstract(config)
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda s: jnp.asarray(scale * rng.standard_normal(s.shape), s.dtype),
+                        abstract_params)
+  return graphdef, params
+
+
+def prompts(rng, vocab):
+  """Right-padded prompts of lengths P and P-2, plus a pad hole inside row 0."""
+  tokens = rng.integers(3, vocab, size=(B, P)).astype(np.int32)
+  lengths = np.array([P, P - 2], np.int32)
+  mask = np.arange(P)[None] < lengths[:, None]
+  mask[0, 1] = False  # keys masked mid-prompt: padding may sit anywhere
+  positions = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P)).copy()
+  return np.where(mask, tokens, 0), mask, positions, lengths
+
+
+@pytest.fixture(scope='module', params=list(CONFIGS))
+def model(request):
+  config = CONFIGS[request.param]
+  graphdef, params = random_params(config, seed=1)
+  fns = model_fns(graphdef)
+  jitted = dict(forward=jax.jit(fns.forward), prefill=jax.jit(fns.prefill),
+                decode=jax.jit(fns.decode), init_cache=jax.jit(fns.init_cache, static_argnums=(2, 3)))
+  return config, params, jitted
+
+
+def test_create_num_params_and_memoised_fns():
+  graphdef, params = create(CONFIGS['llama'], seed=0)
+  assert isinstance(params, nnx.State)
+  assert model_fns(graphdef) is model_fns(graphdef)
+  assert model_fns(abstract(CONFIGS['llama'])[0]) is model_fns(graphdef)
+  assert model_fns(graphdef).config == CONFIGS['llama']
+  for config in [*CONFIGS.values(), CONFIGS['llama'].replace(head='scalar')]:
+    assert sum(x.size for x in jax.tree.leaves(abstract(config)[1])) == config.num_params
+
+
+def test_every_param_has_logical_axes():
+  for config in [*CONFIGS.values(), CONFIGS['qwen2'].replace(head='scalar')]:
+    _, params = abstract(config)
+    for path, var in nnx.to_flat_state(params):
+      assert isinstance(var, nnx.Param)
+      axes = var.get_metadata().get('out_sharding')
+      assert axes is not None and len(axes) == len(var.shape), (path, axes, var.shape)
+      assert set(axes) <= AXES, (path, axes)
+      assert any(a is not None for a in axes) or path == ('score_bias',), path
+
+
+def test_padding_anywhere(model):
+  config, params, jitted = model
+  tokens, mask, positions, _ = prompts(np.random.default_rng(0), config.vocab_size)
+  logits, _ = jitted['prefill'](params, tokens, positions, mask)
+  assert logits.shape == (B, P, config.vocab_size) and logits.dtype == jnp.float32
+  # Row 0 with its hole moved to the end (positions travel with their tokens): same logits.
+  order = np.argsort(~mask[0], kind='stable')
+  moved, _ = jitted['prefill'](params, tokens[:, order], positions[:, order], mask[:, order])
+  n = mask[0].sum()
+  np.testing.assert_allclose(logits[0, mask[0]], moved[0, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_cached_decode_matches_full_recomputation(model):
+  """K streams decoded on one prefix equal a full forward over each tiled prompt + completion."""
+  config, params, jitted = model
+  rng = np.random.default_rng(1)
+  tokens, mask, positions, lengths = prompts(rng, config.vocab_size)
+  new_bkt = rng.integers(3, config.vocab_size, size=(B, K, T)).astype(np.int32)
+  pos_bkt = np.broadcast_to((lengths[:, None] + np.arange(T))[:, None], (B, K, T)).astype(np.int32)
+
+  _, prefix = jitted['prefill'](params, tokens, positions, mask)
+  assert isinstance(prefix, PrefixKV)
+  assert prefix.k_lbphd.shape == (config.num_layers, B, P, config.num_kv_heads, config.head_dim)
+  cache = jitted['init_cache'](prefix, mask, K, T)
+  assert isinstance(cache, DecodeCache)
+  assert cache.k_lbkthd.shape == (config.num_layers, B, K, T, config.num_kv_heads, config.head_dim)
+  decoded = []
+  for i in range(T):
+    logits_bkv, cache = jitted['decode'](params, new_bkt[..., i], pos_bkt[..., i], cache)
+    decoded.append(logits_bkv)
+  assert int(cache.index) == T
+  # The prefix is stored once per prompt row, never per stream.
+  assert cache.prefix_k_lbphd.shape[1:3] == (B, P)
+
+  # One row per stream: the padded prompt followed by its completion, as the trainer scores it.
+  tile = lambda x: np.repeat(x, K, axis=0)
+  full = jitted['forward'](
+      params, np.concatenate([tile(tokens), new_bkt.reshape(B * K, T)], 1),
+      np.concatenate([tile(positions), pos_bkt.reshape(B * K, T)], 1),
+      np.concatenate([tile(mask), np.ones((B * K, T), bool)], 1))
+  np.testing.assert_allclose(np.stack(decoded, 2).reshape(B * K, T, -1), full[:, P:],
+                             atol=2e-5, rtol=1e-5)
+
+
+def test_shared_prefix_decode_matches_unshared():
+  """Prompt tiled to B*K rows with K=1 (the unshared layout) gives the same logits."""
+  config = CONFIGS['llama']
+  graphdef, params = random_params(config, seed=2)
+  fns = model_fns(graphdef)
+  prefill, decode = jax.jit(fns.prefill), jax.jit(fns.decode)
+  rng = np.random.default_rng(2)
+  tokens, mask, positions, lengths = prompts(rng, config.vocab_size)
+  new_bkt = rng.integers(3, config.vocab_size, size=(B, K, T)).astype(np.int32)
+  pos_bkt = np.broadcast_to((lengths[:, None] + np.arange(T))[:, None], (B, K, T)).astype(np.int32)
+
+  shared = fns.init_cache(prefill(params, tokens, positions, mask)[1], mask, K, T)
+  tile = lambda x: np.repeat(x, K, axis=0)
+  unshared = fns.init_cache(prefill(params, tile(tokens), tile(positions), tile(mask))[1],
+                            tile(mask), 1, T)
+  for i in range(T):
+    logits_s, shared = decode(params, new_bkt[..., i], pos_bkt[..., i], shared)
+    logits_u, unshared = decode(params, new_bkt[..., i].reshape(B * K, 1),
+                                pos_bkt[..., i].reshape(B * K, 1), unshared)
+    np.testing.assert_allclose(logits_s.reshape(B * K, -1), logits_u[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_activations_give_float32_logits():
+  config = CONFIGS['llama']
+  graphdef, params = random_params(config, seed=3, scale=0.1)
+  bf_fns = model_fns(abstract(config.replace(dtype='bfloat16'))[0])
+  tokens, mask, positions, _ = prompts(np.random.default_rng(3), config.vocab_size)
+  ref, _ = jax.jit(model_fns(graphdef).prefill)(params, tokens, positions, mask)
+  logits, prefix = jax.jit(bf_fns.prefill)(params, tokens, positions, mask)
+  assert logits.dtype == jnp.float32 and prefix.k_lbphd.dtype == jnp.bfloat16
+  np.testing.assert_allclose(logits[mask], ref[mask], atol=0.03)
+  _, bf_params = abstract(config.replace(param_dtype='bfloat16'))
+  assert {x.dtype for x in jax.tree.leaves(bf_params)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_scalar_head():
+  config = CONFIGS['qwen2'].replace(head='scalar')
+  graphdef, params = random_params(config)
+  fns = model_fns(graphdef)
+  tokens, mask, positions, _ = prompts(np.random.default_rng(4), config.vocab_size)
+  values_bp, prefix = jax.jit(fns.prefill)(params, tokens, positions, mask)
+  assert values_bp.shape == (B, P) and values_bp.dtype == jnp.float32
+  assert prefix.k_lbphd.shape[:3] == (config.num_layers, B, P)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match='family'):
+    TransformerConfig(family='mistral')
+  with pytest.raises(ValueError, match='num_kv_heads'):
+    TransformerConfig.llama(num_heads=4, num_kv_heads=3)
+  with pytest.raises(ValueError, match='head'):
+    TransformerConfig.llama(head='classifier')
+  assert hash(CONFIGS['llama']) == hash(CONFIGS['llama'].replace())
+  gpt2 = TransformerConfig.gpt2(num_heads=4)
+  assert gpt2.num_kv_heads == 4 and gpt2.tie_embeddings and gpt2.family == 'gpt2'
