@@ -1,0 +1,202 @@
+r"""Sweep runner: one workdir per (run, seed), resumable, every algorithm through one entry point.
+
+A sweep file (configs/sweeps/*.py) defines
+    CONFIG = "configs/arithmetic.py"   # the base get_config file (optionally "path:arg")
+    COMMON = {...}                     # dotted overrides applied to every run
+    SEEDS = (0, 1, 2)
+    def get_sweep() -> list[dict]      # one dict per run: {"name": ..., dotted overrides...}
+A run's `algorithm` override picks the trainer: 'rloo' (default: `rloo_jax.trainer`, any registered
+advantage estimator, RAFT / GRPO / REINFORCE / vanilla included), 'ppo' (`rloo_jax.ppo`) or 'dpo'
+(`rloo_jax.dpo`).
+
+    python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/table1_arithmetic
+    python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/table1_arithmetic \
+        --seeds=0 --only=rloo_k4,ppo --sft_from=/tmp/rloo_arith
+    python experiments/sweep.py --sweep=configs/sweeps/ablations_arithmetic.py --root=runs/ablations --dry_run
+
+Layout: <root>/<name>/seed<s>/ holds the run's metrics.jsonl, summary.json and run.json (name,
+overrides, seed, wall time, command). A run with a summary.json is finished and skipped, so a
+killed sweep restarts where it stopped (an unfinished run resumes from its own checkpoints).
+All runs of a sweep start from one SFT policy, trained once in <root>/_shared (seed 0) or copied
+from `--sft_from` (a workdir whose sft/ was trained with the same base config): seeds vary the RL
+stage, and every method starts from the same point. Compiled executables are cached on disk in
+<root>/_jax_cache, so runs after the first skip most compilation.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALGORITHMS = ("rloo", "ppo", "dpo")
+
+
+def load_module(path: str, name: str = "sweep_module"):
+  path = path if os.path.isabs(path) else os.path.join(REPO, path)
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def load_config(spec: str):
+  path, _, arg = spec.partition(":")
+  return load_module(path, "config_module").get_config(arg or None)
+
+
+def apply_overrides(config, overrides: dict):
+  """Dotted overrides ('kl.beta': 0.1); `name` is skipped; new leaves are allowed."""
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    for key, value in overrides.items():
+      if key == "name":
+        continue
+      node = config
+      *parents, leaf = key.split(".")
+      for p in parents:
+        if p not in node:
+          import ml_collections
+          node[p] = ml_collections.ConfigDict()
+        node = node[p]
+      node[leaf] = value
+  return config
+
+
+def load_sweep(path: str):
+  m = load_module(path)
+  runs = m.get_sweep()
+  names = [r["name"] for r in runs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"{path}: run names must be unique, got {names}")
+  return m, runs
+
+
+def run_config(config, workdir: str, *, log=print) -> dict:
+  """Trains `config` in `workdir` with the trainer its `algorithm` names; returns the summary."""
+  algorithm = config.get("algorithm", "rloo")
+  if algorithm == "rloo":
+    from rloo_jax import trainer
+    return trainer.run(config, workdir, log=log)
+  if algorithm == "ppo":
+    from rloo_jax import ppo
+    return ppo.run(config, workdir, log=log)
+  if algorithm == "dpo":
+    from rloo_jax import dpo
+    return dpo.run(config, workdir, log=log)
+  raise ValueError(f"unknown config.algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+
+
+def prepare_shared(base, root: str, sft_from: str, log):
+  """The sweep's one SFT policy (and prepared data) in <root>/_shared."""
+  shared = os.path.join(root, "_shared")
+  if os.path.isdir(os.path.join(shared, "sft", str(base.sft.steps))):
+    return shared
+  os.makedirs(shared, exist_ok=True)
+  if sft_from:
+    src = os.path.join(sft_from, "sft", str(base.sft.steps))
+    if not os.path.isdir(src):
+      raise FileNotFoundError(f"--sft_from={sft_from}: no sft/{base.sft.steps} in it (the base "
+                              "config's config.sft.steps); train one with the same config")
+    shutil.copytree(os.path.join(sft_from, "sft"), os.path.join(shared, "sft"))
+    log(f"[sweep] shared SFT policy copied from {sft_from}")
+    return shared
+  from rloo_jax import trainer
+  config = copy.deepcopy(base)
+  config.seed = 0
+  exp = trainer.build(config, shared)
+  trainer.initial_params(exp, log=log)
+  return shared
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--sweep", required=True, help="configs/sweeps/<file>.py")
+  parser.add_argument("--root", required=True, help="directory holding one workdir per run")
+  parser.add_argument("--seeds", default="", help="comma-separated; default: the sweep's SEEDS")
+  parser.add_argument("--only", default="", help="comma-separated run names")
+  parser.add_argument("--sft_from", default="", help="workdir whose sft/ to share")
+  parser.add_argument("--dry_run", action="store_true", help="validate and list, train nothing")
+  parser.add_argument("--quiet", action="store_true")
+  args = parser.parse_args(argv)
+
+  module, runs = load_sweep(args.sweep)
+  seeds = [int(s) for s in args.seeds.split(",") if s] or list(getattr(module, "SEEDS", (0,)))
+  if args.only:
+    wanted = set(args.only.split(","))
+    unknown = wanted - {r["name"] for r in runs}
+    if unknown:
+      raise ValueError(f"--only names {sorted(unknown)} are not in {args.sweep}")
+    runs = [r for r in runs if r["name"] in wanted]
+  base = apply_overrides(load_config(module.CONFIG), getattr(module, "COMMON", {}))
+  log = (lambda *a, **k: None) if args.quiet else print
+  # Seed-major order: a sweep cut short still has every method at the first seeds.
+  configs = [(r, seed, apply_overrides(base, dict(r, seed=seed))) for seed in seeds for r in runs]
+  validate_all([c for _, _, c in configs])
+  root = os.path.abspath(args.root)
+  if args.dry_run:
+    for r, seed, _ in configs:
+      print(f"{r['name']}/seed{seed}: {json.dumps({k: v for k, v in r.items() if k != 'name'})}")
+    return
+
+  import jax  # after argument parsing: --help and --dry_run stay fast
+  jax.config.update("jax_compilation_cache_dir", os.path.join(root, "_jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
+  shared = prepare_shared(base, root, args.sft_from, log)
+  failed = []
+  for r, seed, config in configs:
+    workdir = os.path.join(root, r["name"], f"seed{seed}")
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+      print(f"[sweep] {r['name']}/seed{seed}: done, skipped")
+      continue
+    os.makedirs(workdir, exist_ok=True)
+    for sub in ("sft", "data"):
+      if os.path.isdir(os.path.join(shared, sub)) and not os.path.exists(os.path.join(workdir, sub)):
+        shutil.copytree(os.path.join(shared, sub), os.path.join(workdir, sub))
+    print(f"[sweep] {r['name']}/seed{seed}: running in {workdir}", flush=True)
+    t0 = time.time()
+    try:
+      summary = run_config(config, workdir, log=log)
+    except Exception:  # pylint: disable=broad-except
+      traceback.print_exc()
+      failed.append(f"{r['name']}/seed{seed}")
+      continue
+    info = dict(name=r["name"], seed=seed, overrides={k: v for k, v in r.items() if k != "name"},
+                sweep=args.sweep, config=module.CONFIG, common=getattr(module, "COMMON", {}),
+                algorithm=config.get("algorithm", "rloo"), wall_s=time.time() - t0,
+                command=" ".join(["python", "experiments/sweep.py"] + sys.argv[1:]))
+    with open(os.path.join(workdir, "run.json"), "w") as f:
+      json.dump(info, f, indent=1, default=str)
+    print(f"[sweep] {r['name']}/seed{seed}: {json.dumps(summary.get('after'))} "
+          f"({info['wall_s']:.0f}s)", flush=True)
+  if failed:
+    raise SystemExit(f"[sweep] failed runs: {failed}")
+
+
+def validate_all(configs):
+  """Every run's config is checked before anything trains (registry names, shapes, sections)."""
+  from rloo_jax import trainer
+  for config in configs:
+    algorithm = config.get("algorithm", "rloo")
+    if algorithm not in ALGORITHMS:
+      raise ValueError(f"unknown config.algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    if algorithm == "ppo":
+      from rloo_jax import ppo
+      config = ppo.with_defaults(config)
+      ppo.validate(config)
+    trainer.validate_config(config)
+    if algorithm == "dpo":
+      from rloo_jax import dpo
+      dpo.validate(dpo.with_defaults(config))
+
+
+if __name__ == "__main__":
+  main()

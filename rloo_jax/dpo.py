@@ -1,0 +1,272 @@
+"""DPO: offline preference optimisation against a frozen reference (Rafailov et al., 2023).
+
+    loss = -log sigmoid(beta * [(log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))])
+
+with sequence log-probabilities summed over the completion and its eos. The reference is the SFT
+policy, frozen; its log-probabilities are computed once per pair set (they never change).
+
+Where the pairs come from (`config.dpo.pairs`):
+- 'rlhf': the reward-model issue's preference pairs (SFT samples labelled by the hidden gold reward
+  with Bradley-Terry noise), built and cached by `rloo_jax.rlhf.build_pairs`; needs `config.rlhf`
+  (configs/summarize.py). This is the paper's setting: DPO sees the same preferences the RM does.
+- 'reward': `samples_per_prompt` SFT samples per training prompt scored by `config.rewards` (the
+  verifier on arithmetic): the best sample is chosen, the worst rejected, ties dropped.
+
+`run(config, workdir)` writes metrics.jsonl and summary.json like the other trainers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from rloo_jax import loss, sampling, trainer
+from rloo_jax.data import pipeline
+from rloo_jax.metrics import MetricWriter
+
+DPO_DEFAULTS = dict(
+    beta=0.1,
+    steps=200,
+    batch_size=32,
+    learning_rate=0.0,  # 0 = config.optim.learning_rate
+    pairs="reward",  # 'reward' | 'rlhf'
+    num_pair_prompts=2048,
+    samples_per_prompt=4,
+    sample_temperature=1.0,
+    sample_batch_size=256,
+    eval_every=50,
+)
+
+
+def with_defaults(config) -> ml_collections.ConfigDict:
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    if "dpo" not in c:
+      c.dpo = ml_collections.ConfigDict()
+    for name, value in DPO_DEFAULTS.items():
+      if name not in c.dpo:
+        c.dpo[name] = value
+  return c
+
+
+def validate(config) -> None:
+  d = config.dpo
+  if d.beta <= 0:
+    raise ValueError(f"config.dpo.beta = {d.beta} must be > 0")
+  if d.pairs not in ("reward", "rlhf"):
+    raise ValueError(f"config.dpo.pairs = {d.pairs!r}; choose 'reward' or 'rlhf'")
+  if d.pairs == "rlhf" and "rlhf" not in config:
+    raise ValueError("config.dpo.pairs = 'rlhf' needs a config.rlhf section (configs/summarize.py)")
+  if d.samples_per_prompt < 2:
+    raise ValueError(f"config.dpo.samples_per_prompt = {d.samples_per_prompt}: need >= 2")
+  if d.steps < 0 or d.batch_size < 1:
+    raise ValueError("config.dpo.steps must be >= 0 and batch_size >= 1")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure math
+
+
+def dpo_loss(policy_chosen_b, policy_rejected_b, ref_chosen_b, ref_rejected_b, *, beta: float):
+  """Mean DPO loss over pairs, and metrics (implicit-reward accuracy and margin)."""
+  chosen = beta * (policy_chosen_b - ref_chosen_b)
+  rejected = beta * (policy_rejected_b - ref_rejected_b)
+  margin = chosen - rejected
+  value = -jnp.mean(jax.nn.log_sigmoid(margin))
+  return value, {"dpo_loss": value, "reward_accuracy": jnp.mean((margin > 0).astype(jnp.float32)),
+                 "reward_margin": jnp.mean(margin), "chosen_reward": jnp.mean(chosen),
+                 "rejected_reward": jnp.mean(rejected)}
+
+
+def sequence_logprobs(fns, params, tokens_bs, token_mask_bs, loss_mask_bs):
+  """Summed log-prob of the completion (+ eos) tokens of `[bos] prompt completion eos` rows."""
+  positions = jnp.broadcast_to(jnp.arange(tokens_bs.shape[1]), tokens_bs.shape)
+  logits = fns.forward(params, tokens_bs, positions, token_mask_bs)[:, :-1]
+  logp = loss.token_logprobs(logits, tokens_bs[:, 1:], loss_mask_bs[:, 1:])
+  return logp.sum(-1)
+
+
+@struct.dataclass
+class DPOState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def train_step(state: DPOState, batch, *, fns, tx, beta: float):
+  """One DPO step on `2B` rows (chosen then rejected) with precomputed reference log-probs."""
+  b = batch["ref_logp"].shape[0] // 2
+
+  def loss_fn(params):
+    logp = sequence_logprobs(fns, params, batch["tokens"], batch["token_mask"],
+                             batch["loss_mask"])
+    return dpo_loss(logp[:b], logp[b:], batch["ref_logp"][:b], batch["ref_logp"][b:], beta=beta)
+
+  (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  return DPOState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), \
+      dict(metrics, loss=value, grad_norm=optax.global_norm(grads))
+
+
+def pair_rows(pairs: Sequence[Mapping[str, Any]], tokenizer, seq_len: int) -> dict:
+  """Chosen rows then rejected rows, `[bos] prompt completion eos` right-padded (numpy)."""
+  prompts = [p["prompt"] for p in pairs]
+  c = pipeline.make_sft_batch(prompts, [p["chosen"] for p in pairs], tokenizer, seq_len)
+  r = pipeline.make_sft_batch(prompts, [p["rejected"] for p in pairs], tokenizer, seq_len)
+  return {k: np.concatenate([c[k], r[k]]) for k in ("tokens", "token_mask", "loss_mask")}
+
+
+# ----------------------------------------------------------------------------------------------
+# Pairs
+
+
+def reward_pairs(exp, params, records, rng, *, k: int, temperature: float, batch_size: int,
+                 seed: int) -> tuple[list[dict], dict]:
+  """Best vs worst of k SFT samples per prompt under the config's reward; ties are dropped."""
+  from rloo_jax import rlhf  # its batched, cached sampler of k completions per record
+  samples = rlhf.sample_completions(exp, params, records, rng, k=k,
+                                    method=sampling.Temperature(float(temperature)),
+                                    batch_size=batch_size)
+  keep = [i for i, s in enumerate(samples) if s]
+  prompts = [records[i]["prompt"] for i in keep for _ in range(k)]
+  texts = [t for i in keep for t in samples[i]]
+  fields = {name: np.asarray([records[i][name] for i in keep for _ in range(k)], object)
+            for name in records[0] if name not in ("prompt", "index")}
+  scores, _ = exp.rewards(prompts, texts, fields)
+  scores = np.asarray(scores, np.float64).reshape(len(keep), k)
+  order = np.random.default_rng(seed)
+  pairs, ties = [], 0
+  for row, i in zip(scores, keep):
+    ok = np.flatnonzero(np.isfinite(row))
+    if len(ok) < 2 or np.ptp(row[ok]) == 0:
+      ties += 1
+      continue
+    best = ok[np.flatnonzero(row[ok] == row[ok].max())]
+    worst = ok[np.flatnonzero(row[ok] == row[ok].min())]
+    w, l = int(order.choice(best)), int(order.choice(worst))
+    pairs.append(dict(prompt=records[i]["prompt"], chosen=samples[i][w], rejected=samples[i][l],
+                      reward_chosen=float(row[w]), reward_rejected=float(row[l])))
+  return pairs, dict(num_prompts=len(records), no_preference=ties)
+
+
+def build_pairs(config, exp, sft_params, workdir: str, *, log=print) -> list[dict]:
+  d = config.dpo
+  if d.pairs == "rlhf":
+    from rloo_jax import rewards as rewards_lib
+    from rloo_jax import rlhf
+    pairs, _ = rlhf.build_pairs(config, exp, sft_params, rewards_lib.resolve(config.rlhf.gold_reward),
+                                workdir, log=log)
+    return list(pairs["train"])
+  path = os.path.join(workdir, "dpo_pairs.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)["pairs"]
+  train = exp.task.train
+  n = min(d.num_pair_prompts, len(train))
+  idx = np.random.default_rng(config.seed).permutation(len(train))[:n]
+  records = [dict(train[int(i)]) for i in idx]
+  pairs, counts = reward_pairs(exp, sft_params, records, jax.random.PRNGKey(config.seed + 11),
+                               k=d.samples_per_prompt, temperature=d.sample_temperature,
+                               batch_size=min(d.sample_batch_size, n), seed=config.seed)
+  if len(pairs) < 2:
+    raise ValueError(f"only {len(pairs)} preference pairs from {n} prompts: the SFT samples of "
+                     f"{counts['no_preference']} prompts all scored the same; raise "
+                     "config.dpo.samples_per_prompt or num_pair_prompts")
+  with open(path, "w") as f:
+    json.dump(dict(counts=counts, pairs=pairs), f)
+  log(f"[dpo] {len(pairs)} pairs from {n} prompts ({counts['no_preference']} without a preference)")
+  return pairs
+
+
+# ----------------------------------------------------------------------------------------------
+# The outer loop
+
+
+def reference_logprobs(fns, ref_params, rows: dict, batch_size: int) -> np.ndarray:
+  """Frozen reference log-probs of every row, in fixed-size batches (one compile)."""
+  f = jax.jit(functools.partial(sequence_logprobs, fns))
+  n = rows["tokens"].shape[0]
+  out = []
+  for s in range(0, n, batch_size):
+    chunk = {k: v[s:s + batch_size] for k, v in rows.items()}
+    pad = batch_size - chunk["tokens"].shape[0]
+    if pad:
+      chunk = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+               for k, v in chunk.items()}
+    out.append(np.asarray(f(ref_params, chunk["tokens"], chunk["token_mask"],
+                            chunk["loss_mask"]))[:batch_size - pad])
+  return np.concatenate(out)
+
+
+def run(config, workdir: str, *, log=print) -> dict:
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  config = with_defaults(config)
+  validate(config)
+  exp = trainer.build(config, workdir)
+  c, d = config, config.dpo
+  eval_rng = jax.random.PRNGKey(c.seed + 1)
+  evaluate = functools.partial(trainer.evaluate, exp, source=exp.task.test, rng=eval_rng,
+                               num_prompts=c.train.eval_prompts,
+                               batch_size=c.train.eval_batch_size)
+  sft_params = trainer.initial_params(exp, log=log)
+  before = evaluate(sft_params)
+  log(f"[eval] SFT policy: {json.dumps(before)}")
+  t0 = time.time()
+  pairs = build_pairs(c, exp, sft_params, workdir, log=log)
+  seq_len = c.data.max_prompt_len + c.rloo.max_new_tokens + 1
+  rows = pair_rows(pairs, exp.tokenizer, seq_len)
+  n = len(pairs)
+  ref = reference_logprobs(exp.fns, sft_params, rows, batch_size=min(2 * d.batch_size, 2 * n))
+  pairs_s = time.time() - t0
+  optim = copy.deepcopy(c.optim)
+  if d.learning_rate:
+    optim.learning_rate = d.learning_rate
+  tx = trainer.make_optimizer(optim, d.steps)
+  state = DPOState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, sft_params),
+                   tx.init(sft_params))
+  step_fn = jax.jit(functools.partial(train_step, fns=exp.fns, tx=tx, beta=float(d.beta)),
+                    donate_argnums=0)
+  writer = MetricWriter(workdir)
+  writer.write(0, before, prefix="eval/")
+  bs = min(d.batch_size, n)
+  rng = np.random.default_rng(c.seed)
+  order = rng.permutation(n)
+  pos = 0
+  t0 = time.time()
+  for step in range(1, d.steps + 1):
+    if pos + bs > n:
+      order, pos = rng.permutation(n), 0
+    idx = order[pos:pos + bs]
+    pos += bs
+    rows_idx = np.concatenate([idx, idx + n])
+    batch = {k: v[rows_idx] for k, v in rows.items()}
+    batch["ref_logp"] = ref[rows_idx]
+    state, m = step_fn(state, batch)
+    if step % c.train.log_every == 0 or step == d.steps:
+      writer.write(step, jax.device_get(m), prefix="train/")
+    if d.eval_every and step % d.eval_every == 0 and step != d.steps:
+      writer.write(step, evaluate(state.params), prefix="eval/")
+  jax.block_until_ready(state.params)
+  train_s = time.time() - t0
+  after = evaluate(state.params)
+  writer.write(d.steps, after, prefix="eval/")
+  writer.close()
+  summary = {"algorithm": "dpo", "before": before, "after": after, "iterations": d.steps,
+             "seed": c.seed, "num_pairs": n, "pairs_s": pairs_s, "train_s": train_s,
+             "eval_prompts": min(c.train.eval_prompts, len(exp.task.test))}
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  log(trainer.format_summary(summary).replace("RLOO", "DPO "))
+  return dict(summary, params=state.params)
