@@ -1,0 +1,124 @@
+r"""Seconds per RLOO iteration, split into rollout, reward, reference and update.
+
+Prints one JSON line. The workload follows issue 4's comparison with TRL: a Llama-shaped policy with
+random weights, vocab 256, 8 prompts of 16 tokens per iteration, k = 4, 32 new tokens, one gradient
+step per rollout batch, beta = 0.05, and a cheap synthetic reward (the same one TRL gets in
+experiments/bench_trl_rloo.py). For the FLOP/s figure, model FLOPs are counted as 2 x params per
+token forward and 6 x params per token trained; attention FLOPs are added too.
+
+    python experiments/bench_step.py --hidden 64 --layers 2
+    python experiments/bench_step.py --hidden 256 --layers 4
+"""
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+import jax
+
+from rloo_jax import tasks, trainer
+from rloo_jax.config_utils import base_config
+
+
+class IdTokenizer:
+  """Token ids <-> one private-use character each: prompts and completions survive a round trip."""
+  pad_id, bos_id, eos_id = 0, 1, 2
+
+  def __init__(self, vocab_size=256):
+    self.vocab_size = vocab_size
+
+  def encode(self, text):
+    return [ord(ch) - 0xE000 for ch in text]
+
+  def decode(self, ids):
+    return "".join(chr(0xE000 + int(i)) for i in ids)
+
+
+def synthetic_reward(prompts, completions, **fields):
+  """Fraction of completion tokens with an even id: cheap, dense, and learnable."""
+  return np.array([np.mean([(ord(c) - 0xE000) % 2 == 0 for c in s]) if s else 0.0
+                   for s in completions], np.float32)
+
+
+def random_prompts(num, length, vocab, seed):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(3, vocab, size=(num, length))
+  return [{"prompt": "".join(chr(0xE000 + int(i)) for i in row), "answer": ""} for row in ids]
+
+
+def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens):
+  """Model FLOPs of one iteration (matmuls and attention), counting generated tokens at full
+  length."""
+  m = exp.model_config
+  n = m.num_params - m.vocab_size * m.hidden_size  # the embedding lookup is free
+  seq = prompt_len + new_tokens
+  attn = lambda q, kv: 4 * m.num_layers * m.num_heads * m.head_dim * q * kv  # QK^T and AV
+  rollout = 2 * n * (num_prompts * prompt_len + num_prompts * k * new_tokens) \
+      + num_prompts * attn(prompt_len, prompt_len) / 2 \
+      + num_prompts * k * sum(attn(1, prompt_len + t) for t in range(new_tokens))
+  seq_forward = 2 * n * num_prompts * k * seq + num_prompts * k * attn(seq, seq) / 2
+  return {"rollout": rollout, "reference": seq_forward, "update": 3 * seq_forward}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--hidden", type=int, default=64)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--vocab", type=int, default=256)
+  p.add_argument("--prompts", type=int, default=8)
+  p.add_argument("--prompt_len", type=int, default=16)
+  p.add_argument("--k", type=int, default=4)
+  p.add_argument("--new_tokens", type=int, default=32)
+  p.add_argument("--iterations", type=int, default=12, help="timed iterations after warm-up")
+  p.add_argument("--peak_gflops", type=float, default=390.0,
+                 help="float32 matmul peak of this machine, for the utilisation figure")
+  args = p.parse_args()
+
+  c = base_config()
+  c.task = "bench"
+  c.model.update(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                 num_kv_heads=args.heads, head_dim=args.hidden // args.heads,
+                 intermediate_size=4 * args.hidden, max_seq_len=args.prompt_len + args.new_tokens)
+  c.data.max_prompt_len = args.prompt_len
+  c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
+  c.kl.beta = 0.05
+  c.train.update(num_epochs=1, num_minibatches=1)
+  c.rewards.fns = [synthetic_reward]
+  c.rewards.weights = [1.0]
+  tok = IdTokenizer(args.vocab)
+  task = tasks.Task("bench", tok, random_prompts(512, args.prompt_len, args.vocab, 0), [])
+  with tempfile.TemporaryDirectory() as workdir:
+    exp = trainer.build(c, workdir, task=task)
+    state = trainer.init_state(exp, trainer.transformer.create(exp.model_config, seed=0)[1])
+    from rloo_jax.data import pipeline
+    data = pipeline.prompt_batches(task.train, tok, global_batch_size=args.prompts,
+                                   max_prompt_len=args.prompt_len, add_bos=False)
+    for _ in range(2):  # compile and warm up
+      state, _ = trainer.rl_iteration(exp, state, next(data))
+    rows = []
+    for _ in range(args.iterations):
+      state, m = trainer.rl_iteration(exp, state, next(data))
+      rows.append(m)
+  keys = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
+  med = {k: float(np.median([r[k] for r in rows])) for k in keys}
+  flops = model_flops_per_iteration(exp, args.prompts, args.prompt_len, args.k, args.new_tokens)
+  total = sum(flops.values())
+  out = {
+      "framework": "rloo_jax", "jax": jax.__version__, "devices": str(jax.devices()[0].platform),
+      "config": vars(args), "params": exp.model_config.num_params,
+      "median": {k: round(v, 5) for k, v in med.items()},
+      "mean_completion_length": float(np.mean([r["completion_length"] for r in rows])),
+      "model_gflop_per_iteration": round(total / 1e9, 3),
+      "achieved_gflops": round(total / med["iteration_s"] / 1e9, 2),
+      "update_gflops": round(flops["update"] / med["update_s"] / 1e9, 2),
+      "fraction_of_peak": round(total / med["iteration_s"] / 1e9 / args.peak_gflops, 4),
+  }
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()
