@@ -1,0 +1,264 @@
+"""Rollout latency of the sampler: prefix-shared KV cache vs unshared vs recompute vs HF generate.
+
+Prints ONE JSON line: seconds per rollout (median over --repeats, after compiling) and tokens/s for
+  shared_s      KV cache, each prompt prefilled once and shared by its k streams
+  unshared_s    KV cache, prompts tiled k times
+  recompute_s   no cache: a full forward over [B*k, P+T] per step
+  hf_generate_s transformers' LlamaForCausalLM.generate (torch CPU, KV cache) on the same weights
+                and sampling settings; null when torch/transformers are not importable
+plus the configuration and ratios. Modes are timed round-robin in one process, so load from other
+processes hits them alike.
+
+  python experiments/bench_sampler.py --prompt_len=512 --new_tokens=32
+  python experiments/bench_sampler.py --prompt_len=64 --new_tokens=64
+  python experiments/bench_sampler.py --modes=shared,unshared --repeats=5   # skip the slow ones
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rloo_jax import sampler, sampling  # noqa: E402
+from rloo_jax.models import transformer  # noqa: E402
+
+ALL_MODES = ('shared', 'unshared', 'recompute', 'hf')
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument('--prompt_len', type=int, default=64)
+  p.add_argument('--new_tokens', type=int, default=64)
+  p.add_argument('--prompts', type=int, default=8)
+  p.add_argument('--k', type=int, default=4)
+  p.add_argument('--vocab', type=int, default=4096)
+  p.add_argument('--hidden', type=int, default=256)
+  p.add_argument('--layers', type=int, default=8)
+  p.add_argument('--heads', type=int, default=4)
+  p.add_argument('--kv_heads', type=int, default=4)
+  p.add_argument('--intermediate', type=int, default=1024)
+  p.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
+  p.add_argument('--method', default='temperature', choices=('greedy', 'temperature', 'topk', 'topp'))
+  p.add_argument('--temperature', type=float, default=1.0)
+  p.add_argument('--top_k', type=int, default=50)
+  p.add_argument('--top_p', type=float, default=0.9)
+  p.add_argument('--repeats', type=int, default=3)
+  p.add_argument('--modes', default=','.join(ALL_MODES),
+                 help='comma-separated subset of ' + ','.join(ALL_MODES))
+  p.add_argument('--seed', type=int, default=0)
+  args = p.parse_args(argv)
+  args.modes = [m for m in args.modes.split(',') if m]
+  unknown = set(args.modes) - set(ALL_MODES)
+  if unknown:
+    p.error(f'unknown modes {sorted(unknown)}')
+  return args
+
+
+def make_method(args):
+  if args.method == 'greedy':
+    return sampling.Greedy()
+  if args.method == 'temperature':
+    return sampling.Temperature(args.temperature)
+  if args.method == 'topk':
+    return sampling.TopK(args.top_k, args.temperature)
+  return sampling.TopP(args.top_p, args.temperature)
+
+
+def compile_sampler(fns, params, tokens, lengths, rng, *, mode, **kw):
+  """AOT-compiles both sampler programs (fills jit's cache) without running a rollout."""
+  eos, pad = jnp.int32(kw['eos_id']), jnp.int32(kw['pad_id'])
+  # The same static keywords as sampler.sample passes, or jit's cache would miss on the real call.
+  static = dict(method=kw['method'], mode=mode)
+  if 'batch_sharding' in inspect.signature(sampler.sample).parameters:
+    static['batch_sharding'] = None
+  sampler._start.lower(fns, params, tokens, lengths, rng, eos, pad, k=kw['k'],
+                       max_new_tokens=kw['max_new_tokens'], **static).compile()
+  state = jax.eval_shape(
+      lambda p, t, l, r: sampler._start(fns, p, t, l, r, eos, pad, k=kw['k'],
+                                        max_new_tokens=kw['max_new_tokens'], **static),
+      params, tokens, lengths, rng)
+  sampler._decode_loop.lower(fns, params, state, eos, pad, **static).compile()
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face side
+
+
+def to_hf_llama(config: transformer.TransformerConfig, graphdef, params):
+  """Our Llama params as a transformers LlamaForCausalLM (the inverse of models/hf.py's import)."""
+  import torch
+  import transformers
+
+  c = config
+  hf_config = transformers.LlamaConfig(
+      vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+      max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+      rope_theta=c.rope_theta, rope_parameters={'rope_type': 'default', 'rope_theta': c.rope_theta},
+      tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  model = nnx.merge(graphdef, params)
+  e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+  a = lambda x: np.asarray(jnp.asarray(x[...], jnp.float32))  # noqa: E731
+  sd = {'model.embed_tokens.weight': a(model.embedding),
+        'model.norm.weight': a(model.final_norm.scale),
+        'lm_head.weight': a(model.lm_head).T}
+  for i, blk in enumerate(model.layers):
+    p = f'model.layers.{i}.'
+    sd[p + 'input_layernorm.weight'] = a(blk.attn_norm.scale)
+    sd[p + 'post_attention_layernorm.weight'] = a(blk.mlp_norm.scale)
+    sd[p + 'self_attn.q_proj.weight'] = a(blk.attn.q_kernel).reshape(e, hq * d).T
+    sd[p + 'self_attn.k_proj.weight'] = a(blk.attn.k_kernel).reshape(e, hkv * d).T
+    sd[p + 'self_attn.v_proj.weight'] = a(blk.attn.v_kernel).reshape(e, hkv * d).T
+    sd[p + 'self_attn.o_proj.weight'] = a(blk.attn.o_kernel).reshape(hq * d, e).T
+    sd[p + 'mlp.gate_proj.weight'] = a(blk.mlp.gate_kernel).T
+    sd[p + 'mlp.up_proj.weight'] = a(blk.mlp.up_kernel).T
+    sd[p + 'mlp.down_proj.weight'] = a(blk.mlp.down_kernel).T
+  hf = transformers.LlamaForCausalLM(hf_config)
+  missing, unexpected = hf.load_state_dict(
+      {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}, strict=False)
+  missing = [m for m in missing if 'rotary' not in m]
+  if missing or unexpected:
+    raise RuntimeError(f'HF state dict mismatch: missing={missing} unexpected={unexpected}')
+  return hf.eval().to(torch.float32 if c.dtype == 'float32' else torch.bfloat16)
+
+
+def hf_generate_fn(hf_model, tokens, args, eos_id, pad_id):
+  import torch
+  import transformers
+
+  sample_kw = dict(do_sample=args.method != 'greedy', top_k=0, top_p=1.0)
+  if args.method != 'greedy':
+    sample_kw['temperature'] = args.temperature
+  if args.method == 'topk':
+    sample_kw['top_k'] = args.top_k
+  if args.method == 'topp':
+    sample_kw['top_p'] = args.top_p
+  gen_config = transformers.GenerationConfig(
+      max_new_tokens=args.new_tokens, num_return_sequences=args.k, eos_token_id=eos_id,
+      pad_token_id=pad_id, use_cache=True, **sample_kw)
+  input_ids = torch.from_numpy(np.asarray(tokens, np.int64))
+  attention_mask = torch.ones_like(input_ids)
+  generator_seed = [args.seed]
+
+  def run():
+    torch.manual_seed(generator_seed[0])
+    generator_seed[0] += 1
+    with torch.inference_mode():
+      return hf_model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                               generation_config=gen_config)
+  return run
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  config = transformer.TransformerConfig.llama(
+      vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+      num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+      intermediate_size=args.intermediate, max_seq_len=args.prompt_len + args.new_tokens,
+      dtype=args.dtype, param_dtype=args.dtype)
+  graphdef, params = transformer.create(config, seed=args.seed)
+  fns = transformer.model_fns(graphdef)
+  rng = np.random.default_rng(args.seed)
+  eos_id, pad_id = args.vocab - 1, 0
+  tokens = jnp.asarray(rng.integers(2, args.vocab - 1, (args.prompts, args.prompt_len)), jnp.int32)
+  lengths = jnp.full((args.prompts,), args.prompt_len, jnp.int32)
+  method = make_method(args)
+  kw = dict(k=args.k, max_new_tokens=args.new_tokens, method=method, eos_id=eos_id, pad_id=pad_id)
+
+  runners, compile_s, mean_len = {}, {}, {}
+  for mode in args.modes:
+    if mode == 'hf':
+      continue
+    t0 = time.perf_counter()
+    compile_sampler(fns, params, tokens, lengths, jax.random.key(0), mode=mode, **kw)
+    compile_s[mode] = round(time.perf_counter() - t0, 2)
+
+    def run(mode=mode, counter=[0]):  # noqa: B006 -- a fresh rng per rollout, as in training
+      counter[0] += 1
+      out = sampler.sample(fns, params, tokens, lengths, jax.random.key(counter[0]), mode=mode,
+                           **kw)
+      jax.block_until_ready(out)
+      return out
+    runners[mode] = run
+
+  hf_note = None
+  if 'hf' in args.modes:
+    try:
+      import torch  # noqa: F401
+      import transformers  # noqa: F401
+    except ImportError as e:
+      hf_note = f'torch/transformers not importable: {e}'
+    else:
+      hf_model = to_hf_llama(config, graphdef, params)
+      with torch.inference_mode():
+        hf_logits = hf_model(torch.from_numpy(np.asarray(tokens[:2], np.int64))).logits.float()
+      ours = jax.jit(fns.forward)(params, tokens[:2],
+                                  jnp.broadcast_to(jnp.arange(args.prompt_len), (2, args.prompt_len)),
+                                  jnp.ones((2, args.prompt_len), bool))
+      hf_note = {'logits_max_abs_diff_vs_ours': float(np.abs(hf_logits.numpy() - np.asarray(ours)).max()),
+                 'torch': torch.__version__, 'transformers': transformers.__version__,
+                 'torch_threads': torch.get_num_threads()}
+      runners['hf'] = hf_generate_fn(hf_model, tokens, args, eos_id, pad_id)
+      runners['hf']()  # warm-up
+
+  times = {mode: [] for mode in runners}
+  for _ in range(args.repeats):  # round-robin, so slow drifts in machine load hit all modes alike
+    for mode, run in runners.items():
+      t0 = time.perf_counter()
+      out = run()
+      times[mode].append(time.perf_counter() - t0)
+      if mode != 'hf':
+        mean_len[mode] = float(np.mean(out.lengths_bk))
+
+  def med(mode):
+    return round(statistics.median(times[mode]), 4) if mode in times else None
+
+  new_tokens_total = args.prompts * args.k * args.new_tokens
+  result = {
+      'shared_s': med('shared'), 'unshared_s': med('unshared'), 'recompute_s': med('recompute'),
+      'hf_generate_s': med('hf'),
+  }
+  for mode, key in (('shared', 'shared'), ('unshared', 'unshared'), ('recompute', 'recompute'),
+                    ('hf', 'hf_generate')):
+    result[f'{key}_tokens_per_s'] = (round(new_tokens_total / med(mode), 1) if mode in times
+                                     else None)
+  s, u, r, h = (med(m) for m in ('shared', 'unshared', 'recompute', 'hf'))
+  result['shared_over_unshared'] = round(s / u, 3) if s and u else None
+  result['shared_over_recompute'] = round(s / r, 3) if s and r else None
+  result['hf_generate_over_shared'] = round(h / s, 3) if s and h else None
+  result.update({
+      'config': {
+          'prompt_len': args.prompt_len, 'new_tokens': args.new_tokens, 'prompts': args.prompts,
+          'k': args.k, 'vocab': args.vocab, 'hidden': args.hidden, 'layers': args.layers,
+          'heads': args.heads, 'kv_heads': args.kv_heads, 'intermediate': args.intermediate,
+          'num_params': config.num_params, 'dtype': args.dtype, 'method': repr(method),
+          'repeats': args.repeats, 'jax': jax.__version__, 'backend': jax.default_backend(),
+          'cpu_count': os.cpu_count(),
+      },
+      'all_times_s': {m: [round(t, 4) for t in ts] for m, ts in times.items()},
+      'compile_s': compile_s,
+      'mean_completion_len': mean_len,
+      'hf': hf_note,
+  })
+  print(json.dumps(result))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,423 @@
+"""Pure, jit-compiled cohort sampler: k completions per prompt with a KV cache shared by the k streams.
+
+    out = sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, k=4, max_new_tokens=64,
+                 method=sampling.TopP(0.9), eos_id=eos, pad_id=pad)
+
+`fns` is the model's `ModelFns` (docs/ARCHITECTURE.md): the sampler only calls `fns.prefill`,
+`fns.init_cache`, `fns.decode` and `fns.forward`, so it is tested with a fake deterministic one.
+
+Modes (same tokens for the same rng in all three, see `_stream_keys`):
+  'shared'    prefill each prompt once; `init_cache(..., num_streams=k)` lets the k streams of a
+              prompt attend to that one prefix, which is never copied.
+  'unshared'  prompts tiled to B*k rows and prefilled k times, one stream per row.
+  'recompute' no cache: `fns.forward` over the whole [B*k, P+T] buffer at every step (a baseline).
+
+Runs as two jitted programs: `_start` (prefill + the first token) and `_decode_loop`
+(a `lax.while_loop` over `SamplingState`, donated, so the cache is updated in place and never
+copied on entry). The loop stops when every stream has emitted EOS or after max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from rloo_jax import sampling
+
+MODES = ('shared', 'unshared', 'recompute')
+
+
+@struct.dataclass
+class SampleOutput:
+  tokens_bkt: jax.Array           # int32 [B, K, T]: completion tokens, pad_id after EOS.
+  logprobs_bkt: jax.Array         # float32 [B, K, T]: log p of each token under the sampling dist.
+  policy_logprobs_bkt: jax.Array  # float32 [B, K, T]: log p under the untempered policy.
+  mask_bkt: jax.Array             # bool [B, K, T]: True up to and including EOS.
+  lengths_bk: jax.Array           # int32 [B, K]: number of True entries of mask_bkt.
+
+
+@struct.dataclass
+class RecomputeBuffer:
+  """The 'recompute' mode's model state: prompt + completion rows, n = b * k + j."""
+  tokens_ns: jax.Array     # int32 [B*K, P+T]
+  positions_ns: jax.Array  # int32 [B*K, P+T]
+  mask_ns: jax.Array       # bool [B*K, P+T]
+
+
+@struct.dataclass
+class SamplingState:
+  step: jax.Array                 # int32 []: tokens sampled so far (the next column to write).
+  keys_bk: jax.Array              # PRNG keys [B, K]: one independent stream key per (prompt, stream).
+  prompt_lengths_bk: jax.Array    # int32 [B, K]: token t of stream (b, j) has position len_b + t.
+  last_tokens_bk: jax.Array       # int32 [B, K]: token sampled at step - 1, the next decode input.
+  done_bk: jax.Array              # bool [B, K]: EOS emitted.
+  tokens_bkt: jax.Array           # int32 [B, K, T]
+  logprobs_bkt: jax.Array         # float32 [B, K, T]
+  policy_logprobs_bkt: jax.Array  # float32 [B, K, T]
+  mask_bkt: jax.Array             # bool [B, K, T]
+  lengths_bk: jax.Array           # int32 [B, K]
+  cache: Any                      # the model's DecodeCache, or a RecomputeBuffer.
+
+  def output(self) -> SampleOutput:
+    return SampleOutput(tokens_bkt=self.tokens_bkt, logprobs_bkt=self.logprobs_bkt,
+                        policy_logprobs_bkt=self.policy_logprobs_bkt, mask_bkt=self.mask_bkt,
+                        lengths_bk=self.lengths_bk)
+
+
+# ----------------------------------------------------------------------------------------------
+# EOS masking
+
+
+def mask_after_eos(tokens_bk: jax.Array, done_bk: jax.Array, *, eos_id: int, pad_id: int):
+  """One step of EOS masking: streams already done emit pad_id and are masked out.
+
+  Returns (tokens_bk, valid_bk, done_bk): the EOS token itself is valid; done after it.
+  """
+  valid_bk = ~done_bk
+  tokens_bk = jnp.where(valid_bk, tokens_bk, jnp.asarray(pad_id).astype(tokens_bk.dtype))
+  return tokens_bk, valid_bk, done_bk | (valid_bk & (tokens_bk == eos_id))
+
+
+def eos_mask(tokens_xt: jax.Array, eos_id: int) -> jax.Array:
+  """bool [..., T]: True up to and including the first EOS of each row (all True without one)."""
+  eos_before = jnp.cumsum(tokens_xt == eos_id, axis=-1) - (tokens_xt == eos_id)
+  return eos_before == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Drawing tokens
+
+
+def _stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:
+  """Keys [B, K] from (prompt, stream) indices, so every mode draws the same randomness."""
+  def prompt_keys(b):
+    rng_b = jax.random.fold_in(rng, b)
+    return jax.vmap(lambda j: jax.random.fold_in(rng_b, j))(jnp.arange(k))
+  return jax.vmap(prompt_keys)(jnp.arange(num_prompts))
+
+
+def _draw(method, keys_bk, step, logits_bkv):
+  """Sampled tokens and their log-probs under the sampling distribution and the raw policy."""
+  logits_bkv = logits_bkv.astype(jnp.float32)
+  processed_bkv = method.process(logits_bkv)
+  if method.is_greedy:
+    tokens_bk = jnp.argmax(processed_bkv, axis=-1)
+  else:
+    step_keys_bk = jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, step)))(keys_bk)
+    tokens_bk = jax.vmap(jax.vmap(jax.random.categorical))(step_keys_bk, processed_bkv)
+  tokens_bk = tokens_bk.astype(jnp.int32)
+
+  def logprob_of(logits):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, tokens_bk[..., None], axis=-1)[..., 0]
+
+  return tokens_bk, logprob_of(processed_bkv), logprob_of(logits_bkv)
+
+
+def _record(state: SamplingState, logits_bkv, *, method, eos_id, pad_id) -> SamplingState:
+  """Draws token `state.step` of every stream from logits_bkv and writes it into the state."""
+  tokens_bk, logprobs_bk, policy_logprobs_bk = _draw(method, state.keys_bk, state.step, logits_bkv)
+  tokens_bk, valid_bk, done_bk = mask_after_eos(tokens_bk, state.done_bk, eos_id=eos_id,
+                                                pad_id=pad_id)
+  zero = jnp.float32(0)
+
+  def write(buf_bkt, value_bk):
+    return jax.lax.dynamic_update_index_in_dim(buf_bkt, value_bk, state.step, axis=2)
+
+  return state.replace(
+      step=state.step + 1,
+      last_tokens_bk=tokens_bk,
+      done_bk=done_bk,
+      tokens_bkt=write(state.tokens_bkt, tokens_bk),
+      logprobs_bkt=write(state.logprobs_bkt, jnp.where(valid_bk, logprobs_bk, zero)),
+      policy_logprobs_bkt=write(state.policy_logprobs_bkt,
+                                jnp.where(valid_bk, policy_logprobs_bk, zero)),
+      mask_bkt=write(state.mask_bkt, valid_bk),
+      lengths_bk=state.lengths_bk + valid_bk.astype(jnp.int32),
+  )
+
+
+# ----------------------------------------------------------------------------------------------
+# Model calls per mode
+
+
+def _last_prompt_logits(logits_xpv, lengths_x):
+  """The logits at position len - 1: the distribution of the first completion token."""
+  idx = (lengths_x - 1)[:, None, None]
+  return jnp.take_along_axis(logits_xpv, idx, axis=1)[:, 0]
+
+
+def _prompt_inputs(prompt_tokens_xp, lengths_x):
+  num_cols = prompt_tokens_xp.shape[1]
+  cols_p = jnp.arange(num_cols, dtype=jnp.int32)
+  mask_xp = cols_p[None, :] < lengths_x[:, None]
+  # Padding columns are masked keys; position 0 keeps learned-position lookups in range.
+  positions_xp = jnp.where(mask_xp, cols_p[None, :], 0)
+  return positions_xp, mask_xp
+
+
+def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode):
+  """Returns (first-step logits [B, K, V], model state for the decode loop)."""
+  num_prompts = prompt_tokens_bp.shape[0]
+  if mode == 'shared':
+    positions_bp, mask_bp = _prompt_inputs(prompt_tokens_bp, lengths_b)
+    logits_bpv, prefix = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp)
+    first_bv = _last_prompt_logits(logits_bpv, lengths_b)
+    first_bkv = jnp.broadcast_to(first_bv[:, None], (num_prompts, k, first_bv.shape[-1]))
+    return first_bkv, fns.init_cache(prefix, mask_bp, k, max_new_tokens)
+
+  tokens_np = jnp.repeat(prompt_tokens_bp, k, axis=0)  # row n = b * k + j
+  lengths_n = jnp.repeat(lengths_b, k, axis=0)
+  positions_np, mask_np = _prompt_inputs(tokens_np, lengths_n)
+  if mode == 'unshared':
+    logits_npv, prefix = fns.prefill(params, tokens_np, positions_np, mask_np)
+    first_nv = _last_prompt_logits(logits_npv, lengths_n)
+    return (first_nv.reshape(num_prompts, k, -1),
+            fns.init_cache(prefix, mask_np, 1, max_new_tokens))
+
+  # 'recompute': the completion columns are appended to the prompt buffer, masked until written.
+  num_rows = tokens_np.shape[0]
+  pad_nt = jnp.zeros((num_rows, max_new_tokens), tokens_np.dtype)
+  buffer = RecomputeBuffer(
+      tokens_ns=jnp.concatenate([tokens_np, pad_nt], axis=1),
+      positions_ns=jnp.concatenate(
+          [positions_np, lengths_n[:, None] + jnp.arange(max_new_tokens, dtype=jnp.int32)], axis=1),
+      mask_ns=jnp.concatenate([mask_np, jnp.zeros(pad_nt.shape, bool)], axis=1))
+  logits_nsv = fns.forward(params, buffer.tokens_ns, buffer.positions_ns, buffer.mask_ns)
+  first_nv = _last_prompt_logits(logits_nsv, lengths_n)
+  return first_nv.reshape(num_prompts, k, -1), buffer
+
+
+def _decode(fns, params, state: SamplingState, *, mode):
+  """Feeds each stream's last token; returns (logits [B, K, V], updated model state)."""
+  num_prompts, k = state.last_tokens_bk.shape
+  positions_bk = state.prompt_lengths_bk + state.step - 1
+  if mode == 'shared':
+    return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache)
+  if mode == 'unshared':
+    logits_n1v, cache = fns.decode(params, state.last_tokens_bk.reshape(-1, 1),
+                                   positions_bk.reshape(-1, 1), state.cache)
+    return logits_n1v.reshape(num_prompts, k, -1), cache
+  buffer = state.cache
+  col = buffer.tokens_ns.shape[1] - state.tokens_bkt.shape[2] + state.step - 1
+  buffer = buffer.replace(
+      tokens_ns=jax.lax.dynamic_update_index_in_dim(
+          buffer.tokens_ns, state.last_tokens_bk.reshape(-1).astype(buffer.tokens_ns.dtype), col,
+          axis=1),
+      mask_ns=jax.lax.dynamic_update_index_in_dim(
+          buffer.mask_ns, jnp.ones((num_prompts * k,), bool), col, axis=1))
+  logits_nsv = fns.forward(params, buffer.tokens_ns, buffer.positions_ns, buffer.mask_ns)
+  logits_nv = jax.lax.dynamic_index_in_dim(logits_nsv, col, axis=1, keepdims=False)
+  return logits_nv.reshape(num_prompts, k, -1), buffer
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding: with a `batch_sharding` (a NamedSharding splitting dim 0), every per-prompt array is
+# pinned to rows split over its mesh axes; other dims are left to the compiler (heads may follow
+# a tensor-sharded kernel). None (the default, and the fake-model tests) adds no constraint.
+
+# Where the prompt (or prompt x stream) rows sit in each cache field: [L, B, ...] vs [B, ...].
+_CACHE_BATCH_AXIS = {'prefix_k_lbphd': 1, 'prefix_v_lbphd': 1, 'prefix_mask_bp': 0,
+                     'k_lbkthd': 1, 'v_lbkthd': 1, 'tokens_ns': 0, 'positions_ns': 0, 'mask_ns': 0}
+
+
+def _shard_rows(x, axis, batch_sharding):
+  if batch_sharding is None:
+    return x
+  spec = [jax.sharding.PartitionSpec.UNCONSTRAINED] * x.ndim
+  spec[axis] = batch_sharding.spec[0] if len(batch_sharding.spec) else None
+  return jax.lax.with_sharding_constraint(
+      x, jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
+  if batch_sharding is None:
+    return state
+  cache = state.cache
+  fields = {name: _shard_rows(getattr(cache, name), axis, batch_sharding)
+            for name, axis in _CACHE_BATCH_AXIS.items() if hasattr(cache, name)}
+  if fields and hasattr(cache, 'replace'):
+    cache = cache.replace(**fields)
+  rows = lambda x: _shard_rows(x, 0, batch_sharding)
+  return state.replace(
+      keys_bk=rows(state.keys_bk), prompt_lengths_bk=rows(state.prompt_lengths_bk),
+      last_tokens_bk=rows(state.last_tokens_bk), done_bk=rows(state.done_bk),
+      tokens_bkt=rows(state.tokens_bkt), logprobs_bkt=rows(state.logprobs_bkt),
+      policy_logprobs_bkt=rows(state.policy_logprobs_bkt), mask_bkt=rows(state.mask_bkt),
+      lengths_bk=rows(state.lengths_bk), cache=cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# The two jitted programs
+
+
+# eos_id and pad_id are traced, not static: a new end token must not recompile the sampler.
+@functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
+                                             'batch_sharding'))
+def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *, k,
+           max_new_tokens, method, mode, batch_sharding=None) -> SamplingState:
+  """Prefill, then draw the first token of every stream from the logits at position len - 1."""
+  prompt_tokens_bp = _shard_rows(prompt_tokens_bp, 0, batch_sharding)
+  prompt_lengths_b = _shard_rows(prompt_lengths_b.astype(jnp.int32), 0, batch_sharding)
+  num_prompts = prompt_tokens_bp.shape[0]
+  first_bkv, cache = _prefill(fns, params, prompt_tokens_bp, prompt_lengths_b, k=k,
+                              max_new_tokens=max_new_tokens, mode=mode)
+  shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
+  state = SamplingState(
+      step=jnp.zeros((), jnp.int32),
+      keys_bk=_stream_keys(rng, num_prompts, k),
+      prompt_lengths_bk=jnp.broadcast_to(prompt_lengths_b[:, None], shape_bk),
+      last_tokens_bk=jnp.full(shape_bk, pad_id, jnp.int32),
+      done_bk=jnp.zeros(shape_bk, bool),
+      tokens_bkt=jnp.full(shape_bkt, pad_id, jnp.int32),
+      logprobs_bkt=jnp.zeros(shape_bkt, jnp.float32),
+      policy_logprobs_bkt=jnp.zeros(shape_bkt, jnp.float32),
+      mask_bkt=jnp.zeros(shape_bkt, bool),
+      lengths_bk=jnp.zeros(shape_bk, jnp.int32),
+      cache=cache)
+  state = _record(state, first_bkv, method=method, eos_id=eos_id, pad_id=pad_id)
+  return _shard_state(state, batch_sharding)
+
+
+# The state is donated so the while_loop updates the cache in the caller's buffers, not a copy.
+@functools.partial(jax.jit, static_argnames=('fns', 'method', 'mode', 'batch_sharding'),
+                   donate_argnames=('state',))
+def _decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
+                 mode, batch_sharding=None) -> SamplingState:
+  max_new_tokens = state.tokens_bkt.shape[2]
+
+  def cond(state):
+    return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)
+
+  def body(state):
+    logits_bkv, cache = _decode(fns, params, state, mode=mode)
+    return _shard_state(_record(state.replace(cache=cache), logits_bkv, method=method,
+                                eos_id=eos_id, pad_id=pad_id), batch_sharding)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def _model_max_seq_len(fns):
+  for source in (fns, getattr(fns, 'config', None)):
+    value = getattr(source, 'max_seq_len', None)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+      return int(value)
+  return None
+
+
+def _check_int(name, value, minimum=None):
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f'sample: {name} must be an integer, got {value!r}')
+  if minimum is not None and value < minimum:
+    raise ValueError(f'sample: {name} must be >= {minimum}, got {value}')
+  return int(value)
+
+
+def _validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, eos_id, pad_id,
+              mode, max_seq_len):
+  if mode not in MODES:
+    raise ValueError(f'sample: mode must be one of {MODES}, got {mode!r}')
+  if not callable(getattr(method, 'process', None)) or not hasattr(method, 'is_greedy'):
+    raise ValueError(
+        f'sample: method must be a rloo_jax.sampling method (Greedy, Temperature, TopK, TopP), '
+        f'got {method!r}')
+  k = _check_int('k', k, 1)
+  max_new_tokens = _check_int('max_new_tokens', max_new_tokens, 1)
+  eos_id = _check_int('eos_id', eos_id)
+  pad_id = _check_int('pad_id', pad_id)
+  tokens_shape = np.shape(prompt_tokens_bp)
+  lengths_shape = np.shape(prompt_lengths_b)
+  if len(tokens_shape) != 2:
+    raise ValueError(
+        f'sample: prompt_tokens_bp must be 2-D [batch, prompt_len], got shape {tokens_shape}')
+  num_prompts, num_cols = tokens_shape
+  if num_prompts < 1 or num_cols < 1:
+    raise ValueError(f'sample: prompt_tokens_bp must be non-empty, got shape {tokens_shape}')
+  if lengths_shape != (num_prompts,):
+    raise ValueError(
+        f'sample: prompt_lengths_b must have shape ({num_prompts},) to match prompt_tokens_bp '
+        f'{tokens_shape}, got {lengths_shape}')
+  for name, arr in (('prompt_tokens_bp', prompt_tokens_bp), ('prompt_lengths_b', prompt_lengths_b)):
+    if not jnp.issubdtype(jnp.result_type(arr), jnp.integer):
+      raise ValueError(f'sample: {name} must be integers, got {jnp.result_type(arr)}')
+  if isinstance(prompt_lengths_b, jax.core.Tracer):
+    return k, max_new_tokens, eos_id, pad_id  # Traced under an outer jit: values unknown here.
+  if isinstance(prompt_lengths_b, jax.Array) and not prompt_lengths_b.is_fully_addressable:
+    # Multi-process: each process checks the rows it holds (indices below are local).
+    lengths = np.concatenate([np.asarray(s.data).reshape(-1)
+                              for s in prompt_lengths_b.addressable_shards])
+  else:
+    lengths = np.asarray(jax.device_get(prompt_lengths_b))
+  empty = np.flatnonzero(lengths < 1)
+  if empty.size:
+    raise ValueError(f'sample: empty prompt (length {lengths[empty[0]]}) at batch index '
+                     f'{empty[0]}; every prompt needs at least one token')
+  too_long = np.flatnonzero(lengths > num_cols)
+  if too_long.size:
+    raise ValueError(f'sample: prompt {too_long[0]} has length {lengths[too_long[0]]} > the '
+                     f'{num_cols} columns of prompt_tokens_bp')
+  if max_seq_len is not None:
+    longest = int(lengths.max())
+    if longest > max_seq_len:
+      raise ValueError(
+          f'sample: prompt {int(lengths.argmax())} has {longest} tokens, longer than the model '
+          f'context max_seq_len={max_seq_len}')
+    if longest + max_new_tokens > max_seq_len:
+      raise ValueError(
+          f'sample: prompt length {longest} + max_new_tokens {max_new_tokens} = '
+          f'{longest + max_new_tokens} exceeds the model context max_seq_len={max_seq_len}')
+  return k, max_new_tokens, eos_id, pad_id
+
+
+def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_new_tokens: int,
+           method: sampling.Method, eos_id: int, pad_id: int, mode: str = 'shared',
+           max_seq_len: int | None = None, batch_sharding=None) -> SampleOutput:
+  """Samples k completions of max_new_tokens tokens for each right-padded prompt.
+
+  Args:
+    fns: the model's ModelFns (static: hashable, memoised per graphdef).
+    params: the model's parameter pytree.
+    prompt_tokens_bp: int [B, P], right-padded prompts.
+    prompt_lengths_b: int [B], every length in 1..P (checked here, so it must be concrete unless
+      `sample` is itself traced).
+    rng: a PRNG key. Stream (b, j) draws step t from fold_in(fold_in(fold_in(rng, b), j), t),
+      so equal rng gives equal samples in every mode and the streams are independent.
+    k: streams (completions) per prompt.
+    max_new_tokens: T, the completion buffer length.
+    method: a rloo_jax.sampling method (static).
+    eos_id, pad_id: the end token, and the token written after it.
+    mode: 'shared' | 'unshared' | 'recompute' (see the module docstring).
+    max_seq_len: the model context; taken from `fns.max_seq_len` or `fns.config.max_seq_len` when
+      not given. The longest prompt plus max_new_tokens must fit in it.
+    batch_sharding: optional NamedSharding splitting dim 0 over mesh axes (static): every
+      per-prompt array (prompts, KV cache, outputs) is kept split that way. Pass the prompts
+      already placed with it; params keep their own (e.g. FSDP/tensor) shardings.
+
+  Returns:
+    SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
+
+  Raises:
+    ValueError: bad arguments, an empty prompt, or a prompt that does not fit the context; raised
+      before anything is compiled.
+  """
+  if max_seq_len is None:
+    max_seq_len = _model_max_seq_len(fns)
+  k, max_new_tokens, eos_id, pad_id = _validate(
+      prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens, method=method,
+      eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
+  eos_id, pad_id = jnp.int32(eos_id), jnp.int32(pad_id)
+  state = _start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
+                 eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
+                 batch_sharding=batch_sharding)
+  state = _decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
+                       batch_sharding=batch_sharding)
+  return state.output()

@@ -1,0 +1,389 @@
+"""Tests of rloo_jax.sampler and rloo_jax.sampling.
+
+Most tests run against a fake deterministic ModelFns: one attention layer with a real KV cache that
+follows the DecodeCache contract of docs/ARCHITECTURE.md (prefix shared by the k streams), so
+cached decoding, prefix sharing and full recomputation can be compared exactly. With
+`scale=0` its logits are the constant `bias`, which makes the support of top-k / top-p known.
+The last tests use a tiny real Transformer when rloo_jax.models is importable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+from rloo_jax import sampler, sampling
+
+EOS, PAD = 1, 0
+
+
+# ----------------------------------------------------------------------------------------------
+# A fake deterministic model with the ModelFns interface.
+
+
+class PrefixKV(NamedTuple):
+  k_lbphd: jax.Array
+  v_lbphd: jax.Array
+
+
+@struct.dataclass
+class FakeCache:
+  prefix_k_lbphd: jax.Array
+  prefix_v_lbphd: jax.Array
+  prefix_mask_bp: jax.Array
+  k_lbkthd: jax.Array
+  v_lbkthd: jax.Array
+  index: jax.Array
+
+
+def _embed(params, tokens, positions):
+  return params['emb'][tokens] + params['pos'][positions]
+
+
+def _head(params, x, h):
+  return params['scale'] * jnp.tanh(x + h) @ params['out'] + params['bias']
+
+
+def fake_forward(params, tokens_bs, positions_bs, mask_bs):
+  x_bsd = _embed(params, tokens_bs, positions_bs)
+  q_bsd = x_bsd @ params['wq']
+  scores_bss = jnp.einsum('bqd,bkd->bqk', q_bsd, x_bsd) / np.sqrt(x_bsd.shape[-1])
+  seq = tokens_bs.shape[1]
+  allowed = jnp.tril(jnp.ones((seq, seq), bool))[None] & mask_bs[:, None, :]
+  weights = jax.nn.softmax(jnp.where(allowed, scores_bss, -1e30), axis=-1)
+  return _head(params, x_bsd, jnp.einsum('bqk,bkd->bqd', weights, x_bsd))
+
+
+def fake_prefill(params, tokens_bp, positions_bp, mask_bp):
+  x_bpd = _embed(params, tokens_bp, positions_bp)
+  kv = x_bpd[None, :, :, None, :]  # [L=1, B, P, H=1, D]
+  return fake_forward(params, tokens_bp, positions_bp, mask_bp), PrefixKV(kv, kv)
+
+
+def fake_init_cache(prefix, mask_bp, num_streams, max_new_tokens):
+  _, b, _, h, d = prefix.k_lbphd.shape
+  zeros = jnp.zeros((1, b, num_streams, max_new_tokens, h, d), prefix.k_lbphd.dtype)
+  return FakeCache(prefix.k_lbphd, prefix.v_lbphd, mask_bp, zeros, zeros,
+                   jnp.zeros((), jnp.int32))
+
+
+def fake_decode(params, tokens_bk, positions_bk, cache):
+  x_bkd = _embed(params, tokens_bk, positions_bk)
+  new = x_bkd[None, :, :, None, None, :]  # [1, B, K, 1, 1, D]
+  k_cache = jax.lax.dynamic_update_slice_in_dim(cache.k_lbkthd, new, cache.index, axis=3)
+  q_bkd = x_bkd @ params['wq']
+  prefix_kd = cache.prefix_k_lbphd[0, :, :, 0]  # [B, P, D]
+  own_bktd = k_cache[0, :, :, :, 0]
+  scale = np.sqrt(x_bkd.shape[-1])
+  s_prefix = jnp.einsum('bkd,bpd->bkp', q_bkd, prefix_kd) / scale
+  s_prefix = jnp.where(cache.prefix_mask_bp[:, None, :], s_prefix, -1e30)
+  s_own = jnp.einsum('bkd,bktd->bkt', q_bkd, own_bktd) / scale
+  s_own = jnp.where(jnp.arange(own_bktd.shape[2]) <= cache.index, s_own, -1e30)
+  weights = jax.nn.softmax(jnp.concatenate([s_prefix, s_own], axis=-1), axis=-1)
+  values = jnp.concatenate([jnp.broadcast_to(prefix_kd[:, None], s_prefix.shape + (x_bkd.shape[-1],)),
+                            own_bktd], axis=2)
+  h_bkd = jnp.einsum('bkn,bknd->bkd', weights, values)
+  return _head(params, x_bkd, h_bkd), cache.replace(k_lbkthd=k_cache, v_lbkthd=k_cache,
+                                                      index=cache.index + 1)
+
+
+class FakeFns(NamedTuple):
+  forward: Callable[..., Any]
+  prefill: Callable[..., Any]
+  init_cache: Callable[..., Any]
+  decode: Callable[..., Any]
+  max_seq_len: int
+
+
+FNS = FakeFns(fake_forward, fake_prefill, fake_init_cache, fake_decode, max_seq_len=48)
+
+
+def fake_params(vocab=16, dim=8, seed=0, scale=3.0, bias=None):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return {
+      'emb': jax.random.normal(keys[0], (vocab, dim)),
+      'pos': 0.5 * jax.random.normal(keys[1], (FNS.max_seq_len, dim)),
+      'wq': jax.random.normal(keys[2], (dim, dim)) / np.sqrt(dim),
+      'out': jax.random.normal(keys[3], (dim, vocab)),
+      'scale': jnp.float32(scale),
+      'bias': jnp.zeros(vocab) if bias is None else jnp.asarray(bias, jnp.float32),
+  }
+
+
+def prompts(lengths=(5, 1, 8), width=8, vocab=16, seed=1):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(2, vocab, size=(len(lengths), width)).astype(np.int32)
+  for i, n in enumerate(lengths):
+    tokens[i, n:] = PAD
+  return tokens, np.asarray(lengths, np.int32)
+
+
+# Test configurations reuse a few (method, k, T) so the file compiles few programs.
+TOP_P = sampling.TopP(0.8, 0.7)
+
+
+def run(params, tokens, lengths, rng=0, *, fns=FNS, k=3, t=6, method=TOP_P,
+        mode='shared', eos_id=EOS):
+  return sampler.sample(fns, params, tokens, lengths, jax.random.key(rng), k=k, max_new_tokens=t,
+                        method=method, eos_id=eos_id, pad_id=PAD, mode=mode)
+
+
+def np_out(out):
+  return jax.tree.map(np.asarray, out)
+
+
+def full_logits(fns, params, tokens, lengths, out):
+  """Recomputes the policy logits of every completion token by one forward over prompt+completion."""
+  b, k, t = out.tokens_bkt.shape
+  width = tokens.shape[1]
+  rows = np.repeat(tokens, k, axis=0)
+  lens = np.repeat(lengths, k)
+  seq = np.concatenate([rows, np.asarray(out.tokens_bkt).reshape(b * k, t)], axis=1)
+  cols = np.arange(width + t)
+  positions = np.where(cols < width, cols, lens[:, None] + cols - width)
+  positions = np.where((cols < width) & (cols >= lens[:, None]), 0, positions)
+  mask = (cols < lens[:, None]) | (cols >= width)
+  logits = np.asarray(jax.jit(fns.forward)(params, seq, positions, mask))
+  # Token t of the completion is predicted at column width + t - 1, token 0 at column len - 1.
+  pred_cols = np.concatenate([lens[:, None] - 1, width + np.arange(t - 1)[None].repeat(b * k, 0)],
+                             axis=1)
+  return np.take_along_axis(logits, pred_cols[..., None], axis=1).reshape(b, k, t, -1)
+
+
+def log_softmax_at(logits, tokens):
+  logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+  return np.take_along_axis(logp, np.asarray(tokens)[..., None], axis=-1)[..., 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampler tests
+
+
+def test_same_rng_same_output_other_rng_differs():
+  params = fake_params()
+  tokens, lengths = prompts()
+  a, b, c = (np_out(run(params, tokens, lengths, rng=r)) for r in (0, 0, 1))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  assert not np.array_equal(a.tokens_bkt, c.tokens_bkt)
+
+
+def test_shared_unshared_recompute_agree():
+  params = fake_params()
+  tokens, lengths = prompts()
+  outs = {m: np_out(run(params, tokens, lengths, rng=3, mode=m))
+          for m in sampler.MODES}
+  ref = outs['shared']
+  for mode in ('unshared', 'recompute'):
+    np.testing.assert_array_equal(outs[mode].tokens_bkt, ref.tokens_bkt, err_msg=mode)
+    np.testing.assert_array_equal(outs[mode].mask_bkt, ref.mask_bkt, err_msg=mode)
+    np.testing.assert_array_equal(outs[mode].lengths_bk, ref.lengths_bk, err_msg=mode)
+    np.testing.assert_allclose(outs[mode].logprobs_bkt, ref.logprobs_bkt, atol=1e-4, err_msg=mode)
+    np.testing.assert_allclose(outs[mode].policy_logprobs_bkt, ref.policy_logprobs_bkt, atol=1e-4,
+                               err_msg=mode)
+
+
+@pytest.mark.parametrize('method', [TOP_P, sampling.Greedy()])
+def test_logprobs_match_forward_recomputation(method):
+  params = fake_params()
+  tokens, lengths = prompts()
+  out = np_out(run(params, tokens, lengths, rng=5, method=method))
+  logits = full_logits(FNS, params, tokens, lengths, out)
+  m = out.mask_bkt
+  assert m[..., 0].all()
+  np.testing.assert_allclose(out.policy_logprobs_bkt[m], log_softmax_at(logits, out.tokens_bkt)[m],
+                             atol=1e-4)
+  processed = np.asarray(method.process(jnp.asarray(logits)))
+  np.testing.assert_allclose(out.logprobs_bkt[m], log_softmax_at(processed, out.tokens_bkt)[m],
+                             atol=1e-4)
+  assert np.all(out.logprobs_bkt[~m] == 0) and np.all(out.policy_logprobs_bkt[~m] == 0)
+  if method.is_greedy:
+    np.testing.assert_array_equal(out.tokens_bkt[m], logits.argmax(-1)[m])
+    np.testing.assert_array_equal(out.logprobs_bkt, 0)
+    # Greedy streams of one prompt are identical.
+    assert (out.tokens_bkt == out.tokens_bkt[:, :1]).all()
+
+
+def _support_params(bias):
+  return fake_params(vocab=len(bias), scale=0.0, bias=bias)
+
+
+def test_top_k_never_leaves_support():
+  bias = np.array([0., -1., 3., 0.5, 2.9, -2., 2.8, 1., 0.2, 2.7, 0., 0., 0., 0., 0., 0.])
+  params = _support_params(bias)
+  tokens, lengths = prompts()
+  out = np_out(run(params, tokens, lengths, method=sampling.TopK(3, 2.0), eos_id=99))
+  support = set(np.argsort(-bias)[:3].tolist())  # {2, 4, 6}
+  emitted = set(np.unique(out.tokens_bkt).tolist())
+  assert emitted == support, emitted
+
+
+def test_top_p_never_leaves_support():
+  probs = np.zeros(16)
+  probs[:7] = [0.05, 0.35, 0.05, 0.3, 0.05, 0.15, 0.05]
+  with np.errstate(divide='ignore'):
+    params = _support_params(np.log(probs))  # Tokens 7.. have probability 0: logit -inf.
+  tokens, lengths = prompts()
+  # At temperature 0.7 the sorted probabilities are 0.43, 0.34, 0.13, 0.03, ... : the mass before
+  # the third is 0.77 < 0.8, before the fourth 0.89, so the nucleus is {1, 3, 5}.
+  tempered = probs ** (1 / 0.7) / (probs ** (1 / 0.7)).sum()
+  np.testing.assert_allclose(np.cumsum(np.sort(tempered)[::-1])[1:3], [0.77, 0.89], atol=0.01)
+  out = np_out(run(params, tokens, lengths, method=TOP_P, eos_id=99))
+  emitted = set(np.unique(out.tokens_bkt).tolist())
+  assert emitted == {1, 3, 5}, emitted
+  # The sampling log-probs are those of the renormalised nucleus, the policy ones untempered.
+  nucleus = tempered[1] / tempered[[1, 3, 5]].sum()
+  np.testing.assert_allclose(out.logprobs_bkt[out.tokens_bkt == 1], np.log(nucleus), rtol=1e-5)
+  np.testing.assert_allclose(out.policy_logprobs_bkt[out.tokens_bkt == 1], np.log(0.35), rtol=1e-5)
+
+
+def test_tokens_after_eos_are_pad_and_masked():
+  bias = np.zeros(16)
+  bias[EOS] = 1.5  # EOS is likely but not certain: streams end at different steps.
+  params = fake_params(scale=0.5, bias=bias)
+  tokens, lengths = prompts()
+  out = np_out(run(params, tokens, lengths))
+  ended = 0
+  for b, j in np.ndindex(out.lengths_bk.shape):
+    row, mask = out.tokens_bkt[b, j], out.mask_bkt[b, j]
+    eos_at = np.flatnonzero(row == EOS)
+    n = eos_at[0] + 1 if eos_at.size else row.size
+    ended += bool(eos_at.size)
+    assert out.lengths_bk[b, j] == n == mask.sum()
+    assert mask[:n].all() and not mask[n:].any()
+    assert (row[n:] == PAD).all()
+    assert (out.logprobs_bkt[b, j, n:] == 0).all()
+  assert 0 < ended < out.lengths_bk.size
+  assert len(np.unique(out.lengths_bk)) > 1
+  np.testing.assert_array_equal(sampler.eos_mask(out.tokens_bkt, EOS), out.mask_bkt)
+
+
+def test_loop_stops_when_all_streams_end():
+  bias = np.zeros(16)
+  bias[EOS] = 50.0  # Every stream ends at its first token.
+  params = fake_params(bias=bias)
+  tokens, lengths = prompts()
+  out = np_out(run(params, tokens, lengths, method=sampling.Greedy()))
+  assert out.tokens_bkt.shape == (3, 3, 6)
+  assert (out.tokens_bkt[..., 0] == EOS).all() and (out.tokens_bkt[..., 1:] == PAD).all()
+  assert (out.lengths_bk == 1).all()
+
+
+def test_eos_mask():
+  toks = jnp.array([[3, 1, 4, 1], [3, 3, 3, 3], [1, 0, 0, 0]])
+  np.testing.assert_array_equal(sampler.eos_mask(toks, 1),
+                                [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+
+
+def test_streams_are_independent():
+  params = fake_params(scale=0.0)  # Uniform over 16 tokens; the nucleus keeps 13 of them.
+  tokens, lengths = prompts(lengths=(3, 3, 3))
+  tokens[1:] = tokens[0]  # Even identical prompts get different samples.
+  out = np_out(run(params, tokens, lengths, eos_id=99))
+  rows = out.tokens_bkt.reshape(9, 6)
+  assert len({tuple(r) for r in rows}) == 9
+  # Per-step draws are not shared across streams either.
+  for t in range(6):
+    assert len(np.unique(rows[:, t])) >= 4
+
+
+def test_ties_go_to_argmax_first():
+  logits = jnp.array([[1.0, 3.0, 3.0, -1.0]])
+  np.testing.assert_array_equal(np.isfinite(sampling.Greedy().process(logits)),
+                                [[False, True, False, False]])
+
+
+def test_method_processing():
+  logits = jnp.log(jnp.array([[0.1, 0.5, 0.15, 0.25]]))
+  np.testing.assert_array_equal(np.isfinite(sampling.TopK(2).process(logits)),
+                                [[False, True, False, True]])
+  np.testing.assert_array_equal(np.isfinite(sampling.TopP(0.5).process(logits)),
+                                [[False, True, False, False]])
+  np.testing.assert_array_equal(np.isfinite(sampling.TopP(0.51).process(logits)),
+                                [[False, True, False, True]])
+  np.testing.assert_array_equal(np.isfinite(sampling.TopP(1.0).process(logits)), True)
+  np.testing.assert_allclose(sampling.Temperature(2.0).process(logits), logits / 2)
+  assert sampling.TopK(99).process(logits).shape == (1, 4)
+  assert sampling.TopK(2).process(logits.astype(jnp.bfloat16)).dtype == jnp.float32
+  assert hash(sampling.TopP(0.9)) == hash(sampling.TopP(0.9))
+
+
+@pytest.mark.parametrize('make, match', [
+    (lambda: sampling.Temperature(0.0), 'Greedy'),
+    (lambda: sampling.Temperature(-1.0), 'temperature must be finite and > 0'),
+    (lambda: sampling.Temperature(float('nan')), 'temperature'),
+    (lambda: sampling.TopK(0), 'k must be an integer >= 1'),
+    (lambda: sampling.TopK(2.5), 'k must be an integer'),
+    (lambda: sampling.TopK(3, temperature=0), 'temperature'),
+    (lambda: sampling.TopP(0.0), r'p must be in \(0, 1\]'),
+    (lambda: sampling.TopP(1.5), r'p must be in \(0, 1\]'),
+])
+def test_sampling_method_validation(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+@pytest.mark.parametrize('change, match', [
+    (dict(lengths=np.array([5, 0, 8], np.int32)), 'empty prompt .* at batch index 1'),
+    (dict(lengths=np.array([5, 9, 8], np.int32)), 'prompt 1 has length 9 > the 8 columns'),
+    (dict(lengths=np.array([5, 1], np.int32)), r'prompt_lengths_b must have shape \(3,\)'),
+    (dict(tokens=np.zeros((3,), np.int32)), 'must be 2-D'),
+    (dict(tokens=np.zeros((3, 8), np.float32)), 'prompt_tokens_bp must be integers'),
+    (dict(k=0), 'k must be >= 1'),
+    (dict(max_new_tokens=0), 'max_new_tokens must be >= 1'),
+    (dict(max_new_tokens=41), r'8 \+ max_new_tokens 41 = 49 exceeds the model context '
+                              'max_seq_len=48'),
+    (dict(max_seq_len=6), 'prompt 2 has 8 tokens, longer than the model context max_seq_len=6'),
+    (dict(mode='paged'), 'mode must be one of'),
+    (dict(method='greedy'), 'method must be a rloo_jax.sampling method'),
+])
+def test_errors_before_compiling(change, match):
+  tokens, lengths = prompts()
+  args = dict(tokens=tokens, lengths=lengths, k=2, max_new_tokens=4, mode='shared',
+              method=sampling.Greedy(), max_seq_len=None)
+  args.update(change)
+  with pytest.raises(ValueError, match=match):
+    sampler.sample(FNS, None, args['tokens'], args['lengths'], jax.random.key(0), k=args['k'],
+                   max_new_tokens=args['max_new_tokens'], method=args['method'], eos_id=EOS,
+                   pad_id=PAD, mode=args['mode'], max_seq_len=args['max_seq_len'])
+
+
+# ----------------------------------------------------------------------------------------------
+# With the real transformer, when rloo_jax.models has landed.
+
+
+def _tiny_transformer(family):
+  models = pytest.importorskip('rloo_jax.models')
+  overrides = dict(vocab_size=48, hidden_size=32, num_layers=1, num_heads=4, head_dim=8,
+                   intermediate_size=64, max_seq_len=64)
+  if family == 'llama':
+    overrides['num_kv_heads'] = 2  # grouped-query attention
+  config = getattr(models.TransformerConfig, family)(**overrides)
+  graphdef, params = models.create(config, seed=0)
+  return models.model_fns(graphdef), params
+
+
+# GPT-2's learned absolute positions catch any off-by-one in the sampler's position bookkeeping
+# (RoPE would hide a constant shift); tests/test_models.py covers the cache of every family.
+@pytest.mark.parametrize('family, other', [('gpt2', 'recompute')])
+def test_real_transformer_cached_equals_uncached(family, other):
+  fns, params = _tiny_transformer(family)
+  tokens, lengths = prompts(lengths=(7, 2, 12), width=12, vocab=48, seed=4)
+  outs = {m: np_out(run(params, tokens, lengths, rng=2, fns=fns, k=3, t=8, mode=m, eos_id=47,
+                        method=sampling.Temperature(1.0)))
+          for m in ('shared', other)}
+  out = outs['shared']
+  np.testing.assert_array_equal(outs[other].tokens_bkt, out.tokens_bkt)
+  np.testing.assert_allclose(outs[other].policy_logprobs_bkt, out.policy_logprobs_bkt, atol=1e-4)
+  # Cached logits equal one forward over prompt + completion.
+  logits = full_logits(fns, params, tokens, lengths, out)
+  m = out.mask_bkt
+  np.testing.assert_allclose(out.policy_logprobs_bkt[m], log_softmax_at(logits, out.tokens_bkt)[m],
+                             atol=1e-4)
+  np.testing.assert_allclose(out.logprobs_bkt[m], log_softmax_at(logits, out.tokens_bkt)[m],
+                             atol=1e-4)  # Temperature(1.0): the sampling dist is the policy.
