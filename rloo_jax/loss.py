@@ -148,12 +148,15 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
   ratio_level='sequence' (default, the paper's RLOO with the completion as one action): one ratio
   per sequence, r = exp(sum_t log pi - log pi_old), and the loss is averaged over sequences
   (`aggregation` is ignored). At r = 1 its gradient equals `reinforce_loss`'s. 'token': PPO's
-  per-token ratio, reduced with `aggregation`. Returns (loss, metrics) with the fraction of
+  per-token ratio, reduced with `aggregation`; `advantages` may then be per token [B, T] (GAE). Returns (loss, metrics) with the fraction of
   clipped units and the approximate KL (k3) to the sampling policy.
   """
   eps_low = clip_eps
   eps_high = clip_eps if clip_eps_high is None else clip_eps_high
   adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
+  if ratio_level == "sequence" and adv.ndim != 1:
+    raise ValueError(f"a sequence-level ratio needs one advantage per sequence, got advantages of "
+                     f"shape {tuple(adv.shape)}; use ratio_level='token' for per-token advantages")
   log_ratio_bt = jnp.where(mask_bt, logp_bt.astype(jnp.float32) - old_logp_bt.astype(jnp.float32),
                            0.0)
   approx_kl = masked_mean(jnp.exp(log_ratio_bt) - 1.0 - log_ratio_bt, mask_bt)
@@ -165,9 +168,11 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
     loss = -jnp.mean(jnp.minimum(unclipped, clipped))
     clip_fraction = jnp.mean((clipped < unclipped).astype(jnp.float32))
   elif ratio_level == "token":
+    # Per-sequence advantages [B] broadcast over tokens; PPO's GAE passes per-token ones [B, T].
+    adv_bt = adv[:, None] if adv.ndim == 1 else adv
     ratio = jnp.exp(log_ratio_bt)
-    unclipped = ratio * adv[:, None]
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv[:, None]
+    unclipped = ratio * adv_bt
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv_bt
     loss = aggregate(-jnp.minimum(unclipped, clipped), mask_bt, aggregation, max_len)
     clip_fraction = masked_mean((clipped < unclipped).astype(jnp.float32), mask_bt)
   else:

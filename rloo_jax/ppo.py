@@ -147,22 +147,6 @@ def value_loss(values_nt, old_values_nt, returns_nt, mask_nt, *, clip: float):
   return value, {"value_loss": value, "value_clip_fraction": frac}
 
 
-def token_clip_loss(logp_nt, old_logp_nt, mask_nt, adv_nt, *, clip_eps: float,
-                    aggregation: str = "token_mean"):
-  """PPO's clipped surrogate with per-token ratios and per-token advantages. (loss, metrics)."""
-  adv = jax.lax.stop_gradient(adv_nt.astype(jnp.float32))
-  log_ratio = jnp.where(mask_nt, logp_nt - old_logp_nt, 0.0)
-  ratio = jnp.exp(log_ratio)
-  unclipped = ratio * adv
-  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-  value = loss.aggregate(-jnp.minimum(unclipped, clipped), mask_nt, aggregation)
-  return value, {
-      "policy_loss": value,
-      # The fraction of tokens whose clipped term is active (the paper: under 5% for PPO).
-      "clip_fraction": loss.masked_mean((clipped < unclipped).astype(jnp.float32), mask_nt),
-      "approx_kl": loss.masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio, mask_nt)}
-
-
 # ----------------------------------------------------------------------------------------------
 # State and jitted steps
 
@@ -226,10 +210,10 @@ def train_step(state: PPOState, batch: dict, *, fns, value_fns, tx, value_tx, cl
     logits = trainer.completion_logits(fns, params, batch["tokens"], batch["positions"],
                                        batch["mask"], num_prompt, t)
     logp = loss.token_logprobs(logits, batch["completions"], lmask)
-    value, metrics = token_clip_loss(logp, batch["old_logp"], lmask, batch["advantages"],
-                                     clip_eps=clip_eps, aggregation=aggregation)
-    metrics["entropy"] = loss.masked_mean(loss.token_entropy(logits), lmask)
-    return value, metrics
+    # Per-token GAE advantages through the shared clipped surrogate (token-level ratios).
+    return loss.ppo_clip_loss(logp, batch["old_logp"], lmask, batch["advantages"],
+                              clip_eps=clip_eps, ratio_level="token", aggregation=aggregation,
+                              logits_btv=logits)
 
   def critic_fn(value_params):
     v = trainer.completion_logits(value_fns, value_params, batch["tokens"], batch["positions"],

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rloo_jax import advantage, dpo, ppo, trainer
+from rloo_jax import advantage, dpo, loss, ppo, trainer
 from rloo_jax.models import transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,12 +61,13 @@ def test_value_loss_clipping():
   np.testing.assert_allclose(unclipped, (0.0 + 0.5 * 0.16) / 2, atol=1e-6)
 
 
-def test_token_clip_loss_counts_active_clips():
+def test_token_level_clip_loss_with_per_token_advantages_counts_active_clips():
   logp = jnp.log(jnp.array([[1.5, 1.0, 0.5]]))  # ratios 1.5, 1.0, 0.5 against old = log 1
   old = jnp.zeros((1, 3))
   mask = jnp.ones((1, 3), bool)
   adv = jnp.array([[1.0, 1.0, -1.0]])
-  value, m = ppo.token_clip_loss(logp, old, mask, adv, clip_eps=0.2)
+  value, m = loss.ppo_clip_loss(logp, old, mask, adv, clip_eps=0.2, ratio_level="token",
+                                aggregation="token_mean")
   # min(1.5, 1.2) = 1.2; 1.0; min(-0.5, -0.8) = -0.8 -> loss = -(1.2 + 1.0 - 0.8) / 3.
   np.testing.assert_allclose(value, -(1.2 + 1.0 - 0.8) / 3, atol=1e-6)
   np.testing.assert_allclose(m["clip_fraction"], 2 / 3, atol=1e-6)
