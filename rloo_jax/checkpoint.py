@@ -1,6 +1,10 @@
 """Orbax checkpoints: the train state (policy, reference, optimizer, rng, step) plus JSON metadata
 (the data iterator's position, metrics) saved together, restored into an abstract sharded target.
 
+Sharded and multi-process: every process calls `save` and `restore` together (Orbax writes each
+process's shards and coordinates the commit); a checkpoint written on one mesh restores onto any
+other, since the restore target (`trainer.abstract_state`) carries the new mesh's shardings.
+
 A newest checkpoint that cannot be read (a run killed mid-write, a truncated file) is reported,
 moved aside to `<dir>/corrupt/<step>` (never deleted), and the previous good one is used.
 """
@@ -13,6 +17,7 @@ from typing import Any, Optional
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 
@@ -59,17 +64,20 @@ class Checkpointer:
     return None
 
   def _quarantine(self, step: int):
-    """Moves a bad checkpoint out of Orbax's way (so later saves of that step can succeed)."""
-    if jax.process_index() != 0:
-      return
+    """Moves a bad checkpoint out of Orbax's way (so later saves of that step can succeed).
+
+    Process 0 moves it; every process waits for the move before reloading the step list.
+    """
     src = os.path.join(self.directory, str(step))
-    if os.path.exists(src):
+    if jax.process_index() == 0 and os.path.exists(src):
       dst = os.path.join(os.path.dirname(self.directory),
                          os.path.basename(self.directory) + "_corrupt", str(step))
       os.makedirs(os.path.dirname(dst), exist_ok=True)
       if os.path.exists(dst):
         shutil.rmtree(dst)
       shutil.move(src, dst)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"rloo_checkpoint_quarantine_{step}")
     self.manager.reload()
 
   def close(self):

@@ -50,8 +50,12 @@ def sft_step(state: SftState, batch, *, fns, tx):
   return SftState(state.step + 1, params, opt_state), dict(metrics, loss=value)
 
 
-def train(config, workdir: str, fns, params, task, *, log=print):
-  """Runs (or restores) the SFT stage; returns the fine-tuned params."""
+def train(config, workdir: str, fns, params, task, *, log=print, shard_batch=None):
+  """Runs (or restores) the SFT stage; returns the fine-tuned params.
+
+  `shard_batch` (e.g. `sharding.Layout.shard_batch`) turns this process's rows into the global,
+  batch-sharded array; without it batches are passed as host arrays (one process only).
+  """
   from rloo_jax.trainer import make_optimizer  # the same AdamW + schedule as the RL stage
   c = config.sft
   directory = os.path.abspath(os.path.join(workdir, "sft"))
@@ -72,7 +76,10 @@ def train(config, workdir: str, fns, params, task, *, log=print):
   start = time.time()
   for i in range(c.steps):
     batch = next(batches)
-    state, metrics = step_fn(state, {k: batch[k] for k in ("tokens", "token_mask", "loss_mask")})
+    batch = {k: batch[k] for k in ("tokens", "token_mask", "loss_mask")}
+    if shard_batch is not None:
+      batch = {k: shard_batch(v) for k, v in batch.items()}
+    state, metrics = step_fn(state, batch)
     if (i + 1) % c.log_every == 0 or i + 1 == c.steps:
       m = jax.device_get(metrics)
       log(f"[sft] step {i + 1}/{c.steps} loss {float(m['loss']):.4f} "

@@ -4,6 +4,11 @@ r"""Entry point: train a policy with RLOO.
     python -m rloo_jax.train --config=configs/arithmetic.py:smoke --workdir=/tmp/smoke \
         --config.rloo.k=2
 
+Multi-host: start the same command once per process (docs/SHARDING.md), e.g. two CPU processes:
+
+    python -m rloo_jax.train --config=configs/arithmetic.py:smoke --workdir=/tmp/mp \
+        --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0 --num_cpu_devices=4
+
 The logic lives in `rloo_jax.trainer` so it can be imported, tested and driven from a notebook.
 Running again with the same workdir resumes from its newest checkpoint.
 """
@@ -12,12 +17,22 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from rloo_jax import sharding
 from rloo_jax import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "get_config(arg) file (path[:arg])",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, logs and data")
 flags.mark_flags_as_required(["config", "workdir"])
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "multi-process: host:port of process 0 for jax.distributed "
+    "(default: env JAX_COORDINATOR_ADDRESS; unset = one process)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "multi-process: number of processes (env JAX_NUM_PROCESSES)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "multi-process: this process's id (env JAX_PROCESS_ID)")
+_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", None,
+                                    "simulate this many CPU devices per process (testing)")
 
 
 def main(argv):
@@ -26,6 +41,9 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     # Orbax logs every file it writes at INFO; --verbosity=0 brings that back.
     logging.set_verbosity(logging.WARNING)
+  # Before any other jax call: the device set is fixed once the backend starts.
+  sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                  _CPU_DEVICES.value)
   trainer.run(_CONFIG.value, _WORKDIR.value)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from rloo_jax import advantage, loss, sampler, sampling
+from rloo_jax import sharding as sharding_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
 from rloo_jax.metrics import MetricWriter
@@ -119,17 +120,24 @@ def policy_loss(spec: LossSpec, logp_nt, old_logp_nt, cmask_nt, adv_n, logits_nt
                             aggregation=spec.aggregation, max_len=t, logits_btv=logits_ntv)
 
 
-def train_step(state: TrainState, batch: dict, *, fns, tx, spec: LossSpec, num_prompt: int):
-  """One gradient step on a minibatch of rollout rows. Pure; jitted with the state donated."""
+def train_step(state: TrainState, batch: dict, *, fns, tx, spec: LossSpec, num_prompt: int,
+               compute_shardings=None, param_shardings=None):
+  """One gradient step on a minibatch of rollout rows. Pure; jitted with the state donated.
+
+  FSDP: params are gathered into `compute_shardings` for the forward/backward and the gradients
+  reduce-scattered back onto `param_shardings` (both None without fsdp).
+  """
   t = batch["completions"].shape[1]
 
   def loss_fn(params):
+    params = _constrain(params, compute_shardings)
     logits = completion_logits(fns, params, batch["tokens"], batch["positions"], batch["mask"],
                                num_prompt, t)
     logp = loss.token_logprobs(logits, batch["completions"], batch["cmask"])
     return policy_loss(spec, logp, batch["old_logp"], batch["cmask"], batch["advantages"], logits)
 
   (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  grads = _constrain(grads, param_shardings)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, loss=value, grad_norm=optax.global_norm(grads))
@@ -138,9 +146,11 @@ def train_step(state: TrainState, batch: dict, *, fns, tx, spec: LossSpec, num_p
 
 def score_rollout(ref_params, adv_state, tokens_ns, positions_ns, mask_ns, completions_nt, cmask_nt,
                   policy_logp_nt, rewards_bk, usable_bk, *, fns, num_prompt: int, beta: float,
-                  kl_estimator: str, kl_reduction: str, estimator: str, options: tuple):
+                  kl_estimator: str, kl_reduction: str, estimator: str, options: tuple,
+                  compute_shardings=None):
   """Reference log-probs, KL, penalised rewards R = r - beta * KL and advantages, all [B, k]."""
   b, k = rewards_bk.shape
+  ref_params = _constrain(ref_params, compute_shardings)
   t = completions_nt.shape[1]
   ref_logits = completion_logits(fns, ref_params, tokens_ns, positions_ns, mask_ns, num_prompt, t)
   ref_logp = loss.token_logprobs(ref_logits, completions_nt, cmask_nt)
@@ -151,6 +161,10 @@ def score_rollout(ref_params, adv_state, tokens_ns, positions_ns, mask_ns, compl
                                       state=adv_state, **dict(options))
   return dict(kl_bk=kl.reshape(b, k), penalised_bk=penalised.reshape(b, k), advantages_bk=adv,
               ref_logp_nt=ref_logp), new_adv_state
+
+
+def _constrain(tree, shardings):
+  return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,19 +298,44 @@ class Experiment:
   step_fn: Callable
   score_fn: Callable
   sequences_fn: Callable
+  # The mesh and rules (a 1-device mesh for a 1-device run: one code path), the train state's
+  # shardings, and the jitted minibatch gather.
+  layout: sharding_lib.Layout = None
+  state_shardings: Any = None
+  rows_fn: Callable = None
+  compute_shardings: Any = None  # params gathered over fsdp (None without fsdp)
 
   @property
   def tokenizer(self):
     return self.task.tokenizer
 
 
-def build(config, workdir: str, task=None) -> Experiment:
-  """Validates the config, prepares the task and compiles nothing yet."""
+def validate_layout(config, layout: sharding_lib.Layout) -> None:
+  """Every batch the run shards must split evenly over the batch axes (and the processes)."""
+  r, t = config.rloo, config.train
+  check = sharding_lib.check_batch
+  check("config.rloo.num_prompts", r.num_prompts, layout)
+  check("the rollout batch (config.rloo.num_prompts * config.rloo.k)", r.num_prompts * r.k, layout)
+  if (r.num_prompts * r.k) % t.num_minibatches == 0:
+    check("the minibatch (num_prompts * k / config.train.num_minibatches)",
+          r.num_prompts * r.k // t.num_minibatches, layout)
+  check("config.train.eval_batch_size", t.eval_batch_size, layout)
+  if not config.model.init_from:
+    check("config.sft.batch_size", config.sft.batch_size, layout)
+
+
+def build(config, workdir: str, task=None, *, devices=None) -> Experiment:
+  """Validates the config and the mesh, prepares the task and compiles nothing yet.
+
+  `devices` (default: all of jax.devices()) are the devices the config.mesh is laid over.
+  """
   from rloo_jax import tasks  # tasks import data builders; keep `import trainer` light
   validate_config(config)
+  layout = sharding_lib.make_layout(config.mesh, devices)
+  validate_layout(config, layout)
   rewards = RewardSet.from_config(config.rewards)
   if task is None:
-    task = tasks.make(config, os.path.join(workdir, "data"))
+    task = _make_task(tasks, config, os.path.join(workdir, "data"))
   if config.model.init_from:
     from rloo_jax.models import hf
     mcfg, graphdef, _ = hf.load_model(config.model.init_from, dtype=config.model.dtype)
@@ -313,16 +352,48 @@ def build(config, workdir: str, task=None) -> Experiment:
   tx = make_optimizer(config.optim, config.train.num_iterations * updates_per_iteration)
   spec = LossSpec.from_config(config.loss)
   p = config.data.max_prompt_len
-  step_fn = jax.jit(functools.partial(train_step, fns=fns, tx=tx, spec=spec, num_prompt=p),
-                    donate_argnums=0)
-  score_fn = jax.jit(functools.partial(
+  exp = Experiment(config, workdir, task, mcfg, graphdef, fns, tx, spec, rewards,
+                   sampling_method(r), None, None, None, layout=layout)
+  # Explicit shardings: params / reference / optimizer moments by the logical rules, scalars
+  # replicated, every rollout row array split over the batch axes.
+  abstract = _abstract_state(exp)
+  state_sh = exp.state_shardings = layout.tree_shardings(abstract)
+  rows, rep = layout.batch_sharding, layout.replicated
+  compute_sh = exp.compute_shardings = layout.compute_shardings(abstract.params)
+  exp.step_fn = jax.jit(functools.partial(train_step, fns=fns, tx=tx, spec=spec, num_prompt=p,
+                                          compute_shardings=compute_sh,
+                                          param_shardings=compute_sh and state_sh.params),
+                        in_shardings=(state_sh, rows), out_shardings=(state_sh, rep),
+                        donate_argnums=0)
+  exp.score_fn = jax.jit(functools.partial(
       score_rollout, fns=fns, num_prompt=p, beta=float(config.kl.beta),
       kl_estimator=config.kl.estimator, kl_reduction=config.kl.reduction,
       estimator=config.advantage.estimator,
-      options=tuple(sorted(dict(config.advantage.options).items()))))
-  sequences_fn = jax.jit(rollout_sequences, static_argnames="k")
-  return Experiment(config, workdir, task, mcfg, graphdef, fns, tx, spec, rewards,
-                    sampling_method(r), step_fn, score_fn, sequences_fn)
+      options=tuple(sorted(dict(config.advantage.options).items())),
+      compute_shardings=compute_sh),
+      in_shardings=(state_sh.ref_params, state_sh.adv_state) + (rows,) * 8,
+      out_shardings=(rows, state_sh.adv_state))
+  sequences = jax.jit(rollout_sequences, static_argnums=4, in_shardings=(rows,) * 4,
+                      out_shardings=rows)
+  # jit takes no keyword arguments once in_shardings is given; keep the `k=` call style.
+  exp.sequences_fn = lambda tokens_bp, lengths_b, completions_nt, cmask_nt, k: sequences(
+      tokens_bp, lengths_b, completions_nt, cmask_nt, k)
+  exp.rows_fn = jax.jit(_take_rows, out_shardings=rows)
+  return exp
+
+
+def _make_task(tasks, config, data_dir: str):
+  """Multi-process: process 0 prepares the data files first; the rest then only read them."""
+  if jax.process_count() == 1:
+    return tasks.make(config, data_dir)
+  from jax.experimental import multihost_utils
+  task = tasks.make(config, data_dir) if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices("rloo_task_prepared")
+  return task if task is not None else tasks.make(config, data_dir)
+
+
+def _take_rows(rows: dict, idx):
+  return jax.tree.map(lambda x: x[idx], rows)
 
 
 def initial_params(exp: Experiment, *, log=print):
@@ -333,11 +404,20 @@ def initial_params(exp: Experiment, *, log=print):
     _, params = hf.load_checkpoint(config.model.init_from, dtype=config.model.dtype)
     return params
   from rloo_jax import sft
-  _, params = transformer.create(exp.model_config, seed=config.seed)
-  return sft.train(config, exp.workdir, exp.fns, params, exp.task, log=log)
+  params = create_params(exp, seed=config.seed)
+  return sft.train(config, exp.workdir, exp.fns, params, exp.task, log=log,
+                   shard_batch=exp.layout.shard_batch)
 
 
-def init_state(exp: Experiment, params) -> TrainState:
+def create_params(exp: Experiment, seed: int = 0):
+  """A freshly initialised policy, created directly sharded (never whole on one device)."""
+  from flax import nnx
+  mcfg = exp.model_config
+  return jax.jit(lambda: nnx.split(transformer.Transformer(mcfg, rngs=nnx.Rngs(seed)))[1],
+                 out_shardings=exp.state_shardings.params)()
+
+
+def _init_state(exp: Experiment, params) -> TrainState:
   spec = advantage.spec(exp.config.advantage.estimator)
   adv_state = spec.init_state() if spec.stateful else jnp.zeros((), jnp.float32)
   # A real copy: policy and reference must not share buffers, since the policy is donated.
@@ -347,9 +427,22 @@ def init_state(exp: Experiment, params) -> TrainState:
                     adv_state=adv_state)
 
 
-def abstract_state(exp: Experiment) -> TrainState:
+def init_state(exp: Experiment, params) -> TrainState:
+  """The train state on the mesh: jit(init, out_shardings=...), so the optimizer moments and
+  the reference are created sharded. `params` may be host values or arrays on any layout."""
+  params = exp.layout.put(params, exp.state_shardings.params)
+  return jax.jit(functools.partial(_init_state, exp), out_shardings=exp.state_shardings)(params)
+
+
+def _abstract_state(exp: Experiment) -> TrainState:
   _, params = transformer.abstract(exp.model_config)
-  return jax.eval_shape(lambda p: init_state(exp, p), params)
+  return jax.eval_shape(lambda p: _init_state(exp, p), params)
+
+
+def abstract_state(exp: Experiment) -> TrainState:
+  """ShapeDtypeStructs with this experiment's shardings: the Orbax restore target, so a
+  checkpoint written on any mesh restores onto this one."""
+  return exp.layout.abstract(_abstract_state(exp), exp.state_shardings)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,20 +461,30 @@ def decode_completions(tokenizer, tokens_nt, lengths_n) -> list[str]:
 def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None):
   """Samples k completions per prompt and scores them with the reward functions (host side)."""
   c = exp.config
-  out = sampler.sample(exp.fns, params, batch["prompt_tokens"], batch["prompt_lengths"], rng,
+  layout = exp.layout
+  if exp.compute_shardings is not None:
+    # FSDP: gather the policy over fsdp once for the whole decode loop (freed after sampling),
+    # rather than once per generated token.
+    params = jax.device_put(params, exp.compute_shardings)
+  # `batch` holds this process's rows; the sampler sees the global batch, split over the mesh.
+  out = sampler.sample(exp.fns, params, layout.shard_batch(batch["prompt_tokens"]),
+                       layout.shard_batch(batch["prompt_lengths"]), rng,
                        k=k, max_new_tokens=c.rloo.max_new_tokens,
                        method=method or exp.method, eos_id=exp.tokenizer.eos_id,
                        pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
-                       max_seq_len=exp.model_config.max_seq_len)
+                       max_seq_len=exp.model_config.max_seq_len,
+                       batch_sharding=layout.batch_sharding)
   b = batch["prompt_tokens"].shape[0]
-  tokens_nt = np.asarray(out.tokens_bkt).reshape(b * k, -1)
-  lengths_n = np.asarray(out.lengths_bk).reshape(-1)
+  tokens_nt = layout.local_rows(out.tokens_bkt).reshape(b * k, -1)
+  lengths_n = layout.local_rows(out.lengths_bk).reshape(-1)
   completions = decode_completions(exp.tokenizer, tokens_nt, lengths_n)
   fields = {name: np.repeat(np.asarray(v), k, axis=0) for name, v in batch.items()
             if name not in ("prompt_tokens", "prompt_lengths", "prompt", "index", "valid")}
   prompts = list(np.repeat(np.asarray(batch["prompt"], object), k))
+  # Each process scores its own rows; the rewards (and parts) returned are the global batch's.
   rewards_n, parts = exp.rewards(prompts, completions, fields)
-  return out, rewards_n.reshape(b, k), completions, parts
+  parts = {name: layout.gather_rows(v) for name, v in parts.items()}
+  return out, layout.gather_rows(rewards_n.reshape(b, k)), completions, parts
 
 
 def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
@@ -404,16 +507,18 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   timings["reward_s"] = time.perf_counter() - t0
 
   t0 = time.perf_counter()
-  b = rewards_bk.shape[0]
-  completions_nt = out.tokens_bkt.reshape(b * k, -1)
-  cmask_nt = out.mask_bkt.reshape(b * k, -1)
-  policy_logp_nt = out.policy_logprobs_bkt.reshape(b * k, -1)
-  tokens, positions, mask = exp.sequences_fn(jnp.asarray(batch["prompt_tokens"]),
-                                             jnp.asarray(batch["prompt_lengths"]),
+  layout = exp.layout
+  b = rewards_bk.shape[0]  # the global batch
+  completions_nt = layout.reshard_batch(out.tokens_bkt.reshape(b * k, -1))
+  cmask_nt = layout.reshard_batch(out.mask_bkt.reshape(b * k, -1))
+  policy_logp_nt = layout.reshard_batch(out.policy_logprobs_bkt.reshape(b * k, -1))
+  tokens, positions, mask = exp.sequences_fn(layout.shard_batch(batch["prompt_tokens"]),
+                                             layout.shard_batch(batch["prompt_lengths"]),
                                              completions_nt, cmask_nt, k=k)
   scored, adv_state = exp.score_fn(state.ref_params, state.adv_state, tokens, positions, mask,
-                                   completions_nt, cmask_nt, policy_logp_nt, jnp.asarray(rewards_bk),
-                                   jnp.asarray(usable_bk))
+                                   completions_nt, cmask_nt, policy_logp_nt,
+                                   layout.put_global_batch(rewards_bk.astype(np.float32)),
+                                   layout.put_global_batch(usable_bk))
   jax.block_until_ready(scored["advantages_bk"])
   timings["reference_s"] = time.perf_counter() - t0
   state = state.replace(adv_state=adv_state)
@@ -429,7 +534,7 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
     order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), n)
     for i in range(c.train.num_minibatches):
       idx = order[i * mb:(i + 1) * mb]
-      state, m = exp.step_fn(state, jax.tree.map(lambda x: x[idx], rows))
+      state, m = exp.step_fn(state, exp.rows_fn(rows, idx))
       step_metrics.append(m)
   jax.block_until_ready(state.params)
   timings["update_s"] = time.perf_counter() - t0
@@ -438,16 +543,16 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   m = {name: float(np.mean([float(x[name]) for x in step_metrics])) for name in step_metrics[0]}
   usable = usable_bk
   r = rewards_bk[usable]
-  lengths = np.asarray(out.lengths_bk)
+  lengths = layout.gather(out.lengths_bk)
   num_tokens = int(lengths.sum())
   all_equal = np.array([np.ptp(row[u]) == 0 if u.sum() >= 2 else True
                         for row, u in zip(rewards_bk, usable)])
-  adv = np.asarray(scored["advantages_bk"])
+  adv = layout.gather(scored["advantages_bk"])
   m.update(
       reward_mean=float(r.mean()) if r.size else float("nan"),
       reward_std=float(r.std()) if r.size else float("nan"),
-      kl=float(np.asarray(scored["kl_bk"]).mean()),
-      penalised_reward=float(np.asarray(scored["penalised_bk"])[usable].mean()) if r.size else 0.0,
+      kl=float(layout.gather(scored["kl_bk"]).mean()),
+      penalised_reward=float(layout.gather(scored["penalised_bk"])[usable].mean()) if r.size else 0.0,
       advantage_mean=float(adv.mean()), advantage_std=float(adv.std()),
       advantage_abs_max=float(np.abs(adv).max()),
       completion_length=float(lengths.mean()),
@@ -471,14 +576,16 @@ def evaluate(exp: Experiment, params, source, rng, *, num_prompts: int, batch_si
     batches = pipeline.prompt_batches(records, exp.tokenizer, global_batch_size=batch_size,
                                       max_prompt_len=c.data.max_prompt_len, shuffle=False,
                                       num_epochs=1, drop_remainder=False,
-                                      overlong=c.data.overlong)
+                                      overlong=c.data.overlong,
+                                      process_index=jax.process_index(),
+                                      process_count=jax.process_count())
     scores, lengths = [], []
     for i, batch in enumerate(batches):
       out, r_bk, _, _ = rollout(exp, params, batch, jax.random.fold_in(rng, i), k=1,
                                 method=method)
-      valid = np.asarray(batch["valid"])
+      valid = exp.layout.gather_rows(batch["valid"])  # global rows, like r_bk
       scores.append(np.asarray(r_bk)[valid, 0])
-      lengths.append(np.asarray(out.lengths_bk)[valid, 0])
+      lengths.append(exp.layout.gather(out.lengths_bk)[valid, 0])
     s = np.concatenate(scores)
     results[f"{name}_reward"] = float(np.nanmean(s)) if np.isfinite(s).any() else float("nan")
     results[f"{name}_length"] = float(np.concatenate(lengths).mean())

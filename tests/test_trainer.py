@@ -109,7 +109,9 @@ trainer.run(c, sys.argv[2], log=lambda *a, **k: None)
 
 
 def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(tmp_path):
-  iterations = 6
+  # Enough iterations that a kill within 1 s of the first checkpoint lands mid-run: with
+  # explicit shardings nothing recompiles after iteration 1, so an iteration takes ~0.1 s.
+  iterations = 30
   config = load_config()
   config.train.num_iterations = iterations
   reference = trainer.run(config, str(tmp_path / "uninterrupted"), log=quiet)["state"]

@@ -1,0 +1,307 @@
+"""Sharded training on simulated CPU devices: meshes, cross-mesh checkpoints, two processes.
+
+XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax starts, so the
+multi-device work runs in subprocesses: one worker (this file, run as a script) trains on every
+mesh and writes what it measured as JSON, which the tests below check. That keeps the compiles to
+one per (mesh, program), the cost that dominates on CPU.
+"""
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESHES = [(8, 1, 1), (2, 4, 1), (1, 2, 4), (2, 2, 2)]
+# Metrics that must agree across meshes (timings and throughputs excluded).
+COMPARED = ("loss", "grad_norm", "kl", "reward_mean", "reward_std", "penalised_reward",
+            "advantage_mean", "advantage_std", "completion_length", "entropy", "clip_fraction")
+
+
+def load_config(arg="smoke"):
+  spec = importlib.util.spec_from_file_location("arith_cfg", os.path.join(REPO, "configs",
+                                                                          "arithmetic.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def length_reward(prompts, completions, **fields):
+  """A reward with spread inside every group (an untrained model never gets sums right)."""
+  del prompts, fields
+  return [float(len(c) % 4) + 0.25 * c.count("1") for c in completions]
+
+
+def mesh_config(mesh=(1, 1, 1)):
+  """The smoke config with dims that the test meshes divide (kv heads and the 15-token vocab
+  deliberately not: those dimensions must fall back to replication)."""
+  c = load_config()
+  with c.unlocked():
+    c.model.update(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    c.rloo.update(num_prompts=8, k=2)
+    c.rewards.fns = [length_reward]
+    c.rewards.weights = [1.0]
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
+  return c
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker (runs with 8 simulated devices)
+
+
+def _host(tree):
+  import jax
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _max_diff(a, b):
+  return max(float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)), initial=0.0))
+             for x, y in zip(a, b))
+
+
+def _metric_diffs(m, ref):
+  return {k: abs(m[k] - ref[k]) / max(1.0, abs(ref[k])) for k in COMPARED if k in ref}
+
+
+def mesh_worker(workdir: str) -> dict:
+  import jax
+  from rloo_jax import sharding, trainer
+  from rloo_jax.checkpoint import Checkpointer
+  from rloo_jax.data import pipeline
+  from rloo_jax.models import transformer
+  assert jax.device_count() == 8, jax.devices()
+  t_start = time.time()
+  exp1 = trainer.build(mesh_config(), workdir, devices=jax.devices()[:1])
+  task = exp1.task
+  params0 = jax.device_get(transformer.create(exp1.model_config, seed=3)[1])
+  data = pipeline.prompt_batches(task.train, task.tokenizer, global_batch_size=8,
+                                 max_prompt_len=exp1.config.data.max_prompt_len, seed=0)
+  batch1, batch2 = next(data), next(data)
+
+  state, ref_m1 = trainer.rl_iteration(exp1, trainer.init_state(exp1, params0), batch1)
+  ref_s1 = _host(state)
+  state, ref_m2 = trainer.rl_iteration(exp1, state, batch2)
+  ref_s2 = _host(state)
+  out = {"meshes": {}, "restore": {}}
+  exps = {}
+  ckdir = os.path.join(workdir, "ckpt_2x4x1")
+  for mesh in MESHES:
+    t0 = time.time()
+    exp = exps[mesh] = trainer.build(mesh_config(mesh), workdir, task=task)
+    state = trainer.init_state(exp, params0)
+    state, m = trainer.rl_iteration(exp, state, batch1)
+    emb = state.params["embedding"][...]
+    q = state.params["layers"][0]["attn"]["q_kernel"][...]
+    out["meshes"][str(mesh)] = dict(
+        state_diff=_max_diff(_host(state), ref_s1), metric_diffs=_metric_diffs(m, ref_m1),
+        step=int(state.step), seconds=time.time() - t0,
+        embedding_spec=str(emb.sharding.spec), q_kernel_spec=str(q.sharding.spec),
+        q_kernel_shard=list(q.addressable_shards[0].data.shape),
+        num_devices=len(q.sharding.device_set),
+        param_bytes_per_device=sharding.per_device_bytes(state.params),
+        param_bytes_total=int(sum(x.nbytes for x in jax.tree.leaves(state.params))))
+    if mesh == (2, 4, 1):
+      ckpt = Checkpointer(ckdir)
+      ckpt.save(1, state, {"data": "batch1"}, force=True)
+      ckpt.close()
+
+  # A checkpoint written on (2, 4, 1) restores onto (8, 1, 1) and onto one device; both continue.
+  for name, exp in (("8x1x1", exps[(8, 1, 1)]), ("1 device", exp1)):
+    ckpt = Checkpointer(ckdir)
+    step, state, meta = ckpt.restore(trainer.abstract_state(exp))
+    ckpt.close()
+    leaf = state.params["layers"][0]["mlp"]["up_kernel"][...]
+    restored_diff = _max_diff(_host(state), ref_s1)
+    state, m = trainer.rl_iteration(exp, state, batch2)
+    out["restore"][name] = dict(
+        step=step, meta=meta, restored_diff=restored_diff,
+        num_devices=len(leaf.sharding.device_set), spec=str(leaf.sharding.spec),
+        continued_diff=_max_diff(_host(state), ref_s2),
+        metric_diffs=_metric_diffs(m, ref_m2), final_step=int(state.step))
+  out["seconds"] = time.time() - t_start
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers for the tests
+
+
+def _env(devices=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep +
+             os.environ.get("PYTHONPATH", ""))
+  if devices:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={devices}").strip()
+  return env
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("meshes"))
+  result = os.path.join(workdir, "result.json")
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "meshes", workdir, result],
+                        env=_env(8), capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  with open(result) as f:
+    return json.load(f)
+
+
+# float32 tolerance: reductions are split differently across devices, nothing else differs.
+ATOL = 2e-5
+MTOL = 1e-4
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
+def test_one_iteration_matches_one_device(mesh_results, mesh):
+  r = mesh_results["meshes"][str(mesh)]
+  assert r["num_devices"] == 8 and r["step"] == 1
+  assert r["state_diff"] < ATOL, r
+  bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
+  assert not bad, bad
+  data, fsdp, tensor = mesh
+  # The parameters really are split: embed over fsdp, q heads over tensor.
+  assert r["q_kernel_shard"] == [32 // fsdp, 4 // tensor, 8], r
+  if fsdp > 1 or tensor > 1:
+    assert r["param_bytes_per_device"] < r["param_bytes_total"], r
+
+
+def test_checkpoint_restores_onto_another_mesh_and_training_continues(mesh_results):
+  for name, r in mesh_results["restore"].items():
+    assert r["step"] == 1 and r["meta"] == {"data": "batch1"}, (name, r)
+    assert r["restored_diff"] < ATOL, (name, r)  # the (2,4,1) state, bit for bit up to its noise
+    assert r["final_step"] == 2, (name, r)
+    assert r["continued_diff"] < ATOL, (name, r)
+    bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
+    assert not bad, (name, bad)
+  assert mesh_results["restore"]["8x1x1"]["num_devices"] == 8
+  assert mesh_results["restore"]["1 device"]["num_devices"] == 1
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+_MP_CONFIG = """
+import importlib.util
+def get_config(arg=None):
+  spec = importlib.util.spec_from_file_location("arith", {path!r})
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("smoke")
+  # A reward with spread: with all-zero rewards the update is Adam-normalised float noise.
+  c.rewards.fns = ["tests.test_sharding:length_reward"]
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+  return c
+"""
+
+
+def _mp_flags(workdir, config_path):
+  return [f"--config={config_path}", f"--workdir={workdir}"]
+
+
+def test_two_processes_train_and_checkpoint_like_one(tmp_path):
+  """Two processes x 4 CPU devices (gloo) vs one process x 8 devices, same global batch."""
+  port = _free_port()
+  mp_dir, sp_dir = str(tmp_path / "two_processes"), str(tmp_path / "one_process")
+  config_path = str(tmp_path / "mp_config.py")
+  with open(config_path, "w") as f:
+    f.write(_MP_CONFIG.format(path=os.path.join(REPO, "configs", "arithmetic.py")))
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "rloo_jax.train", *_mp_flags(mp_dir, config_path),
+       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+       "--num_cpu_devices=4"], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  single = subprocess.Popen([sys.executable, "-m", "rloo_jax.train", *_mp_flags(sp_dir, config_path),
+                             "--num_cpu_devices=8"], env=_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  logs = []
+  for p in procs + [single]:
+    try:
+      logs.append(p.communicate(timeout=900)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs + [single]:
+        q.kill()
+      raise
+  for p, log in zip(procs + [single], logs):
+    assert p.returncode == 0, log[-5000:]
+
+  import jax
+  from rloo_jax import trainer
+  from rloo_jax.checkpoint import Checkpointer
+  config = load_config()
+  config.rewards.fns = [length_reward]
+  states, metas = [], []
+  for workdir in (mp_dir, sp_dir):
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
+    exp = trainer.build(config, workdir)  # restores onto this process's one device
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+    step, state, meta = ckpt.restore(trainer.abstract_state(exp))
+    ckpt.close()
+    assert step == 2 and int(state.step) == 2
+    states.append([np.asarray(x) for x in jax.tree.leaves(state)])
+    metas.append(meta)
+  assert metas[0]["data"] == metas[1]["data"]
+  assert _max_diff(*states) < 1e-4
+  rows = []
+  for workdir in (mp_dir, sp_dir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      rows.append([json.loads(l) for l in f if "train/loss" in l])
+  assert [r["step"] for r in rows[0]] == [1, 2]  # process 0 logged once
+  for a, b in zip(*rows):
+    for k in ("train/loss", "train/kl", "train/reward_mean", "train/completion_length"):
+      assert abs(a[k] - b[k]) <= 1e-3 * max(1.0, abs(b[k])), (k, a[k], b[k])
+  with open(os.path.join(mp_dir, "summary.json")) as f:
+    assert json.load(f)["iterations"] == 2
+
+
+@pytest.mark.parametrize("mesh, override, message", [
+    (dict(data=3), {}, r"config\.mesh \(data=3, fsdp=1, tensor=1\) needs 3 devices but 1 are"),
+    (dict(data=-1, fsdp=-1), {}, r"more than one -1"),
+    (dict(rules=[("batch", ("data", "fsdp")), ("embed", "model")]), {},
+     r"maps 'embed' onto an unknown mesh axis 'model'"),
+    (dict(rules=[("hidden", "fsdp")]), {}, r"unknown logical axis 'hidden'"),
+])
+def test_bad_mesh_config_fails_before_compiling(tmp_path, mesh, override, message):
+  from rloo_jax import trainer
+  config = load_config()
+  config.mesh.update(mesh)
+  start = time.time()
+  with pytest.raises(ValueError, match=message):
+    trainer.run(config, str(tmp_path))
+  assert time.time() - start < 10
+  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+def test_batch_not_divisible_by_data_parallelism_fails_before_compiling(tmp_path):
+  """Checked on a (fake) 8-device layout: batches must split over data x fsdp."""
+  from rloo_jax import sharding, trainer
+  config = load_config()  # num_prompts = 4, k = 4
+
+
+  layout = sharding.Layout(
+      mesh=type("M", (), {"shape": {"data": 8, "fsdp": 1, "tensor": 1}})(),
+      rules=sharding.parse_rules(config.mesh.rules))
+  with pytest.raises(ValueError, match=r"config\.rloo\.num_prompts = 4 is not divisible by the "
+                                       r"batch parallelism 8 \(mesh axes data x fsdp = 8 x 1\)"):
+    trainer.validate_layout(config, layout)
+  layout = sharding.Layout(
+      mesh=type("M", (), {"shape": {"data": 2, "fsdp": 2, "tensor": 2}})(),
+      rules=sharding.parse_rules(config.mesh.rules))
+  config.train.num_minibatches = 8  # 16 rows / 8 = minibatches of 2, not divisible by 4
+  with pytest.raises(ValueError, match=r"the minibatch .* = 2 is not divisible"):
+    trainer.validate_layout(config, layout)
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "meshes":
+    result = mesh_worker(sys.argv[2])
+    with open(sys.argv[3], "w") as f:
+      json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
