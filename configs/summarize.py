@@ -2,11 +2,13 @@ r"""TL;DR in miniature: SFT -> preference pairs -> reward model -> RLOO, judged 
 
 The embedded summarisation task (`rloo_jax.data.summarize`): a prompt is a short bag-of-words
 "document", a good completion lists its key words once, in order. A small Llama-shaped policy is
-fine-tuned on imperfect human-style summaries; its samples, labelled by the gold reward with
-Bradley-Terry noise, train a reward model initialised from the SFT policy (as in the paper); RLOO
-then optimises that learned reward, and evaluation judges with the gold reward.
+fine-tuned on imperfect human-style summaries: a systematic habit (70% open with the filler word
+"the", so even the SFT policy's greedy summaries carry it) plus random slips. Its samples, labelled
+by the gold reward with Bradley-Terry noise, train a reward model initialised from the SFT policy
+(as in the paper); RLOO then optimises that learned reward, and evaluation judges with the gold
+reward.
 
-The whole RLHF pipeline (one command, about 10 minutes on a 2-core CPU):
+The whole RLHF pipeline (one command, 4.5-7.5 minutes on a 2-core CPU, depending on its load):
 
     python experiments/rlhf_pipeline.py --config=configs/summarize.py --workdir=/tmp/rlhf
     python experiments/rlhf_pipeline.py --config=configs/summarize.py:smoke --workdir=/tmp/rlhf_s
@@ -28,6 +30,9 @@ def get_config(arg=None):
   c.seed = arg.seed
   c.task = "summarize"
   # Documents are <= 16 words: a prompt is <= 19 word tokens with bos; summaries are ~1-6 words.
+  # The demonstrator's habit and slips are SummarizeConfig defaults (rloo_jax/data/summarize.py);
+  # the dataset directory is named by them, but the sft/ and pairs/ caches are not: after changing
+  # them, use a fresh workdir.
   c.data.update(num_train=4000, num_test=256, min_keys=1, max_keys=3, max_prompt_len=20)
   c.model.update(max_seq_len=32)
   c.sft.update(steps=600, batch_size=64, learning_rate=3e-3, warmup_steps=50, log_every=100)

@@ -12,9 +12,12 @@ for document order). It plays the human labeller: the policy never sees it, pref
 drawn from it with Bradley-Terry noise (`bradley_terry_prefer`), a reward model learns from the
 pairs, and evaluation (`win_rate`) judges with it.
 
-The dataset's `answer` is an *imperfect* reference summary (key words dropped, fillers inserted,
-order shuffled, words repeated, each with a configurable probability) so a policy fine-tuned on it
-starts well below the gold optimum and RL has room to improve; `reference` is the ideal summary.
+The dataset's `answer` is an *imperfect* reference summary, so a policy fine-tuned on it starts
+below the gold optimum and RL has room to improve; `reference` is the ideal summary. Its flaws are
+a systematic habit (most summaries open with the same filler word, `lead_word`, so the SFT
+policy's greedy mode is imperfect too -- like the arithmetic demonstrator that drops carries) plus
+random slips (key words dropped, fillers inserted, order shuffled, words repeated), each with a
+configurable probability.
 Word-level tokens (`make_tokenizer`) keep prompts ~20 tokens and summaries ~5, which is what makes
 the whole SFT -> reward model -> RLOO pipeline fit in minutes on a CPU.
 """
@@ -138,10 +141,16 @@ class SummarizeConfig(tfds.core.BuilderConfig):
   max_repeats: int = 2          # each key word occurs 1..max_repeats times
   min_doc_words: int = 10
   max_doc_words: int = 16
-  p_drop: float = 0.35          # per key word, left out of the reference summary
-  p_filler: float = 0.5         # 1-2 document fillers inserted
-  p_shuffle: float = 0.3        # reference words in random order
-  p_repeat: float = 0.15        # one reference word said twice
+  # The demonstrator's *systematic* habit: it opens most summaries with the same filler word
+  # ("the storm river"). The SFT policy's mode inherits it, so even its greedy summaries pay the
+  # extra-word cost (0.2, or 0.3 when the word is not in the document) and RL has headroom there.
+  lead_word: str = "the"
+  p_lead: float = 0.7           # summaries that open with lead_word
+  # Random slips on top of the habit (they shape the samples, rarely the mode).
+  p_drop: float = 0.2           # per key word, left out of the reference summary
+  p_filler: float = 0.3         # 1-2 document fillers inserted
+  p_shuffle: float = 0.2        # reference words in random order
+  p_repeat: float = 0.1         # one reference word said twice
   seed: int = 0
 
 
@@ -167,6 +176,8 @@ def imperfect_summary(doc_words: Sequence[str], rng: np.random.Generator,
   if words and rng.random() < c.p_repeat:
     i = int(rng.integers(len(words)))
     words.insert(i + 1, words[i])
+  if c.lead_word and rng.random() < c.p_lead:  # the habit: one consistent opening word
+    words.insert(0, c.lead_word)
   return " ".join(words)
 
 
