@@ -95,15 +95,16 @@ def run_config(config, workdir: str, *, log=print) -> dict:
 
 def prepare_shared(base, root: str, sft_from: str, log):
   """The sweep's one SFT policy (and prepared data) in <root>/_shared."""
+  from rloo_jax import sft
   shared = os.path.join(root, "_shared")
-  if os.path.isdir(os.path.join(shared, "sft", str(base.sft.steps))):
+  if sft.is_cached(base, shared):
     return shared
   os.makedirs(shared, exist_ok=True)
   if sft_from:
-    src = os.path.join(sft_from, "sft", str(base.sft.steps))
+    src = os.path.join(sft_from, "sft", base.sft.cache_key, str(base.sft.steps))
     if not os.path.isdir(src):
-      raise FileNotFoundError(f"--sft_from={sft_from}: no sft/{base.sft.steps} in it (the base "
-                              "config's config.sft.steps); train one with the same config")
+      raise FileNotFoundError(f"--sft_from={sft_from}: no sft/{base.sft.cache_key}/"
+                              f"{base.sft.steps} in it; train one with the sweep's base config")
     shutil.copytree(os.path.join(sft_from, "sft"), os.path.join(shared, "sft"))
     log(f"[sweep] shared SFT policy copied from {sft_from}")
     return shared
@@ -135,6 +136,8 @@ def main(argv=None):
       raise ValueError(f"--only names {sorted(unknown)} are not in {args.sweep}")
     runs = [r for r in runs if r["name"] in wanted]
   base = apply_overrides(load_config(module.CONFIG), getattr(module, "COMMON", {}))
+  # One SFT policy for every method and seed of the sweep (seeds vary the RL stage only).
+  base.sft.cache_key = base.sft.cache_key or "sweep"
   log = (lambda *a, **k: None) if args.quiet else print
   # Seed-major order: a sweep cut short still has every method at the first seeds.
   configs = [(r, seed, apply_overrides(base, dict(r, seed=seed))) for seed in seeds for r in runs]

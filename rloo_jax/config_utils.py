@@ -57,7 +57,10 @@ def base_config() -> ml_collections.ConfigDict:
       steps=1500, batch_size=64, learning_rate=3e-3, warmup_steps=100, weight_decay=0.0,
       # Fraction of demonstrations that are wrong in a systematic way (the arithmetic task drops
       # carries): an imperfect demonstrator, so SFT plateaus and reward-driven RL has headroom.
-      demo_error_rate=0.0, log_every=100))
+      demo_error_rate=0.0, log_every=100,
+      # The SFT policy is cached in <workdir>/sft/<key>; '' keys it on every setting it depends
+      # on (a changed config trains a new one). Sweeps set one key to share a single policy.
+      cache_key=""))
 
   c.rloo = ml_collections.ConfigDict(dict(
       k=4, num_prompts=32, max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0,

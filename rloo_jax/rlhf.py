@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rloo_jax import rewards as rewards_lib
-from rloo_jax import sampler, sampling, trainer
+from rloo_jax import sampler, sampling, sft, trainer
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
 from rloo_jax.metrics import MetricWriter
@@ -369,7 +369,7 @@ def run(config, workdir: str, *, log=print) -> dict:
   t0 = time.time()
   exp = trainer.build(with_rewards(config, [r.gold_reward], [1.0]), workdir)
   task = exp.task
-  sft_cached = os.path.isdir(os.path.join(workdir, "sft", str(config.sft.steps)))
+  sft_cached = sft.is_cached(config, workdir)
   sft_params = trainer.initial_params(exp, log=log)
   if not sft_cached:
     timings["sft_s"] = time.time() - t0

@@ -8,6 +8,8 @@ policy trained here from scratch on the task's demonstrations. The result is cac
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import time
 
@@ -58,13 +60,16 @@ def train(config, workdir: str, fns, params, task, *, log=print, shard_batch=Non
   """
   from rloo_jax.trainer import make_optimizer  # the same AdamW + schedule as the RL stage
   c = config.sft
-  directory = os.path.abspath(os.path.join(workdir, "sft"))
+  directory = cache_dir(config, workdir)
   manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=1))
   if manager.latest_step() == c.steps:
     params = manager.restore(c.steps, args=ocp.args.StandardRestore(params))
     manager.close()
     log(f"[sft] restored the cached SFT policy from {directory}")
     return params
+  if jax.process_index() == 0:
+    with open(directory + ".json", "w") as f:  # what this cache entry was trained with
+      json.dump(_settings(config), f, indent=1, sort_keys=True)
   tx = make_optimizer(_sft_optim(c), c.steps)
   state = SftState(jnp.zeros((), jnp.int32), params, tx.init(params))
   step_fn = jax.jit(functools.partial(sft_step, fns=fns, tx=tx), donate_argnums=0)
@@ -88,6 +93,27 @@ def train(config, workdir: str, fns, params, task, *, log=print, shard_batch=Non
   manager.wait_until_finished()
   manager.close()
   return state.params
+
+
+def _settings(config) -> dict:
+  sft_config = {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_key", "log_every")}
+  return dict(task=config.task, seed=config.seed, sft=sft_config,
+              model=config.model.to_dict(), data=config.data.to_dict(),
+              max_new_tokens=config.rloo.max_new_tokens)
+
+
+def cache_dir(config, workdir: str) -> str:
+  """`<workdir>/sft/<fingerprint>`: keyed on every setting the SFT policy depends on, so a changed
+  config trains a new policy instead of silently reusing a stale one (and nothing is deleted)."""
+  key = config.sft.get("cache_key", "")
+  if not key:  # a sweep sets one key so that all its runs share one SFT policy
+    key = hashlib.sha1(json.dumps(_settings(config), sort_keys=True, default=str).encode())
+    key = key.hexdigest()[:12]
+  return os.path.abspath(os.path.join(workdir, "sft", key))
+
+
+def is_cached(config, workdir: str) -> bool:
+  return os.path.isdir(os.path.join(cache_dir(config, workdir), str(config.sft.steps)))
 
 
 def _sft_optim(c):

@@ -171,6 +171,15 @@ def _constrain(tree, shardings):
 # Rewards (host side: reward functions are arbitrary Python)
 
 
+def _reward_name(spec) -> str:
+  """A short metric name: 'pkg.mod:fn' -> 'fn', 'reward_model:/runs/rm' -> 'reward_model'."""
+  if not isinstance(spec, str):
+    return getattr(spec, "__name__", "fn")
+  if spec.startswith("reward_model:"):
+    return "reward_model"
+  return spec.rsplit(":", 1)[-1]
+
+
 @dataclasses.dataclass
 class RewardSet:
   fns: Sequence[Callable[..., Any]]
@@ -187,7 +196,7 @@ class RewardSet:
                        "('package.module:function')")
     return cls([rewards_lib.resolve(f) for f in c.fns],
                [float(w) for w in c.weights],
-               [f if isinstance(f, str) else getattr(f, "__name__", "fn") for f in c.fns])
+               [_reward_name(f) for f in c.fns])
 
   def __call__(self, prompts, completions, fields):
     """Weighted sum [N] and per-function scores; NaN (unscorable) in any function -> NaN."""
@@ -199,7 +208,7 @@ class RewardSet:
       if r.shape != (len(completions),):
         raise ValueError(f"reward function {name} returned shape {r.shape}; expected "
                          f"({len(completions)},): one score per completion")
-      parts[name.rsplit(":", 1)[-1]] = r
+      parts[name] = r
       total = total + w * r
     return total, parts
 
@@ -496,7 +505,7 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   timings = {}
 
   t0 = time.perf_counter()
-  out, raw_rewards_bk, completions, _ = rollout(exp, state.params, batch,
+  out, raw_rewards_bk, completions, parts = rollout(exp, state.params, batch,
                                                 jax.random.fold_in(rng, 0), k=k)
   jax.block_until_ready(out.tokens_bkt)
   timings["rollout_s"] = time.perf_counter() - t0
@@ -548,6 +557,9 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   all_equal = np.array([np.ptp(row[u]) == 0 if u.sum() >= 2 else True
                         for row, u in zip(rewards_bk, usable)])
   adv = layout.gather(scored["advantages_bk"])
+  # Each reward function's own mean (before weighting), over the samples it could score.
+  m.update({f"reward/{name}": float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
+            for name, v in parts.items()})
   m.update(
       reward_mean=float(r.mean()) if r.size else float("nan"),
       reward_std=float(r.std()) if r.size else float("nan"),
