@@ -320,14 +320,7 @@ def ppo_iteration(pexp: PPOExperiment, state: PPOState, batch: dict):
   rows = dict(tokens=tokens, positions=positions, mask=mask, completions=completions_nt,
               loss_mask=s["loss_mask_nt"], old_logp=old_logp_nt, advantages=s["advantages_nt"],
               returns=s["returns_nt"], old_values=s["values_nt"])
-  mb = n // c.train.num_minibatches
-  step_metrics = []
-  for epoch in range(c.train.num_epochs):
-    order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), n)
-    for i in range(c.train.num_minibatches):
-      idx = order[i * mb:(i + 1) * mb]
-      state, m = pexp.step_fn(state, jax.tree.map(lambda x: x[idx], rows))
-      step_metrics.append(m)
+  state, step_metrics = trainer.minibatch_updates(exp, pexp.step_fn, state, rows, n, rng)
   jax.block_until_ready(state.params)
   timings["update_s"] = time.perf_counter() - t0
   state = state.replace(step=state.step + 1)

@@ -496,6 +496,23 @@ def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None):
   return out, layout.gather_rows(rewards_n.reshape(b, k)), completions, parts
 
 
+def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng):
+  """`num_epochs` shuffled passes over the n rollout rows in `num_minibatches` minibatches.
+
+  Epoch e's order comes from fold_in(rng, 1 + e), so a resumed run replays it exactly. Returns
+  (state, [metrics of each step]). Shared by RLOO and the PPO baseline.
+  """
+  c = exp.config.train
+  mb = n // c.num_minibatches
+  step_metrics = []
+  for epoch in range(c.num_epochs):
+    order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), n)
+    for i in range(c.num_minibatches):
+      state, m = step_fn(state, exp.rows_fn(rows, order[i * mb:(i + 1) * mb]))
+      step_metrics.append(m)
+  return state, step_metrics
+
+
 def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   """rollout -> rewards -> reference -> advantages -> epochs x minibatches. Returns (state, metrics)."""
   c = exp.config
@@ -537,14 +554,7 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
               cmask=cmask_nt, old_logp=policy_logp_nt,
               advantages=scored["advantages_bk"].reshape(-1))
   n = b * k
-  mb = n // c.train.num_minibatches
-  step_metrics = []
-  for epoch in range(c.train.num_epochs):
-    order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), n)
-    for i in range(c.train.num_minibatches):
-      idx = order[i * mb:(i + 1) * mb]
-      state, m = exp.step_fn(state, exp.rows_fn(rows, idx))
-      step_metrics.append(m)
+  state, step_metrics = minibatch_updates(exp, exp.step_fn, state, rows, n, rng)
   jax.block_until_ready(state.params)
   timings["update_s"] = time.perf_counter() - t0
   state = state.replace(step=state.step + 1)

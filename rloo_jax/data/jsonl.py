@@ -7,8 +7,9 @@ at start-up with the file and line named, not hours into a run.
 
 from __future__ import annotations
 
-import json
 import os
+
+from rloo_jax.data.builder import read_json_lines
 
 
 class JsonlSource:
@@ -21,30 +22,20 @@ class JsonlSource:
     if not os.path.isfile(self.path):
       raise FileNotFoundError(f"JSONL prompts file not found: {self.path}")
     self._records: list[dict[str, str]] = []
-    with open(self.path, encoding="utf-8") as f:
-      for lineno, line in enumerate(f, start=1):
-        if not line.strip():
-          continue
-        where = f"{self.path}:{lineno}"
-        try:
-          row = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict):
-          raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        if prompt_field not in row:
-          raise ValueError(f"{where}: missing field {prompt_field!r} (fields: {sorted(row)})")
-        prompt = row[prompt_field]
-        if not isinstance(prompt, str) or not prompt:
-          raise ValueError(f"{where}: field {prompt_field!r} must be a non-empty string, "
-                           f"got {prompt!r}")
-        answer = row.get(answer_field)
-        if answer is None:
-          answer = ""
-        elif isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-          raise ValueError(f"{where}: field {answer_field!r} must be a string or number, "
-                           f"got {type(answer).__name__}")
-        self._records.append({"prompt": prompt, "answer": str(answer)})
+    for where, row in read_json_lines(self.path):
+      if prompt_field not in row:
+        raise ValueError(f"{where}: missing field {prompt_field!r} (fields: {sorted(row)})")
+      prompt = row[prompt_field]
+      if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: field {prompt_field!r} must be a non-empty string, "
+                         f"got {prompt!r}")
+      answer = row.get(answer_field)
+      if answer is None:
+        answer = ""
+      elif isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"{where}: field {answer_field!r} must be a string or number, "
+                         f"got {type(answer).__name__}")
+      self._records.append({"prompt": prompt, "answer": str(answer)})
     if not self._records:
       raise ValueError(f"{self.path}: no records (the file is empty)")
 

@@ -188,6 +188,24 @@ def _rope(x_bshd: jax.Array, positions_bs: jax.Array, theta: float) -> jax.Array
   return out.astype(x_bshd.dtype)
 
 
+def _dense(x_bse: jax.Array, kernel_ef: jax.Array, preferred_element_type=None) -> jax.Array:
+  """x @ kernel as one 2-D matmul over the flattened rows, [B*S, E] x [E, F] -> [B, S, F].
+
+  Why not einsum('bse,ef->bsf'): its weight gradient contracts over two axes (b and s), which
+  XLA:CPU does not hand to its fast GEMM kernel.
+  """
+  b, s, e = x_bse.shape
+  y = jnp.matmul(x_bse.reshape(b * s, e), kernel_ef, preferred_element_type=preferred_element_type)
+  return y.reshape(b, s, kernel_ef.shape[-1])
+
+
+def _project(x_bse: jax.Array, kernel_ehd: jax.Array) -> jax.Array:
+  """x @ kernel, [B, S, E] x [E, H, D] -> [B, S, H, D], as one 2-D matmul (see `_dense`)."""
+  _, h, d = kernel_ehd.shape
+  y = _dense(x_bse, kernel_ehd.reshape(kernel_ehd.shape[0], h * d))
+  return y.reshape(*y.shape[:2], h, d)
+
+
 class Attention(nnx.Module):
   """Projections only; the attention pattern (full, prefill, cached decode) is chosen by the caller."""
 
@@ -213,9 +231,9 @@ class Attention(nnx.Module):
     """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D]."""
     c = self.config
     dt = x_bse.dtype
-    q = jnp.einsum('bse,ehd->bshd', x_bse, _cast(self.q_kernel, dt))
-    k = jnp.einsum('bse,ehd->bshd', x_bse, _cast(self.k_kernel, dt))
-    v = jnp.einsum('bse,ehd->bshd', x_bse, _cast(self.v_kernel, dt))
+    q = _project(x_bse, _cast(self.q_kernel, dt))
+    k = _project(x_bse, _cast(self.k_kernel, dt))
+    v = _project(x_bse, _cast(self.v_kernel, dt))
     if c.qkv_bias:
       q = q + _cast(self.q_bias, dt)
       k = k + _cast(self.k_bias, dt)
@@ -231,8 +249,9 @@ class Attention(nnx.Module):
   def out(self, o_bshgd: jax.Array) -> jax.Array:
     c = self.config
     b, s = o_bshgd.shape[:2]
-    o_bshd = o_bshgd.reshape(b, s, c.num_heads, c.head_dim)
-    y = jnp.einsum('bshd,hde->bse', o_bshd, _cast(self.o_kernel, o_bshd.dtype))
+    o_nf = o_bshgd.reshape(b * s, c.num_heads * c.head_dim)
+    kernel = _cast(self.o_kernel, o_nf.dtype)
+    y = (o_nf @ kernel.reshape(-1, kernel.shape[-1])).reshape(b, s, -1)
     if c.is_gpt2:
       y = y + _cast(self.o_bias, y.dtype)
     return y
@@ -257,13 +276,13 @@ class MLP(nnx.Module):
 
   def __call__(self, x_bse: jax.Array) -> jax.Array:
     dt = x_bse.dtype
-    up = jnp.einsum('bse,ef->bsf', x_bse, _cast(self.up_kernel, dt))
+    up = _dense(x_bse, _cast(self.up_kernel, dt))
     if self.gpt2:
       h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=True)
     else:
-      gate = jnp.einsum('bse,ef->bsf', x_bse, _cast(self.gate_kernel, dt))
+      gate = _dense(x_bse, _cast(self.gate_kernel, dt))
       h = jax.nn.silu(gate) * up
-    y = jnp.einsum('bsf,fe->bse', h, _cast(self.down_kernel, dt))
+    y = _dense(h, _cast(self.down_kernel, dt))
     if self.gpt2:
       y = y + _cast(self.down_bias, dt)
     return y
@@ -355,8 +374,8 @@ class Transformer(nnx.Module):
       v = jnp.einsum('bse,eo->bso', x, _cast(self.score_kernel, x.dtype), preferred_element_type=f32)
       return v[..., 0] + self.score_bias[...].astype(f32)[0]
     if self.config.tie_embeddings:
-      return jnp.einsum('bse,ve->bsv', x, _cast(self.embedding, x.dtype), preferred_element_type=f32)
-    return jnp.einsum('bse,ev->bsv', x, _cast(self.lm_head, x.dtype), preferred_element_type=f32)
+      return _dense(x, _cast(self.embedding, x.dtype).T, preferred_element_type=f32)
+    return _dense(x, _cast(self.lm_head, x.dtype), preferred_element_type=f32)
 
   def prefill(self, tokens_bp, positions_bp, mask_bp):
     x = self._embed(tokens_bp, positions_bp)
