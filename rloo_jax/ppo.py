@@ -39,7 +39,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from rloo_jax import advantage, loss, trainer
+from rloo_jax import loss, trainer
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
 from rloo_jax.metrics import MetricWriter
@@ -289,17 +289,8 @@ def ppo_iteration(pexp: PPOExperiment, state: PPOState, batch: dict):
   exp, c = pexp.exp, pexp.config
   k = c.rloo.k
   rng = jax.random.fold_in(state.rng, int(state.step))
-  timings = {}
-  t0 = time.perf_counter()
-  out, raw_rewards_bk, _, _ = trainer.rollout(exp, state.params, batch, jax.random.fold_in(rng, 0),
-                                              k=k)
-  jax.block_until_ready(out.tokens_bkt)
-  timings["rollout_s"] = time.perf_counter() - t0
-
-  t0 = time.perf_counter()
-  rewards_bk, usable_bk, num_nonfinite = advantage.prepare_rewards(
-      raw_rewards_bk, nan_policy=c.rewards.nan_policy)
-  timings["reward_s"] = time.perf_counter() - t0
+  out, rewards_bk, usable_bk, num_nonfinite, _, timings = trainer.timed_rollout(
+      exp, state.params, batch, rng, k=k)
 
   t0 = time.perf_counter()
   b = rewards_bk.shape[0]

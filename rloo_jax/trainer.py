@@ -513,24 +513,31 @@ def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng):
   return state, step_metrics
 
 
+def timed_rollout(exp: Experiment, params, batch: dict, rng, *, k: int):
+  """The rollout and its validated rewards, timed: the first half of every on-policy iteration.
+
+  Returns (sample output, rewards [B, k] float32, usable mask, number masked as non-finite,
+  per-function scores, {'rollout_s', 'reward_s'}).
+  """
+  t0 = time.perf_counter()
+  out, raw_rewards_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, 0), k=k)
+  jax.block_until_ready(out.tokens_bkt)
+  timings = {"rollout_s": time.perf_counter() - t0}
+  t0 = time.perf_counter()
+  rewards_bk, usable_bk, num_nonfinite = advantage.prepare_rewards(
+      raw_rewards_bk, nan_policy=exp.config.rewards.nan_policy)
+  timings["reward_s"] = time.perf_counter() - t0
+  return out, rewards_bk, usable_bk, num_nonfinite, parts, timings
+
+
 def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   """rollout -> rewards -> reference -> advantages -> epochs x minibatches. Returns (state, metrics)."""
   c = exp.config
   k = c.rloo.k
   step = int(state.step)
   rng = jax.random.fold_in(state.rng, step)
-  timings = {}
-
-  t0 = time.perf_counter()
-  out, raw_rewards_bk, completions, parts = rollout(exp, state.params, batch,
-                                                jax.random.fold_in(rng, 0), k=k)
-  jax.block_until_ready(out.tokens_bkt)
-  timings["rollout_s"] = time.perf_counter() - t0
-
-  t0 = time.perf_counter()
-  rewards_bk, usable_bk, num_nonfinite = advantage.prepare_rewards(
-      raw_rewards_bk, nan_policy=c.rewards.nan_policy)
-  timings["reward_s"] = time.perf_counter() - t0
+  out, rewards_bk, usable_bk, num_nonfinite, parts, timings = timed_rollout(
+      exp, state.params, batch, rng, k=k)
 
   t0 = time.perf_counter()
   layout = exp.layout
