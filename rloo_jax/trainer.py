@@ -595,6 +595,10 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   return state, m
 
 
+def _nanmean(x: np.ndarray) -> float:
+  return float(np.nanmean(x)) if np.isfinite(x).any() else float("nan")
+
+
 def evaluate(exp: Experiment, params, source, rng, *, num_prompts: int, batch_size: int) -> dict:
   """Held-out reward with greedy decoding (exact-match accuracy for verifier tasks) and sampled."""
   c = exp.config
@@ -608,16 +612,21 @@ def evaluate(exp: Experiment, params, source, rng, *, num_prompts: int, batch_si
                                       overlong=c.data.overlong,
                                       process_index=jax.process_index(),
                                       process_count=jax.process_count())
-    scores, lengths = [], []
+    scores, lengths, per_fn = [], [], {}
     for i, batch in enumerate(batches):
-      out, r_bk, _, _ = rollout(exp, params, batch, jax.random.fold_in(rng, i), k=1,
-                                method=method)
+      out, r_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, i), k=1,
+                                    method=method)
       valid = exp.layout.gather_rows(batch["valid"])  # global rows, like r_bk
       scores.append(np.asarray(r_bk)[valid, 0])
       lengths.append(exp.layout.gather(out.lengths_bk)[valid, 0])
-    s = np.concatenate(scores)
-    results[f"{name}_reward"] = float(np.nanmean(s)) if np.isfinite(s).any() else float("nan")
+      for fn_name, v in parts.items():
+        per_fn.setdefault(fn_name, []).append(np.asarray(v)[valid])
+    results[f"{name}_reward"] = _nanmean(np.concatenate(scores))
     results[f"{name}_length"] = float(np.concatenate(lengths).mean())
+    # Each reward function on its own: with a weighted sum (e.g. verifier + injected noise in the
+    # robustness ablation) the verifier's accuracy is the number to report.
+    for fn_name, chunks in per_fn.items():
+      results[f"{name}_reward/{fn_name}"] = _nanmean(np.concatenate(chunks))
   return results
 
 

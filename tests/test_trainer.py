@@ -57,6 +57,10 @@ def test_smoke_run_end_to_end(smoke_run):
   assert abs(train_rows[-1]["train/advantage_mean"]) < 1e-5
   evals = [r for r in rows if "eval/greedy_reward" in r]
   assert [r["step"] for r in evals] == [0, 2]
+  # Each reward function is also evaluated on its own; with one function at weight 1 they agree.
+  for r in evals:
+    assert r["eval/greedy_reward/arithmetic_exact_match"] == r["eval/greedy_reward"]
+  assert "reward/arithmetic_exact_match" in summary["last_metrics"]
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
   assert json.load(open(os.path.join(workdir, "summary.json")))["iterations"] == 2
