@@ -6,7 +6,7 @@ process's shards and coordinates the commit); a checkpoint written on one mesh r
 other, since the restore target (`trainer.abstract_state`) carries the new mesh's shardings.
 
 A newest checkpoint that cannot be read (a run killed mid-write, a truncated file) is reported,
-moved aside to `<dir>/corrupt/<step>` (never deleted), and the previous good one is used.
+moved aside to `<dir>_corrupt/<step>` (never deleted), and the previous good one is used.
 """
 
 from __future__ import annotations
