@@ -15,30 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import struct
 
 from rloo_jax import sampler, sampling
+# The fake model returns the real cache structures, so a change to the contract breaks it too.
+from rloo_jax.models.transformer import PrefixKV, init_cache
 
 EOS, PAD = 1, 0
 
 
 # ----------------------------------------------------------------------------------------------
 # A fake deterministic model with the ModelFns interface.
-
-
-class PrefixKV(NamedTuple):
-  k_lbphd: jax.Array
-  v_lbphd: jax.Array
-
-
-@struct.dataclass
-class FakeCache:
-  prefix_k_lbphd: jax.Array
-  prefix_v_lbphd: jax.Array
-  prefix_mask_bp: jax.Array
-  k_lbkthd: jax.Array
-  v_lbkthd: jax.Array
-  index: jax.Array
 
 
 def _embed(params, tokens, positions):
@@ -63,13 +49,6 @@ def fake_prefill(params, tokens_bp, positions_bp, mask_bp):
   x_bpd = _embed(params, tokens_bp, positions_bp)
   kv = x_bpd[None, :, :, None, :]  # [L=1, B, P, H=1, D]
   return fake_forward(params, tokens_bp, positions_bp, mask_bp), PrefixKV(kv, kv)
-
-
-def fake_init_cache(prefix, mask_bp, num_streams, max_new_tokens):
-  _, b, _, h, d = prefix.k_lbphd.shape
-  zeros = jnp.zeros((1, b, num_streams, max_new_tokens, h, d), prefix.k_lbphd.dtype)
-  return FakeCache(prefix.k_lbphd, prefix.v_lbphd, mask_bp, zeros, zeros,
-                   jnp.zeros((), jnp.int32))
 
 
 def fake_decode(params, tokens_bk, positions_bk, cache):
@@ -100,7 +79,7 @@ class FakeFns(NamedTuple):
   max_seq_len: int
 
 
-FNS = FakeFns(fake_forward, fake_prefill, fake_init_cache, fake_decode, max_seq_len=48)
+FNS = FakeFns(fake_forward, fake_prefill, init_cache, fake_decode, max_seq_len=48)
 
 
 def fake_params(vocab=16, dim=8, seed=0, scale=3.0, bias=None):
