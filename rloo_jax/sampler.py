@@ -221,9 +221,9 @@ def _decode(fns, params, state: SamplingState, *, mode):
 # pinned to rows split over its mesh axes; other dims are left to the compiler (heads may follow
 # a tensor-sharded kernel). None (the default, and the fake-model tests) adds no constraint.
 
-# Where the prompt (or prompt x stream) rows sit in each cache field: [L, B, ...] vs [B, ...].
-_CACHE_BATCH_AXIS = {'prefix_k_lbphd': 1, 'prefix_v_lbphd': 1, 'prefix_mask_bp': 0,
-                     'k_lbkthd': 1, 'v_lbkthd': 1, 'tokens_ns': 0, 'positions_ns': 0, 'mask_ns': 0}
+# Cache fields with prompt (or prompt x stream) rows on axis 0; per-layer tuples included.
+_CACHE_ROW_FIELDS = ('prefix_k_bhdp', 'prefix_v_bhpd', 'prefix_mask_bp', 'k_bkhdt', 'v_bkhtd',
+                     'tokens_ns', 'positions_ns', 'mask_ns')
 
 
 def _shard_rows(x, axis, batch_sharding):
@@ -239,11 +239,11 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
   if batch_sharding is None:
     return state
   cache = state.cache
-  fields = {name: _shard_rows(getattr(cache, name), axis, batch_sharding)
-            for name, axis in _CACHE_BATCH_AXIS.items() if hasattr(cache, name)}
+  rows = lambda x: _shard_rows(x, 0, batch_sharding)
+  fields = {name: jax.tree.map(rows, getattr(cache, name))
+            for name in _CACHE_ROW_FIELDS if hasattr(cache, name)}
   if fields and hasattr(cache, 'replace'):
     cache = cache.replace(**fields)
-  rows = lambda x: _shard_rows(x, 0, batch_sharding)
   return state.replace(
       keys_bk=rows(state.keys_bk), prompt_lengths_bk=rows(state.prompt_lengths_bk),
       last_tokens_bk=rows(state.last_tokens_bk), done_bk=rows(state.done_bk),

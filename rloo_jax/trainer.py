@@ -92,8 +92,8 @@ def rollout_sequences(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_
 
 
 def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, num_prompt: int, t: int):
-  logits = fns.forward(params, tokens_ns, positions_ns, mask_ns)
-  return jax.lax.dynamic_slice_in_dim(logits, num_prompt - 1, t, axis=1)
+  """Logits predicting the T completion tokens: positions P - 1 .. P + T - 2 only."""
+  return fns.forward(params, tokens_ns, positions_ns, mask_ns, head_slice=(num_prompt - 1, t))
 
 
 @dataclasses.dataclass(frozen=True)

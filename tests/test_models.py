@@ -89,6 +89,17 @@ def test_padding_anywhere(model):
   np.testing.assert_allclose(logits[0, mask[0]], moved[0, :n], atol=1e-5, rtol=1e-5)
 
 
+def test_head_slice_equals_slicing_the_full_logits(model):
+  """forward(..., head_slice=(start, n)) runs the head on n positions only; same numbers."""
+  config, params, jitted = model
+  tokens, mask, positions, _ = prompts(np.random.default_rng(5), config.vocab_size)
+  full = jitted['forward'](params, tokens, positions, mask)
+  part = jax.jit(model_fns(abstract(config)[0]).forward, static_argnames='head_slice')(
+      params, tokens, positions, mask, head_slice=(2, 3))
+  assert part.shape == (B, 3, config.vocab_size) and part.dtype == jnp.float32
+  np.testing.assert_allclose(part, full[:, 2:5], atol=1e-6, rtol=1e-6)
+
+
 def test_shared_cached_decode_matches_full_recomputation(model):
   """K streams decoded on one prefix equal a full forward over each tiled prompt + completion."""
   config, params, jitted = model
@@ -102,14 +113,17 @@ def test_shared_cached_decode_matches_full_recomputation(model):
   assert prefix.k_lbphd.shape == (config.num_layers, B, P, config.num_kv_heads, config.head_dim)
   cache = jitted['init_cache'](prefix, mask, K, T)
   assert isinstance(cache, DecodeCache)
-  assert cache.k_lbkthd.shape == (config.num_layers, B, K, T, config.num_kv_heads, config.head_dim)
+  assert len(cache.k_bkhdt) == len(cache.v_bkhtd) == config.num_layers
+  assert cache.k_bkhdt[0].shape == (B, K, config.num_kv_heads, config.head_dim, T)
+  assert cache.v_bkhtd[0].shape == (B, K, config.num_kv_heads, T, config.head_dim)
   decoded = []
   for i in range(T):
     logits_bkv, cache = jitted['decode'](params, new_bkt[..., i], pos_bkt[..., i], cache)
     decoded.append(logits_bkv)
   assert int(cache.index) == T
   # The prefix is stored once per prompt row, never per stream.
-  assert cache.prefix_k_lbphd.shape[1:3] == (B, P)
+  assert cache.prefix_k_bhdp[0].shape == (B, config.num_kv_heads, config.head_dim, P)
+  assert cache.prefix_v_bhpd[0].shape == (B, config.num_kv_heads, P, config.head_dim)
 
   # One row per stream: the padded prompt followed by its completion, as the trainer scores it.
   tile = lambda x: np.repeat(x, K, axis=0)
@@ -164,6 +178,9 @@ def test_scalar_head():
   values_bp, prefix = jax.jit(fns.prefill)(params, tokens, positions, mask)
   assert values_bp.shape == (B, P) and values_bp.dtype == jnp.float32
   assert prefix.k_lbphd.shape[:3] == (config.num_layers, B, P)
+  sliced = jax.jit(fns.forward, static_argnames='head_slice')(params, tokens, positions, mask,
+                                                               head_slice=(1, 2))
+  np.testing.assert_allclose(sliced, values_bp[:, 1:3], atol=1e-6, rtol=1e-6)
 
 
 def test_config_validation():

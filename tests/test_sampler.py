@@ -53,11 +53,11 @@ def fake_prefill(params, tokens_bp, positions_bp, mask_bp):
 
 def fake_decode(params, tokens_bk, positions_bk, cache):
   x_bkd = _embed(params, tokens_bk, positions_bk)
-  new = x_bkd[None, :, :, None, None, :]  # [1, B, K, 1, 1, D]
-  k_cache = jax.lax.dynamic_update_slice_in_dim(cache.k_lbkthd, new, cache.index, axis=3)
+  new = x_bkd[:, :, None, None, :]  # [B, K, H=1, T=1, D]: the value layout of layer 0
+  v_cache = jax.lax.dynamic_update_slice_in_dim(cache.v_bkhtd[0], new, cache.index, axis=3)
   q_bkd = x_bkd @ params['wq']
-  prefix_kd = cache.prefix_k_lbphd[0, :, :, 0]  # [B, P, D]
-  own_bktd = k_cache[0, :, :, :, 0]
+  prefix_kd = cache.prefix_v_bhpd[0][:, 0]  # [B, P, D]
+  own_bktd = v_cache[:, :, 0]
   scale = np.sqrt(x_bkd.shape[-1])
   s_prefix = jnp.einsum('bkd,bpd->bkp', q_bkd, prefix_kd) / scale
   s_prefix = jnp.where(cache.prefix_mask_bp[:, None, :], s_prefix, -1e30)
@@ -67,7 +67,7 @@ def fake_decode(params, tokens_bk, positions_bk, cache):
   values = jnp.concatenate([jnp.broadcast_to(prefix_kd[:, None], s_prefix.shape + (x_bkd.shape[-1],)),
                             own_bktd], axis=2)
   h_bkd = jnp.einsum('bkn,bknd->bkd', weights, values)
-  return _head(params, x_bkd, h_bkd), cache.replace(k_lbkthd=k_cache, v_lbkthd=k_cache,
+  return _head(params, x_bkd, h_bkd), cache.replace(v_bkhtd=(v_cache,),
                                                       index=cache.index + 1)
 
 

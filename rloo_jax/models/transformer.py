@@ -127,13 +127,20 @@ class PrefixKV:
 
 @flax.struct.dataclass
 class DecodeCache:
-  """Prefix cache shared by the K streams of a row, plus each stream's own generated keys/values."""
+  """Prefix cache shared by the K streams of a row, plus each stream's own generated keys/values.
 
-  prefix_k_lbphd: jax.Array
-  prefix_v_lbphd: jax.Array
-  prefix_mask_bp: jax.Array
-  k_lbkthd: jax.Array
-  v_lbkthd: jax.Array
+  One array per layer (tuples of length L), each in the layout the decode-step contractions read
+  directly, so no step copies a cache: keys with head_dim before the sequence axis (`_hdp` /
+  `_hdt`: the score product q.k contracts D against a row-major [D, T] matrix), values with the
+  sequence axis before head_dim (probs.v contracts T against [T, D]). A stacked [L, B, T, H, D]
+  buffer cost a transpose plus a slice copy of every layer's K and V at every generated token.
+  """
+
+  prefix_k_bhdp: tuple  # L x [B, Hkv, D, P]
+  prefix_v_bhpd: tuple  # L x [B, Hkv, P, D]
+  prefix_mask_bp: jax.Array  # [B, P] bool
+  k_bkhdt: tuple  # L x [B, K, Hkv, D, T]
+  v_bkhtd: tuple  # L x [B, K, Hkv, T, D]
   index: jax.Array
 
 
@@ -313,8 +320,8 @@ def _full_attention(q_bshgd, k_bthd, v_bthd, mask_bt):
   return jnp.einsum('bhgst,bthd->bshgd', probs, v_bthd)
 
 
-def _shared_prefix_attention(q_bkhgd, prefix_k_bphd, prefix_v_bphd, prefix_mask_bp,
-                             k_bkthd, v_bkthd, index):
+def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_bp,
+                             k_bkhdt, v_bkhtd, index):
   """K streams per row attend to the row's single prefix cache and to their own keys 0..index.
 
   The prefix is contracted against all K queries at once instead of being tiled per stream, so
@@ -322,17 +329,17 @@ def _shared_prefix_attention(q_bkhgd, prefix_k_bphd, prefix_v_bphd, prefix_mask_
   """
   scale = 1.0 / math.sqrt(q_bkhgd.shape[-1])
   f32 = jnp.float32
-  scores_p = jnp.einsum('bkhgd,bphd->bkhgp', q_bkhgd, prefix_k_bphd, preferred_element_type=f32)
-  scores_t = jnp.einsum('bkhgd,bkthd->bkhgt', q_bkhgd, k_bkthd, preferred_element_type=f32)
+  scores_p = jnp.einsum('bkhgd,bhdp->bkhgp', q_bkhgd, prefix_k_bhdp, preferred_element_type=f32)
+  scores_t = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt, preferred_element_type=f32)
   p, t = scores_p.shape[-1], scores_t.shape[-1]
   scores = jnp.concatenate([scores_p, scores_t], axis=-1) * scale
   b, k = q_bkhgd.shape[:2]
   mask_p = jnp.broadcast_to(prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
   mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
   mask = jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
-  probs = _softmax_f32(scores, mask).astype(v_bkthd.dtype)
-  out = jnp.einsum('bkhgp,bphd->bkhgd', probs[..., :p], prefix_v_bphd)
-  return out + jnp.einsum('bkhgt,bkthd->bkhgd', probs[..., p:], v_bkthd)
+  probs = _softmax_f32(scores, mask).astype(v_bkhtd.dtype)
+  out = jnp.einsum('bkhgp,bhpd->bkhgd', probs[..., :p], prefix_v_bhpd)
+  return out + jnp.einsum('bkhgt,bkhtd->bkhgd', probs[..., p:], v_bkhtd)
 
 
 class Transformer(nnx.Module):
@@ -377,53 +384,73 @@ class Transformer(nnx.Module):
       return _dense(x, _cast(self.embedding, x.dtype).T, preferred_element_type=f32)
     return _dense(x, _cast(self.lm_head, x.dtype), preferred_element_type=f32)
 
-  def prefill(self, tokens_bp, positions_bp, mask_bp):
-    x = self._embed(tokens_bp, positions_bp)
+  def _trunk(self, tokens_bs, positions_bs, mask_bs):
+    """Every layer over the full sequence: final hidden states and each layer's K/V."""
+    x = self._embed(tokens_bs, positions_bs)
     ks, vs = [], []
     for block in self.layers:
-      q, k, v = block.attn.qkv(block.attn_norm(x), positions_bp)
-      x = x + block.attn.out(_full_attention(q, k, v, mask_bp))
+      q, k, v = block.attn.qkv(block.attn_norm(x), positions_bs)
+      x = x + block.attn.out(_full_attention(q, k, v, mask_bs))
       x = x + block.mlp(block.mlp_norm(x))
       ks.append(k)
       vs.append(v)
+    return x, ks, vs
+
+  def prefill(self, tokens_bp, positions_bp, mask_bp):
+    x, ks, vs = self._trunk(tokens_bp, positions_bp, mask_bp)
     return self._head(x), PrefixKV(k_lbphd=jnp.stack(ks), v_lbphd=jnp.stack(vs))
 
-  def __call__(self, tokens_bs, positions_bs, mask_bs):
-    # Same graph as prefill; XLA drops the unused stacked K/V.
-    return self.prefill(tokens_bs, positions_bs, mask_bs)[0]
+  def __call__(self, tokens_bs, positions_bs, mask_bs, head_slice=None):
+    """Logits [B, S, V]; with head_slice=(start, length) (static ints) only positions
+    start..start+length-1 go through the final norm and head: [B, length, V]. A policy loss needs
+    only the completion's logits, so the prompt's are never computed (nor differentiated)."""
+    x = self._trunk(tokens_bs, positions_bs, mask_bs)[0]
+    if head_slice is not None:
+      start, length = head_slice
+      x = jax.lax.slice_in_dim(x, start, start + length, axis=1)
+    return self._head(x)
 
   def decode(self, tokens_bk, positions_bk, cache: DecodeCache):
     """One token per stream, written at cache.index (callers keep index < max_new_tokens:
     dynamic_update_slice clamps, so a step past the end would overwrite the last slot)."""
     x = self._embed(tokens_bk, positions_bk)
-    k_cache, v_cache = cache.k_lbkthd, cache.v_lbkthd
+    k_caches, v_caches = [], []
     idx = cache.index.astype(jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     for l, block in enumerate(self.layers):
       q, k, v = block.attn.qkv(block.attn_norm(x), positions_bk)  # K plays the sequence axis
-      # dynamic_update_slice on the whole [L,...] buffer (not a per-layer slice + restack) so XLA
-      # updates the donated cache in place instead of copying it every step.
-      start = (jnp.int32(l), zero, zero, idx, zero, zero)
-      k_cache = jax.lax.dynamic_update_slice(k_cache, k[None, :, :, None].astype(k_cache.dtype),
-                                             start)
-      v_cache = jax.lax.dynamic_update_slice(v_cache, v[None, :, :, None].astype(v_cache.dtype),
-                                             start)
-      o = _shared_prefix_attention(q, cache.prefix_k_lbphd[l], cache.prefix_v_lbphd[l],
-                                   cache.prefix_mask_bp, k_cache[l], v_cache[l], idx)
+      # k, v: [B, K, Hkv, D] into slot idx of the T axis (last for keys, second to last for
+      # values); the while loop's donated per-layer buffers are updated in place.
+      k_cache = jax.lax.dynamic_update_slice(
+          cache.k_bkhdt[l], k[..., None].astype(cache.k_bkhdt[l].dtype),
+          (zero, zero, zero, zero, idx))
+      v_cache = jax.lax.dynamic_update_slice(
+          cache.v_bkhtd[l], v[:, :, :, None].astype(cache.v_bkhtd[l].dtype),
+          (zero, zero, zero, idx, zero))
+      k_caches.append(k_cache)
+      v_caches.append(v_cache)
+      o = _shared_prefix_attention(q, cache.prefix_k_bhdp[l], cache.prefix_v_bhpd[l],
+                                   cache.prefix_mask_bp, k_cache, v_cache, idx)
       x = x + block.attn.out(o)
       x = x + block.mlp(block.mlp_norm(x))
-    new_cache = cache.replace(k_lbkthd=k_cache, v_lbkthd=v_cache, index=idx + 1)
+    new_cache = cache.replace(k_bkhdt=tuple(k_caches), v_bkhtd=tuple(v_caches), index=idx + 1)
     return self._head(x), new_cache
 
 
 def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
                max_new_tokens: int) -> DecodeCache:
-  """Empty per-stream buffers next to the (uncopied) prefix; stream slots are valid up to index."""
+  """Empty per-stream buffers next to the prefix (one copy per prompt row, never per stream,
+  transposed once here into the decode layouts); stream slots are valid up to index."""
   l, b, _, h, d = prefix.k_lbphd.shape
-  zeros = jnp.zeros((l, b, num_streams, max_new_tokens, h, d), prefix.k_lbphd.dtype)
-  return DecodeCache(prefix_k_lbphd=prefix.k_lbphd, prefix_v_lbphd=prefix.v_lbphd,
-                     prefix_mask_bp=jnp.asarray(mask_bp, bool), k_lbkthd=zeros,
-                     v_lbkthd=jnp.zeros_like(zeros), index=jnp.zeros((), jnp.int32))
+  dt = prefix.k_lbphd.dtype
+  zeros = lambda *shape: tuple(jnp.zeros(shape, dt) for _ in range(l))
+  return DecodeCache(
+      prefix_k_bhdp=tuple(jnp.transpose(prefix.k_lbphd[i], (0, 2, 3, 1)) for i in range(l)),
+      prefix_v_bhpd=tuple(jnp.transpose(prefix.v_lbphd[i], (0, 2, 1, 3)) for i in range(l)),
+      prefix_mask_bp=jnp.asarray(mask_bp, bool),
+      k_bkhdt=zeros(b, num_streams, h, d, max_new_tokens),
+      v_bkhtd=zeros(b, num_streams, h, max_new_tokens, d),
+      index=jnp.zeros((), jnp.int32))
 
 
 class ModelFns(NamedTuple):
@@ -451,8 +478,8 @@ def _config_of(graphdef) -> TransformerConfig | None:
 def model_fns(graphdef) -> ModelFns:
   """Memoised so one graphdef always yields the same ModelFns (no jit cache misses)."""
 
-  def forward(params, tokens_bs, positions_bs, mask_bs):
-    return nnx.merge(graphdef, params)(tokens_bs, positions_bs, mask_bs)
+  def forward(params, tokens_bs, positions_bs, mask_bs, head_slice=None):
+    return nnx.merge(graphdef, params)(tokens_bs, positions_bs, mask_bs, head_slice=head_slice)
 
   def prefill(params, tokens_bp, positions_bp, mask_bp):
     return nnx.merge(graphdef, params).prefill(tokens_bp, positions_bp, mask_bp)
