@@ -74,6 +74,8 @@ def main():
   p.add_argument("--k", type=int, default=4)
   p.add_argument("--new_tokens", type=int, default=32)
   p.add_argument("--iterations", type=int, default=12, help="timed iterations after warm-up")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="activation dtype (params, log-probs, KL and loss stay float32)")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
@@ -82,7 +84,8 @@ def main():
   c.task = "bench"
   c.model.update(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                  num_kv_heads=args.heads, head_dim=args.hidden // args.heads,
-                 intermediate_size=4 * args.hidden, max_seq_len=args.prompt_len + args.new_tokens)
+                 intermediate_size=4 * args.hidden, max_seq_len=args.prompt_len + args.new_tokens,
+                 dtype=args.dtype)
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.kl.beta = 0.05

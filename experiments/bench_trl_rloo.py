@@ -65,6 +65,8 @@ def main():
   p.add_argument("--new_tokens", type=int, default=32)
   p.add_argument("--iterations", type=int, default=12, help="timed steps after 2 warm-up steps")
   p.add_argument("--threads", type=int, default=2)
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="bfloat16: TRL's bf16 mixed precision (torch CPU autocast)")
   args = p.parse_args()
   torch.manual_seed(0)
   torch.set_num_threads(args.threads)
@@ -88,7 +90,8 @@ def main():
         output_dir=out, per_device_train_batch_size=args.prompts * args.k,
         num_generations=args.k, max_completion_length=args.new_tokens, beta=0.05,
         num_iterations=1, steps_per_generation=1, max_steps=steps, learning_rate=3e-4,
-        logging_steps=1000, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        logging_steps=1000, save_strategy="no", report_to="none", use_cpu=True,
+        bf16=args.dtype == "bfloat16",
         shuffle_dataset=False, temperature=1.0, seed=0, dataloader_num_workers=0,
         model_init_kwargs={"dtype": torch.float32})
     timer = StepTimer()

@@ -1,9 +1,10 @@
 r"""rloo_jax against TRL's RLOOTrainer on the same workload, side by side in one run.
 
 For each model size it runs experiments/bench_step.py (this interpreter) and then
-experiments/bench_trl_rloo.py (the TRL virtual environment's interpreter), one after the other. It
-then prints one JSON line per size with both medians and their ratio. Timings on a shared machine
-are noisy, so the two runs of a pair are taken back to back.
+experiments/bench_trl_rloo.py (the TRL virtual environment's interpreter), one after the other,
+`--rounds` times, alternating which framework goes first. It prints one JSON line per size: each
+round's medians and ratio, and the median over rounds of the per-round ratio. This machine's speed
+drifts by 30% within minutes, so only pairs taken back to back are compared.
 
     python -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 trl
     python experiments/compare_trl.py --trl_python .venv-trl/bin/python
@@ -11,6 +12,7 @@ are noisy, so the two runs of a pair are taken back to back.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -28,24 +30,38 @@ def main():
                                                       "python"))
   p.add_argument("--sizes", default="64x2,256x4", help="hidden x layers, comma separated")
   p.add_argument("--iterations", type=int, default=8)
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="activation dtype of both (TRL: bf16 mixed precision)")
   args = p.parse_args()
   if not os.path.exists(args.trl_python):
     sys.exit(f"no TRL interpreter at {args.trl_python}; create it with: python -m venv .venv-trl "
              "&& .venv-trl/bin/pip install torch==2.13.0 trl")
   for size in args.sizes.split(","):
     hidden, layers = size.split("x")
-    common = ["--hidden", hidden, "--layers", layers, "--iterations", str(args.iterations)]
-    ours = last_json([sys.executable, os.path.join(HERE, "bench_step.py"), *common])
-    trl = last_json([args.trl_python, os.path.join(HERE, "bench_trl_rloo.py"), *common])
+    common = ["--hidden", hidden, "--layers", layers, "--iterations", str(args.iterations),
+              "--dtype", args.dtype]
+    ours_cmd = [sys.executable, os.path.join(HERE, "bench_step.py"), *common]
+    trl_cmd = [args.trl_python, os.path.join(HERE, "bench_trl_rloo.py"), *common]
+    rounds = []
+    for r in range(args.rounds):
+      if r % 2 == 0:
+        ours, trl = last_json(ours_cmd), last_json(trl_cmd)
+      else:
+        trl, ours = last_json(trl_cmd), last_json(ours_cmd)
+      rounds.append(dict(rloo_jax_split_s=ours["median"], trl_step_s=trl["median_step_s"],
+                         speedup=round(trl["median_step_s"] / ours["median"]["iteration_s"], 2),
+                         rloo_jax_achieved_gflops=ours["achieved_gflops"]))
     print(json.dumps({
-        "hidden": int(hidden), "layers": int(layers), "params": ours["params"],
-        "rloo_jax_iteration_s": ours["median"]["iteration_s"],
-        "rloo_jax_split_s": ours["median"],
-        "trl_step_s": trl["median_step_s"],
-        "speedup": round(trl["median_step_s"] / ours["median"]["iteration_s"], 2),
-        "rloo_jax_achieved_gflops": ours["achieved_gflops"],
-        "rloo_jax_fraction_of_peak": ours["fraction_of_peak"],
-        "trl_version": trl["trl"], "torch": trl["torch"]}), flush=True)
+        "hidden": int(hidden), "layers": int(layers), "dtype": args.dtype,
+        "params": ours["params"],
+        "median_speedup": statistics.median(x["speedup"] for x in rounds),
+        "median_rloo_jax_iteration_s": statistics.median(
+            x["rloo_jax_split_s"]["iteration_s"] for x in rounds),
+        "median_trl_step_s": statistics.median(x["trl_step_s"] for x in rounds),
+        "median_rloo_jax_achieved_gflops": statistics.median(
+            x["rloo_jax_achieved_gflops"] for x in rounds),
+        "rounds": rounds, "trl_version": trl["trl"], "torch": trl["torch"]}), flush=True)
 
 
 if __name__ == "__main__":
