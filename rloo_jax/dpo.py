@@ -217,10 +217,11 @@ def run(config, workdir: str, *, log=print) -> dict:
   exp = trainer.build(config, workdir)
   c, d = config, config.dpo
   eval_rng = jax.random.PRNGKey(c.seed + 1)
+  sft_params = trainer.initial_params(exp, log=log)
+  # The SFT policy is DPO's frozen reference: every evaluation also reports the win rate against it.
   evaluate = functools.partial(trainer.evaluate, exp, source=exp.task.test, rng=eval_rng,
                                num_prompts=c.train.eval_prompts,
-                               batch_size=c.train.eval_batch_size)
-  sft_params = trainer.initial_params(exp, log=log)
+                               batch_size=c.train.eval_batch_size, ref_params=sft_params)
   before = evaluate(sft_params)
   log(f"[eval] SFT policy: {json.dumps(before)}")
   t0 = time.time()

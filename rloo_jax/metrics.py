@@ -1,5 +1,6 @@
 """Metric logging: one JSON object per line in `<workdir>/metrics.jsonl` and TensorBoard event
-files in `<workdir>/tensorboard`. Only process 0 writes, so multi-host runs log once."""
+files in `<workdir>/tensorboard`. Only process 0 writes, so multi-host runs log once. Also the
+win-rate statistic shared by the trainer's held-out evaluation and the RLHF pipeline."""
 
 from __future__ import annotations
 
@@ -55,3 +56,18 @@ class MetricWriter:
 def read_jsonl(path: str) -> list[dict]:
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def win_rate_stats(scores_policy, scores_baseline) -> dict:
+  """Win rate of the policy over the baseline on the same prompts, ties counted half; prompts
+  where either is unscorable (NaN) are left out. Also wins / ties / losses / n."""
+  a, b = np.asarray(scores_policy, np.float64), np.asarray(scores_baseline, np.float64)
+  if a.shape != b.shape:
+    raise ValueError(f"win rate needs one score per prompt for both policies, got {a.shape} and "
+                     f"{b.shape}")
+  ok = np.isfinite(a) & np.isfinite(b)
+  a, b = a[ok], b[ok]
+  wins, ties = int((a > b).sum()), int((a == b).sum())
+  n = int(ok.sum())
+  return dict(win_rate=(wins + 0.5 * ties) / n if n else float("nan"), wins=wins, ties=ties,
+              losses=n - wins - ties, n=n)

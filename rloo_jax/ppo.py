@@ -358,7 +358,7 @@ def run(config, workdir: str, *, log=print) -> dict:
     before = meta.get("before")
   else:
     state = init_state(pexp, trainer.initial_params(exp, log=log))
-    before = evaluate(state.params)
+    before = evaluate(state.params, ref_params=state.ref_params)
     log(f"[eval] SFT policy: {json.dumps(before)}")
   writer = MetricWriter(workdir)
   if restored is None:
@@ -373,11 +373,11 @@ def run(config, workdir: str, *, log=print) -> dict:
           f"clip {m['clip_fraction']:.3f} ev {m['explained_variance']:.2f} "
           f"({m['iteration_s']:.2f}s)")
     if c.train.eval_every and step % c.train.eval_every == 0 and step != c.train.num_iterations:
-      writer.write(step, evaluate(state.params), prefix="eval/")
+      writer.write(step, evaluate(state.params, ref_params=state.ref_params), prefix="eval/")
     if step % c.train.checkpoint_every == 0 or step == c.train.num_iterations:
       ckpt.save(step, state, {"data": data.get_state(), "before": before}, force=True)
   ckpt.close()
-  after = evaluate(state.params)
+  after = evaluate(state.params, ref_params=state.ref_params)
   writer.write(int(state.step), after, prefix="eval/")
   writer.close()
   summary = {"algorithm": "ppo", "before": before, "after": after,

@@ -38,7 +38,7 @@ from rloo_jax import rewards as rewards_lib
 from rloo_jax import sampler, sampling, sft, trainer
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
-from rloo_jax.metrics import MetricWriter
+from rloo_jax.metrics import MetricWriter, win_rate_stats
 from rloo_jax.rewards import reward_model
 
 PAIRS_VERSION = 1
@@ -185,21 +185,6 @@ def split_by_prompt(pairs: Sequence[dict], eval_fraction: float) -> tuple[list, 
   prompts = list(dict.fromkeys(p["prompt"] for p in pairs))
   held = set(prompts[len(prompts) - max(1, int(round(len(prompts) * eval_fraction))):])
   return [p for p in pairs if p["prompt"] not in held], [p for p in pairs if p["prompt"] in held]
-
-
-def win_rate_stats(gold_policy, gold_baseline) -> dict:
-  """Win rate of the policy over the baseline on the same prompts, ties counted half; prompts
-  where either is unscorable (NaN) are left out. Also wins / ties / losses / n."""
-  a, b = np.asarray(gold_policy, np.float64), np.asarray(gold_baseline, np.float64)
-  if a.shape != b.shape:
-    raise ValueError(f"win rate needs one score per prompt for both policies, got {a.shape} and "
-                     f"{b.shape}")
-  ok = np.isfinite(a) & np.isfinite(b)
-  a, b = a[ok], b[ok]
-  wins, ties = int((a > b).sum()), int((a == b).sum())
-  n = int(ok.sum())
-  return dict(win_rate=(wins + 0.5 * ties) / n if n else float("nan"), wins=wins, ties=ties,
-              losses=n - wins - ties, n=n)
 
 
 class GoldTap:

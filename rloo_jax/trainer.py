@@ -26,7 +26,7 @@ from rloo_jax import advantage, loss, sampler, sampling
 from rloo_jax import sharding as sharding_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
-from rloo_jax.metrics import MetricWriter
+from rloo_jax.metrics import MetricWriter, win_rate_stats
 from rloo_jax.models import transformer
 from rloo_jax import rewards as rewards_lib
 
@@ -599,34 +599,85 @@ def _nanmean(x: np.ndarray) -> float:
   return float(np.nanmean(x)) if np.isfinite(x).any() else float("nan")
 
 
-def evaluate(exp: Experiment, params, source, rng, *, num_prompts: int, batch_size: int) -> dict:
-  """Held-out reward with greedy decoding (exact-match accuracy for verifier tasks) and sampled."""
+def _eval_pass(exp: Experiment, params, records, rng, method, batch_size: int):
+  """One completion per held-out prompt (k = 1), in `records` order (global rows): the weighted
+  reward [N], the completion length [N] and each reward function's own score {name: [N]}."""
   c = exp.config
+  batches = pipeline.prompt_batches(records, exp.tokenizer, global_batch_size=batch_size,
+                                    max_prompt_len=c.data.max_prompt_len, shuffle=False,
+                                    num_epochs=1, drop_remainder=False,
+                                    overlong=c.data.overlong,
+                                    process_index=jax.process_index(),
+                                    process_count=jax.process_count())
+  scores, lengths, per_fn = [], [], {}
+  for i, batch in enumerate(batches):
+    out, r_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, i), k=1,
+                                  method=method)
+    valid = exp.layout.gather_rows(batch["valid"])  # global rows, like r_bk
+    scores.append(np.asarray(r_bk)[valid, 0])
+    lengths.append(exp.layout.gather(out.lengths_bk)[valid, 0])
+    for fn_name, v in parts.items():
+      per_fn.setdefault(fn_name, []).append(np.asarray(v)[valid])
+  return (np.concatenate(scores), np.concatenate(lengths),
+          {fn_name: np.concatenate(chunks) for fn_name, chunks in per_fn.items()})
+
+
+@jax.jit
+def _fingerprint(params):
+  """Per-leaf sum and sum of squares: a content key for the reference-score cache."""
+  return jnp.stack([jnp.stack([jnp.sum(x.astype(jnp.float32)),
+                               jnp.sum(jnp.square(x.astype(jnp.float32)))])
+                    for x in jax.tree.leaves(params)])
+
+
+def _reference_greedy_scores(exp: Experiment, ref_params, source, records, rng,
+                             batch_size: int) -> np.ndarray:
+  """The reference policy's greedy per-prompt scores (first reward function), computed once per
+  experiment, reference and held-out set. The key is the reference's content, not the Python
+  object: the run loops' jitted, donated steps hand back new `ref_params` arrays every iteration."""
+  cache = exp.__dict__.setdefault("_eval_ref_cache", {})
+  fp = exp.layout.gather(_fingerprint(ref_params))
+  key = (str(jax.tree.structure(ref_params)), fp.tobytes(), id(source), len(records), batch_size)
+  hit = cache.get(key)
+  if hit is None or hit[0] is not source:  # holding `source` keeps its id from being reused
+    _, _, per_fn = _eval_pass(exp, ref_params, records, rng, sampling.Greedy(), batch_size)
+    hit = cache[key] = (source, per_fn[exp.rewards.names[0]])
+  return hit[1]
+
+
+def evaluate(exp: Experiment, params, source, rng, *, num_prompts: int, batch_size: int,
+             ref_params=None) -> dict:
+  """Held-out reward with greedy decoding (exact-match accuracy for verifier tasks) and sampled.
+
+  With `ref_params` (the reference, i.e. SFT, policy) it also reports the greedy win rate against
+  the reference, as the paper's Table 1 does: prompt by prompt, the policy's greedy completion is
+  scored against the reference's greedy completion, ties counted half, prompts either cannot
+  score left out. Both are judged by the FIRST function of config.rewards.fns on its own (the
+  task's reward: summarize's gold reward, arithmetic's verifier; with a weighted sum such as
+  verifier + injected noise, the noise-free first term), the same per-function score that
+  `greedy_reward/<name>` reports. Keys: win_rate_vs_ref, wins_vs_ref, ties_vs_ref,
+  losses_vs_ref, n_vs_ref. The reference's greedy scores are computed once per run (cached on
+  `exp`), and the reference evaluated against itself scores exactly 0.5 (greedy decoding is
+  deterministic, so every prompt is a tie).
+  """
   n = min(num_prompts, len(source))
   records = [source[i] for i in range(n)]
   results = {}
+  first = exp.rewards.names[0]
   for name, method in (("greedy", sampling.Greedy()), ("sampled", exp.method)):
-    batches = pipeline.prompt_batches(records, exp.tokenizer, global_batch_size=batch_size,
-                                      max_prompt_len=c.data.max_prompt_len, shuffle=False,
-                                      num_epochs=1, drop_remainder=False,
-                                      overlong=c.data.overlong,
-                                      process_index=jax.process_index(),
-                                      process_count=jax.process_count())
-    scores, lengths, per_fn = [], [], {}
-    for i, batch in enumerate(batches):
-      out, r_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, i), k=1,
-                                    method=method)
-      valid = exp.layout.gather_rows(batch["valid"])  # global rows, like r_bk
-      scores.append(np.asarray(r_bk)[valid, 0])
-      lengths.append(exp.layout.gather(out.lengths_bk)[valid, 0])
-      for fn_name, v in parts.items():
-        per_fn.setdefault(fn_name, []).append(np.asarray(v)[valid])
-    results[f"{name}_reward"] = _nanmean(np.concatenate(scores))
-    results[f"{name}_length"] = float(np.concatenate(lengths).mean())
+    scores, lengths, per_fn = _eval_pass(exp, params, records, rng, method, batch_size)
+    results[f"{name}_reward"] = _nanmean(scores)
+    results[f"{name}_length"] = float(lengths.mean())
     # Each reward function on its own: with a weighted sum (e.g. verifier + injected noise in the
     # robustness ablation) the verifier's accuracy is the number to report.
-    for fn_name, chunks in per_fn.items():
-      results[f"{name}_reward/{fn_name}"] = _nanmean(np.concatenate(chunks))
+    for fn_name, v in per_fn.items():
+      results[f"{name}_reward/{fn_name}"] = _nanmean(v)
+    if name == "greedy" and ref_params is not None:
+      ref = _reference_greedy_scores(exp, ref_params, source, records, rng, batch_size)
+      stats = win_rate_stats(per_fn[first], ref)
+      results.update(win_rate_vs_ref=stats["win_rate"], wins_vs_ref=stats["wins"],
+                     ties_vs_ref=stats["ties"], losses_vs_ref=stats["losses"],
+                     n_vs_ref=stats["n"])
   return results
 
 
@@ -663,7 +714,8 @@ def run(config, workdir: str, *, log=print) -> dict:
   else:
     state = init_state(exp, initial_params(exp, log=log))
     before = evaluate(exp, state.params, exp.task.test, eval_rng,
-                      num_prompts=c.train.eval_prompts, batch_size=c.train.eval_batch_size)
+                      num_prompts=c.train.eval_prompts, batch_size=c.train.eval_batch_size,
+                      ref_params=state.ref_params)
     log(f"[eval] SFT policy: {json.dumps(before)}")
   writer = MetricWriter(workdir)
   if restored is None:
@@ -685,14 +737,15 @@ def run(config, workdir: str, *, log=print) -> dict:
     if c.train.eval_every and step % c.train.eval_every == 0 and step != c.train.num_iterations:
       writer.write(step, evaluate(exp, state.params, exp.task.test, eval_rng,
                                   num_prompts=c.train.eval_prompts,
-                                  batch_size=c.train.eval_batch_size), prefix="eval/")
+                                  batch_size=c.train.eval_batch_size,
+                                  ref_params=state.ref_params), prefix="eval/")
     if step % c.train.checkpoint_every == 0 or step == c.train.num_iterations:
       ckpt.save(step, state, {"data": data.get_state(), "before": before}, force=True)
   if bar is not None:
     bar.close()
   ckpt.close()
   after = evaluate(exp, state.params, exp.task.test, eval_rng, num_prompts=c.train.eval_prompts,
-                   batch_size=c.train.eval_batch_size)
+                   batch_size=c.train.eval_batch_size, ref_params=state.ref_params)
   writer.write(int(state.step), after, prefix="eval/")
   writer.close()
   summary = {"before": before, "after": after, "iterations": int(state.step), "seed": c.seed,
@@ -712,6 +765,8 @@ def format_summary(summary: dict) -> str:
   lines = [f"\nheld-out evaluation on {summary['eval_prompts']} prompts, seed {summary['seed']}, "
            f"{summary['iterations']} RLOO iterations",
            f"| {'metric':<40} | {'SFT':>8} | {'RLOO':>8} |", f"|{'-' * 42}|{'-' * 10}|{'-' * 10}|"]
+  if "win_rate_vs_ref" in a:
+    rows.append(("greedy win rate vs SFT (ties half)", "win_rate_vs_ref"))
   for label, key in rows:
-    lines.append(f"| {label:<40} | {b[key]:>8.3f} | {a[key]:>8.3f} |")
+    lines.append(f"| {label:<40} | {b.get(key, float('nan')):>8.3f} | {a[key]:>8.3f} |")
   return "\n".join(lines)

@@ -60,6 +60,13 @@ def test_smoke_run_end_to_end(smoke_run):
   # Each reward function is also evaluated on its own; with one function at weight 1 they agree.
   for r in evals:
     assert r["eval/greedy_reward/arithmetic_exact_match"] == r["eval/greedy_reward"]
+  # Every evaluation reports the greedy win rate against the reference; the SFT policy ties itself.
+  assert evals[0]["eval/win_rate_vs_ref"] == 0.5
+  assert 0.0 <= evals[-1]["eval/win_rate_vs_ref"] <= 1.0
+  assert summary["before"]["win_rate_vs_ref"] == 0.5
+  after = json.load(open(os.path.join(workdir, "summary.json")))["after"]
+  assert after["win_rate_vs_ref"] == evals[-1]["eval/win_rate_vs_ref"]
+  assert after["wins_vs_ref"] + after["ties_vs_ref"] + after["losses_vs_ref"] == after["n_vs_ref"]
   assert "reward/arithmetic_exact_match" in summary["last_metrics"]
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
@@ -196,3 +203,75 @@ def test_unscorable_samples_are_masked_and_counted(tmp_path):
   exp = trainer.build(config, str(tmp_path))
   with pytest.raises(ValueError, match=r"8 reward\(s\) are NaN or inf; set config\.rewards\.nan_policy='mask'"):
     trainer.rl_iteration(exp, state, batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Held-out win rate against the reference (SFT) policy
+
+
+def text_score(prompts, completions, **fields):
+  """A deterministic, spread-out score of the completion's text (ties are rare but possible)."""
+  return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def noise(prompts, completions, **fields):
+  """Fresh noise on every call: a win rate judged on the weighted sum would not tie with itself."""
+  return list(np.random.default_rng().standard_normal(len(completions)))
+
+
+@pytest.fixture(scope="module")
+def tiny_eval(tmp_path_factory):
+  config = load_config()
+  config.data.update(num_train=64, num_test=12, max_prompt_len=8)
+  config.model.update(hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                      max_seq_len=16)
+  config.rloo.update(k=2, num_prompts=2, max_new_tokens=4)
+  with config.unlocked():
+    config.rewards.fns = [text_score, noise]  # the first function is the judge
+    config.rewards.weights = [1.0, 1.0]
+  exp = trainer.build(config, str(tmp_path_factory.mktemp("win_rate")))
+  ref = trainer.transformer.create(exp.model_config, seed=0)[1]
+  other = trainer.transformer.create(exp.model_config, seed=1)[1]
+  return exp, ref, other
+
+
+def test_win_rate_of_the_reference_against_itself_is_one_half(tiny_eval, monkeypatch):
+  exp, ref, _ = tiny_eval
+  calls = []
+  real = trainer._eval_pass
+  monkeypatch.setattr(trainer, "_eval_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+  ev = lambda params, ref_params: trainer.evaluate(
+      exp, params, exp.task.test, jax.random.PRNGKey(0), num_prompts=12, batch_size=4,
+      ref_params=ref_params)
+  # A copy (another object, as the run loops' donated states hand back) hits the same cache.
+  out = ev(ref, jax.tree.map(jnp.copy, ref))
+  assert out["win_rate_vs_ref"] == 0.5
+  assert out["ties_vs_ref"] == out["n_vs_ref"] == 12
+  assert out["wins_vs_ref"] == out["losses_vs_ref"] == 0
+  assert len(calls) == 3  # greedy, sampled, and the reference's greedy pass
+  out = ev(jax.tree.map(jnp.copy, ref), ref)
+  assert out["win_rate_vs_ref"] == 0.5 and len(calls) == 5  # reference scores cached
+  assert "win_rate_vs_ref" not in trainer.evaluate(exp, ref, exp.task.test, jax.random.PRNGKey(0),
+                                                   num_prompts=12, batch_size=4)
+
+
+def test_win_rate_of_another_policy_prompt_by_prompt(tiny_eval):
+  exp, ref, other = tiny_eval
+  out = trainer.evaluate(exp, other, exp.task.test, jax.random.PRNGKey(0), num_prompts=12,
+                         batch_size=4, ref_params=ref)
+  # By hand: both policies' greedy completions of the same 12 prompts, judged by text_score.
+  from rloo_jax import sampling
+  from rloo_jax.data import pipeline
+  batch = next(pipeline.prompt_batches([exp.task.test[i] for i in range(12)], exp.tokenizer,
+                                       global_batch_size=12, max_prompt_len=8, shuffle=False))
+  texts = {name: trainer.rollout(exp, p, batch, jax.random.PRNGKey(0), k=1,
+                                 method=sampling.Greedy())[2] for name, p in
+           (("policy", other), ("ref", ref))}
+  a = np.array(text_score(None, texts["policy"]))
+  b = np.array(text_score(None, texts["ref"]))
+  assert (a != b).any(), "the two random policies should disagree somewhere"
+  wins, ties = int((a > b).sum()), int((a == b).sum())
+  assert (out["wins_vs_ref"], out["ties_vs_ref"], out["losses_vs_ref"]) == (wins, ties,
+                                                                           12 - wins - ties)
+  assert out["win_rate_vs_ref"] == pytest.approx((wins + 0.5 * ties) / 12)
+  assert out["greedy_reward/text_score"] == pytest.approx(a.mean())

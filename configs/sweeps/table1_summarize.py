@@ -2,7 +2,9 @@
 directly (configs/summarize.py's trainer default: an oracle stand-in for the learned reward, which
 `experiments/rlhf_pipeline.py` trains); DPO trains on the reward-model issue's preference pairs (SFT
 samples labelled by the gold reward with Bradley-Terry noise, `rloo_jax.rlhf.build_pairs`).
-Evaluation: held-out greedy gold reward (trainer.evaluate).
+Evaluation (trainer.evaluate with the SFT policy as ref_params): the held-out greedy win rate against
+the SFT policy (`win_rate_vs_ref`: both policies' greedy summaries of each prompt scored by the gold
+reward, ties half), and the held-out greedy gold reward.
 
     python experiments/sweep.py --sweep=configs/sweeps/table1_summarize.py --root=/work/runs/table1_summarize
 """
