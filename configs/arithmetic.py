@@ -18,6 +18,11 @@ def get_config(arg=None):
   c.seed = arg.seed
   c.rloo.k = arg.k
   c.sft.demo_error_rate = 0.5
+  # Measured on seeds 0, 1 and 2 (README "Quickstart"): SFT at 1e-3 escapes the loss plateau that
+  # stalled seed 1 at 3e-3, and RLOO at 1e-4 keeps climbing for 100 iterations where 3e-4 peaked
+  # near iteration 25 and then drifted back below its start (KL 1-2).
+  c.sft.learning_rate = 1e-3
+  c.optim.learning_rate = 1e-4
   if arg.smoke:  # everything shrunk: the whole pipeline in seconds (tests use this)
     c.data.update(num_train=256, num_test=16)
     c.model.update(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
