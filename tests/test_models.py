@@ -135,6 +135,20 @@ def test_shared_cached_decode_matches_full_recomputation(model):
                              atol=2e-5, rtol=1e-5)
 
 
+def test_shared_prefix_attention_forms_agree(monkeypatch):
+  """On CPU, k > 1 streams use the multiply-and-sum form; other backends the einsum. Same values."""
+  from rloo_jax.models import transformer
+  rng = np.random.default_rng(7)
+  b, k, h, g, d, p, t = 2, 3, 2, 2, 8, 5, 4
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  args = (f(b, k, h, g, d), f(b, h, d, p), f(b, h, p, d),
+          jnp.asarray(rng.random((b, p)) > 0.3), f(b, k, h, d, t), f(b, k, h, t, d), 2)
+  cpu = transformer._shared_prefix_attention(*args)
+  monkeypatch.setattr(transformer.jax, 'default_backend', lambda: 'gpu')
+  other = transformer._shared_prefix_attention(*args)
+  np.testing.assert_allclose(cpu, other, atol=1e-5, rtol=1e-5)
+
+
 def test_shared_prefix_decode_matches_unshared():
   """Prompt tiled to B*K rows with K=1 (the unshared layout) gives the same logits."""
   config = CONFIGS['llama']

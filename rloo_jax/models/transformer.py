@@ -333,7 +333,9 @@ def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_
   # einsum: as a dot they are batched over (b, h) with only K*G rows each, which XLA:CPU runs at
   # ~5 GFLOP/s, while the reduction streams the prefix once (-30% of a 512-token-prompt rollout).
   # With K = 1 (the unshared layout) XLA turns that form into a pathological loop: keep the dot.
-  reduce_form = q_bkhgd.shape[1] > 1
+  # CPU only: on GPU/TPU the dot runs on the matrix units, and the broadcast product would be
+  # K*G*D times the prefix if a backend did not fuse it into the sum.
+  reduce_form = q_bkhgd.shape[1] > 1 and jax.default_backend() == 'cpu'
   if reduce_form:
     scores_p = jnp.sum(q_bkhgd.astype(f32)[..., None] * prefix_k_bhdp.astype(f32)[:, None, :, None],
                        axis=4)
