@@ -141,6 +141,18 @@ def table1_win_rate(runs: dict) -> list[str]:
   return lines
 
 
+def _finish(fig, axes, path: str) -> str:
+  """Legend and grid on every axis, then write the PNG and free the figure."""
+  import matplotlib.pyplot as plt
+  for ax in axes:
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
 def plot_curves(runs: dict, out_dir: str, prefix: str, eval_key: str = "eval/greedy_reward",
                 eval_label: str = "held-out greedy accuracy") -> list[str]:
   import matplotlib
@@ -162,13 +174,7 @@ def plot_curves(runs: dict, out_dir: str, prefix: str, eval_key: str = "eval/gre
               title="training reward")
   axes[1].set(xlabel="iteration (DPO: gradient step)", ylabel=eval_label,
               title="held-out evaluation (mean over seeds)")
-  for ax in axes:
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-  fig.tight_layout()
-  paths.append(os.path.join(out_dir, f"{prefix}_reward_vs_iteration.png"))
-  fig.savefig(paths[-1], dpi=100)
-  plt.close(fig)
+  paths.append(_finish(fig, axes, os.path.join(out_dir, f"{prefix}_reward_vs_iteration.png")))
 
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   for name in [n for n in ORDER if n in runs] + sorted(set(runs) - set(ORDER)):
@@ -181,12 +187,7 @@ def plot_curves(runs: dict, out_dir: str, prefix: str, eval_key: str = "eval/gre
       ax.plot(kl, r, label=LABELS.get(name, name))
   ax.set(xlabel="KL(policy || SFT) per completion (k1, nats; moving avg 5)",
          ylabel="sampled reward", title="reward vs KL over training (mean over seeds)")
-  ax.legend(fontsize=7)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  paths.append(os.path.join(out_dir, f"{prefix}_reward_vs_kl.png"))
-  fig.savefig(paths[-1], dpi=100)
-  plt.close(fig)
+  paths.append(_finish(fig, [ax], os.path.join(out_dir, f"{prefix}_reward_vs_kl.png")))
   return paths
 
 
@@ -220,13 +221,7 @@ def plot_win_rate_vs_kl(runs: dict, out_dir: str, prefix: str) -> list[str]:
   ax.set(xlabel="KL(policy || SFT) per completion at the evaluation (k1, nats; mean of 5 iters)",
          ylabel="held-out greedy win rate vs SFT (gold judge, ties half)",
          title="win rate vs KL at each evaluation (mean over seeds)")
-  ax.legend(fontsize=7)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  path = os.path.join(out_dir, f"{prefix}_win_rate_vs_kl.png")
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return [path]
+  return [_finish(fig, [ax], os.path.join(out_dir, f"{prefix}_win_rate_vs_kl.png"))]
 
 
 def clip_table(runs: dict) -> list[str]:
