@@ -80,7 +80,8 @@ def measure_memory(exp, pexp, n, p, t):
   out["rloo"] = dict(
       state_bytes=tree_bytes(rloo_state),
       train_step=memory_of(exp.step_fn, rloo_state, abstract_rows(n, p, t, ppo_rows=False)),
-      score=memory_of(exp.score_fn, rloo_state.ref_params, rloo_state.adv_state, *common,
+      score=memory_of(exp.score_fn, rloo_state.ref_params, rloo_state.adv_state,
+                      dict(tokens=common[0], positions=common[1], mask=common[2]), *common[3:],
                       s((b, k), jnp.float32), s((b, k), bool)))
   out["ppo"] = dict(
       state_bytes=tree_bytes(ppo_state),

@@ -3,8 +3,9 @@ r"""Seconds per RLOO iteration, split into rollout, reward, reference and update
 Prints one JSON line. The workload follows issue 4's comparison with TRL: a Llama-shaped policy with
 random weights, vocab 256, 8 prompts of 16 tokens per iteration, k = 4, 32 new tokens, one gradient
 step per rollout batch, beta = 0.05, and a cheap synthetic reward (the same one TRL gets in
-experiments/bench_trl_rloo.py). For the FLOP/s figure, model FLOPs are counted as 2 x params per
-token forward and 6 x params per token trained; attention FLOPs are added too.
+experiments/bench_trl_rloo.py). For the FLOP/s figure, the FLOPs the iteration executes are counted:
+2 x params per token fed forward, 6 x per token trained, attention added, and the prompt counted
+once per group when it is shared (`--shared_prefix 1`, the default, as in the trainer).
 
     python experiments/bench_step.py --hidden 64 --layers 2
     python experiments/bench_step.py --hidden 256 --layers 4
@@ -49,18 +50,29 @@ def random_prompts(num, length, vocab, seed):
   return [{"prompt": "".join(chr(0xE000 + int(i)) for i in row), "answer": ""} for row in ids]
 
 
-def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens):
-  """Model FLOPs of one iteration (matmuls and attention), counting generated tokens at full
-  length."""
+def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, shared_prefix=True):
+  """Model FLOPs one iteration executes (matmuls and attention), counting generated tokens at full
+  length. The scoring forwards (reference, update) feed each [prompt | completion] without its
+  last token; with shared_prefix each prompt is fed once for its k samples."""
   m = exp.model_config
-  n = m.num_params - m.vocab_size * m.hidden_size  # the embedding lookup is free
-  seq = prompt_len + new_tokens
+  head = m.vocab_size * m.hidden_size
+  trunk = m.num_params - m.vocab_size * m.hidden_size - (0 if m.tie_embeddings else head)
   attn = lambda q, kv: 4 * m.num_layers * m.num_heads * m.head_dim * q * kv  # QK^T and AV
-  rollout = 2 * n * (num_prompts * prompt_len + num_prompts * k * new_tokens) \
-      + num_prompts * attn(prompt_len, prompt_len) / 2 \
-      + num_prompts * k * sum(attn(1, prompt_len + t) for t in range(new_tokens))
-  seq_forward = 2 * n * num_prompts * k * seq + num_prompts * k * attn(seq, seq) / 2
-  return {"rollout": rollout, "reference": seq_forward, "update": 3 * seq_forward}
+  n = num_prompts * k
+  # Rollout: prefill (head at every prompt position), then one token per stream per step.
+  rollout = (2 * (trunk + head) * (num_prompts * prompt_len + n * new_tokens)
+             + num_prompts * attn(prompt_len, prompt_len) / 2
+             + n * sum(attn(1, prompt_len + t) for t in range(new_tokens)))
+  u = new_tokens - 1
+  if shared_prefix:
+    fed = num_prompts * prompt_len + n * u
+    attention = num_prompts * attn(prompt_len, prompt_len) / 2 + n * (attn(u, prompt_len)
+                                                                     + attn(u, u) / 2)
+  else:
+    fed = n * (prompt_len + u)
+    attention = n * attn(prompt_len + u, prompt_len + u) / 2
+  forward = 2 * trunk * fed + attention + 2 * head * n * new_tokens  # head: scored positions only
+  return {"rollout": rollout, "reference": forward, "update": 3 * forward}
 
 
 def main():
@@ -76,6 +88,8 @@ def main():
   p.add_argument("--iterations", type=int, default=12, help="timed iterations after warm-up")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="activation dtype (params, log-probs, KL and loss stay float32)")
+  p.add_argument("--shared_prefix", type=int, default=1, choices=(0, 1),
+                 help="config.train.shared_prefix: each prompt computed once for its k samples")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
@@ -89,7 +103,7 @@ def main():
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.kl.beta = 0.05
-  c.train.update(num_epochs=1, num_minibatches=1)
+  c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix))
   c.rewards.fns = [synthetic_reward]
   c.rewards.weights = [1.0]
   tok = IdTokenizer(args.vocab)
@@ -108,7 +122,8 @@ def main():
       rows.append(m)
   keys = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
   med = {k: float(np.median([r[k] for r in rows])) for k in keys}
-  flops = model_flops_per_iteration(exp, args.prompts, args.prompt_len, args.k, args.new_tokens)
+  flops = model_flops_per_iteration(exp, args.prompts, args.prompt_len, args.k, args.new_tokens,
+                                    bool(args.shared_prefix))
   total = sum(flops.values())
   out = {
       "framework": "rloo_jax", "jax": jax.__version__, "devices": str(jax.devices()[0].platform),

@@ -81,6 +81,9 @@ def base_config() -> ml_collections.ConfigDict:
       b2=0.95, max_grad_norm=1.0))
   c.train = ml_collections.ConfigDict(dict(
       num_iterations=100, num_epochs=2, num_minibatches=1,
+      # The reference and policy forwards compute each prompt once for its k samples (equal up to
+      # float rounding; minibatches then hold whole groups). False: k separate [prompt | y] rows.
+      shared_prefix=True,
       log_every=1, eval_every=25, eval_prompts=256, eval_batch_size=128,
       checkpoint_every=25, keep_checkpoints=3, progress_bar=True))
   # Device mesh: -1 takes the remaining devices. Logical model axes -> mesh axes.

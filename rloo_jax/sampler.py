@@ -62,6 +62,7 @@ class SamplingState:
   mask_bkt: jax.Array             # bool [B, K, T]
   lengths_bk: jax.Array           # int32 [B, K]
   cache: Any                      # the model's DecodeCache, or a RecomputeBuffer.
+  noise_tbkv: Any = None          # float32 [T, B, K, V] Gumbel noise of every step, or None.
 
   def output(self) -> SampleOutput:
     return SampleOutput(tokens_bkt=self.tokens_bkt, logprobs_bkt=self.logprobs_bkt,
@@ -101,15 +102,33 @@ def _stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:
   return jax.vmap(prompt_keys)(jnp.arange(num_prompts))
 
 
-def _draw(method, keys_bk, step, logits_bkv):
-  """Sampled tokens and their log-probs under the sampling distribution and the raw policy."""
+# The Gumbel noise of a whole rollout is drawn up front (in `_start`, outside the decode loop)
+# when it fits in this many bytes. On CPU, jax's threefry runs as a rolled while loop, so drawing
+# the noise inside the loop body cost a nested loop at every token: about half of a small model's
+# decode step. Both ways draw the same bits, hence the same tokens.
+NOISE_BUDGET_BYTES = 64 << 20
+
+
+def _gumbel_bkv(keys_bk, step, vocab: int):
+  """The noise `jax.random.categorical(fold_in(key, step), logits)` adds to logits, per stream."""
+  return jax.vmap(jax.vmap(
+      lambda key: jax.random.gumbel(jax.random.fold_in(key, step), (vocab,))))(keys_bk)
+
+
+def _draw(method, keys_bk, step, logits_bkv, noise_bkv=None):
+  """Sampled tokens and their log-probs under the sampling distribution and the raw policy.
+
+  A sampled token is argmax(processed logits + Gumbel noise), exactly `jax.random.categorical`;
+  `noise_bkv` is the pre-drawn noise of this step, or None to draw it here from the keys.
+  """
   logits_bkv = logits_bkv.astype(jnp.float32)
   processed_bkv = method.process(logits_bkv)
   if method.is_greedy:
     tokens_bk = jnp.argmax(processed_bkv, axis=-1)
   else:
-    step_keys_bk = jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, step)))(keys_bk)
-    tokens_bk = jax.vmap(jax.vmap(jax.random.categorical))(step_keys_bk, processed_bkv)
+    if noise_bkv is None:
+      noise_bkv = _gumbel_bkv(keys_bk, step, logits_bkv.shape[-1])
+    tokens_bk = jnp.argmax(noise_bkv + processed_bkv, axis=-1)
   tokens_bk = tokens_bk.astype(jnp.int32)
 
   def logprob_of(logits):
@@ -121,7 +140,10 @@ def _draw(method, keys_bk, step, logits_bkv):
 
 def _record(state: SamplingState, logits_bkv, *, method, eos_id, pad_id) -> SamplingState:
   """Draws token `state.step` of every stream from logits_bkv and writes it into the state."""
-  tokens_bk, logprobs_bk, policy_logprobs_bk = _draw(method, state.keys_bk, state.step, logits_bkv)
+  noise_bkv = None if state.noise_tbkv is None else jax.lax.dynamic_index_in_dim(
+      state.noise_tbkv, state.step, axis=0, keepdims=False)
+  tokens_bk, logprobs_bk, policy_logprobs_bk = _draw(method, state.keys_bk, state.step, logits_bkv,
+                                                     noise_bkv)
   tokens_bk, valid_bk, done_bk = mask_after_eos(tokens_bk, state.done_bk, eos_id=eos_id,
                                                 pad_id=pad_id)
   zero = jnp.float32(0)
@@ -249,7 +271,9 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
       last_tokens_bk=rows(state.last_tokens_bk), done_bk=rows(state.done_bk),
       tokens_bkt=rows(state.tokens_bkt), logprobs_bkt=rows(state.logprobs_bkt),
       policy_logprobs_bkt=rows(state.policy_logprobs_bkt), mask_bkt=rows(state.mask_bkt),
-      lengths_bk=rows(state.lengths_bk), cache=cache)
+      lengths_bk=rows(state.lengths_bk), cache=cache,
+      noise_tbkv=None if state.noise_tbkv is None else _shard_rows(state.noise_tbkv, 1,
+                                                                   batch_sharding))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,9 +282,10 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 
 # eos_id and pad_id are traced, not static: a new end token must not recompile the sampler.
 @functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
-                                             'batch_sharding'))
+                                             'batch_sharding', 'noise_budget_bytes'))
 def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *, k,
-           max_new_tokens, method, mode, batch_sharding=None) -> SamplingState:
+           max_new_tokens, method, mode, batch_sharding=None,
+           noise_budget_bytes=NOISE_BUDGET_BYTES) -> SamplingState:
   """Prefill, then draw the first token of every stream from the logits at position len - 1."""
   prompt_tokens_bp = _shard_rows(prompt_tokens_bp, 0, batch_sharding)
   prompt_lengths_b = _shard_rows(prompt_lengths_b.astype(jnp.int32), 0, batch_sharding)
@@ -268,9 +293,14 @@ def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id,
   first_bkv, cache = _prefill(fns, params, prompt_tokens_bp, prompt_lengths_b, k=k,
                               max_new_tokens=max_new_tokens, mode=mode)
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
+  keys_bk = _stream_keys(rng, num_prompts, k)
+  vocab = first_bkv.shape[-1]
+  noise_tbkv = None
+  if not method.is_greedy and max_new_tokens * num_prompts * k * vocab * 4 <= noise_budget_bytes:
+    noise_tbkv = jax.vmap(lambda t: _gumbel_bkv(keys_bk, t, vocab))(jnp.arange(max_new_tokens))
   state = SamplingState(
       step=jnp.zeros((), jnp.int32),
-      keys_bk=_stream_keys(rng, num_prompts, k),
+      keys_bk=keys_bk,
       prompt_lengths_bk=jnp.broadcast_to(prompt_lengths_b[:, None], shape_bk),
       last_tokens_bk=jnp.full(shape_bk, pad_id, jnp.int32),
       done_bk=jnp.zeros(shape_bk, bool),
@@ -279,7 +309,7 @@ def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id,
       policy_logprobs_bkt=jnp.zeros(shape_bkt, jnp.float32),
       mask_bkt=jnp.zeros(shape_bkt, bool),
       lengths_bk=jnp.zeros(shape_bk, jnp.int32),
-      cache=cache)
+      cache=cache, noise_tbkv=noise_tbkv)
   state = _record(state, first_bkv, method=method, eos_id=eos_id, pad_id=pad_id)
   return _shard_state(state, batch_sharding)
 
@@ -380,7 +410,8 @@ def _validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, 
 
 def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_new_tokens: int,
            method: sampling.Method, eos_id: int, pad_id: int, mode: str = 'shared',
-           max_seq_len: int | None = None, batch_sharding=None) -> SampleOutput:
+           max_seq_len: int | None = None, batch_sharding=None,
+           noise_budget_bytes: int = NOISE_BUDGET_BYTES) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -401,6 +432,8 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     batch_sharding: optional NamedSharding splitting dim 0 over mesh axes (static): every
       per-prompt array (prompts, KV cache, outputs) is kept split that way. Pass the prompts
       already placed with it; params keep their own (e.g. FSDP/tensor) shardings.
+    noise_budget_bytes: the rollout's Gumbel noise (T * B * K * V float32) is drawn before the
+      decode loop when it fits in this; otherwise at each step. The tokens are the same.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -417,7 +450,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
   eos_id, pad_id = jnp.int32(eos_id), jnp.int32(pad_id)
   state = _start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
                  eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
-                 batch_sharding=batch_sharding)
+                 batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes))
   state = _decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
                        batch_sharding=batch_sharding)
   return state.output()

@@ -69,6 +69,17 @@ def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.Grad
 # Pure pieces of one iteration
 
 
+def _left_padded_prompts(prompt_tokens_bp, prompt_lengths_b):
+  """Prompts moved to the right end of their P columns: (tokens, positions, mask), all [B, P]."""
+  b, p = prompt_tokens_bp.shape
+  shift_b = p - prompt_lengths_b
+  idx_bp = (jnp.arange(p)[None, :] - shift_b[:, None]) % p
+  left_bp = jnp.take_along_axis(prompt_tokens_bp, idx_bp, axis=1)
+  pmask_bp = jnp.arange(p)[None, :] >= shift_b[:, None]
+  ppos_bp = jnp.maximum(jnp.arange(p)[None, :] - shift_b[:, None], 0)
+  return left_bp.astype(jnp.int32), ppos_bp.astype(jnp.int32), pmask_bp
+
+
 def rollout_sequences(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, k: int):
   """Rows of [left-padded prompt | completion] for the B*k samples, n = b * k + j.
 
@@ -76,12 +87,7 @@ def rollout_sequences(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_
   predict completion token t are always at P - 1 + t; RoPE sees the true positions.
   Returns tokens_ns, positions_ns, mask_ns (S = P + T).
   """
-  b, p = prompt_tokens_bp.shape
-  shift_b = p - prompt_lengths_b
-  idx_bp = (jnp.arange(p)[None, :] - shift_b[:, None]) % p
-  left_bp = jnp.take_along_axis(prompt_tokens_bp, idx_bp, axis=1)
-  pmask_bp = jnp.arange(p)[None, :] >= shift_b[:, None]
-  ppos_bp = jnp.maximum(jnp.arange(p)[None, :] - shift_b[:, None], 0)
+  left_bp, ppos_bp, pmask_bp = _left_padded_prompts(prompt_tokens_bp, prompt_lengths_b)
   rep = lambda x: jnp.repeat(x, k, axis=0)
   t = completions_nt.shape[1]
   cpos_nt = rep(prompt_lengths_b)[:, None] + jnp.arange(t)[None, :]
@@ -91,9 +97,43 @@ def rollout_sequences(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_
   return tokens.astype(jnp.int32), positions.astype(jnp.int32), mask
 
 
+def model_inputs(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, k: int,
+                 shared_prefix: bool) -> dict:
+  """What the reference and policy forwards of one rollout read, besides completions / cmask.
+
+  shared_prefix: each prompt once ([B, P] left-padded prompt tokens, positions and mask) plus
+  the completions' positions [B*k, T], for `fns.grouped`; otherwise the B*k rows of
+  `rollout_sequences` (tokens / positions / mask [B*k, P + T]) for `fns.forward`.
+  """
+  if not shared_prefix:
+    tokens, positions, mask = rollout_sequences(prompt_tokens_bp, prompt_lengths_b,
+                                                completions_nt, cmask_nt, k)
+    return dict(tokens=tokens, positions=positions, mask=mask)
+  left_bp, ppos_bp, pmask_bp = _left_padded_prompts(prompt_tokens_bp, prompt_lengths_b)
+  t = completions_nt.shape[1]
+  cpos_nt = jnp.repeat(prompt_lengths_b, k, axis=0)[:, None] + jnp.arange(t)[None, :]
+  return dict(prompt_tokens=left_bp, prompt_positions=ppos_bp, prompt_mask=pmask_bp,
+              completion_positions=cpos_nt.astype(jnp.int32))
+
+
 def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, num_prompt: int, t: int):
-  """Logits predicting the T completion tokens: positions P - 1 .. P + T - 2 only."""
-  return fns.forward(params, tokens_ns, positions_ns, mask_ns, head_slice=(num_prompt - 1, t))
+  """Logits predicting the T completion tokens: positions P - 1 .. P + T - 2 only.
+
+  The last column is not fed: its hidden state predicts nothing scored, and under the causal
+  mask no earlier position sees it."""
+  s = tokens_ns.shape[1] - 1
+  return fns.forward(params, tokens_ns[:, :s], positions_ns[:, :s], mask_ns[:, :s],
+                     head_slice=(num_prompt - 1, t))
+
+
+def rows_logits(fns, params, rows: dict, num_prompt: int):
+  """Logits [N, T, V] predicting rows['completions'] from either form of `model_inputs`."""
+  if "prompt_tokens" in rows:
+    return fns.grouped(params, rows["prompt_tokens"], rows["prompt_positions"],
+                       rows["prompt_mask"], rows["completions"], rows["completion_positions"],
+                       rows["cmask"])
+  return completion_logits(fns, params, rows["tokens"], rows["positions"], rows["mask"],
+                           num_prompt, rows["completions"].shape[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +167,9 @@ def train_step(state: TrainState, batch: dict, *, fns, tx, spec: LossSpec, num_p
   FSDP: params are gathered into `compute_shardings` for the forward/backward and the gradients
   reduce-scattered back onto `param_shardings` (both None without fsdp).
   """
-  t = batch["completions"].shape[1]
-
   def loss_fn(params):
     params = _constrain(params, compute_shardings)
-    logits = completion_logits(fns, params, batch["tokens"], batch["positions"], batch["mask"],
-                               num_prompt, t)
+    logits = rows_logits(fns, params, batch, num_prompt)
     logp = loss.token_logprobs(logits, batch["completions"], batch["cmask"])
     return policy_loss(spec, logp, batch["old_logp"], batch["cmask"], batch["advantages"], logits)
 
@@ -144,15 +181,17 @@ def train_step(state: TrainState, batch: dict, *, fns, tx, spec: LossSpec, num_p
   return state.replace(params=params, opt_state=opt_state), metrics
 
 
-def score_rollout(ref_params, adv_state, tokens_ns, positions_ns, mask_ns, completions_nt, cmask_nt,
-                  policy_logp_nt, rewards_bk, usable_bk, *, fns, num_prompt: int, beta: float,
+def score_rollout(ref_params, adv_state, inputs, completions_nt, cmask_nt, policy_logp_nt,
+                  rewards_bk, usable_bk, *, fns, num_prompt: int, beta: float,
                   kl_estimator: str, kl_reduction: str, estimator: str, options: tuple,
                   compute_shardings=None):
-  """Reference log-probs, KL, penalised rewards R = r - beta * KL and advantages, all [B, k]."""
+  """Reference log-probs, KL, penalised rewards R = r - beta * KL and advantages, all [B, k].
+
+  `inputs`: either form of `model_inputs`."""
   b, k = rewards_bk.shape
   ref_params = _constrain(ref_params, compute_shardings)
-  t = completions_nt.shape[1]
-  ref_logits = completion_logits(fns, ref_params, tokens_ns, positions_ns, mask_ns, num_prompt, t)
+  ref_logits = rows_logits(fns, ref_params, dict(inputs, completions=completions_nt,
+                                                 cmask=cmask_nt), num_prompt)
   ref_logp = loss.token_logprobs(ref_logits, completions_nt, cmask_nt)
   penalised, kl = loss.penalized_reward(rewards_bk.reshape(-1), policy_logp_nt, ref_logp,
                                         cmask_nt, beta=beta, estimator=kl_estimator,
@@ -244,6 +283,12 @@ def validate_config(config) -> None:
     raise ValueError(f"the rollout batch (config.rloo.num_prompts * config.rloo.k = {n}) is not "
                      f"divisible by config.train.num_minibatches = {config.train.num_minibatches}; "
                      f"choose num_minibatches dividing {n}")
+  if config.train.shared_prefix and r.num_prompts % config.train.num_minibatches:
+    raise ValueError(f"config.train.shared_prefix minibatches whole groups, but "
+                     f"config.rloo.num_prompts = {r.num_prompts} is not divisible by "
+                     f"config.train.num_minibatches = {config.train.num_minibatches}; choose "
+                     f"num_minibatches dividing {r.num_prompts}, or set "
+                     f"config.train.shared_prefix=False to minibatch single samples")
   if config.train.num_epochs < 1 or config.train.num_iterations < 0:
     raise ValueError("config.train.num_epochs must be >= 1 and num_iterations >= 0")
   need = config.data.max_prompt_len + r.max_new_tokens
@@ -312,6 +357,8 @@ class Experiment:
   layout: sharding_lib.Layout = None
   state_shardings: Any = None
   rows_fn: Callable = None
+  inputs_fn: Callable = None  # model_inputs for this config's train.shared_prefix
+  groups_fn: Callable = None  # whole-group minibatch gather (shared-prefix rows)
   compute_shardings: Any = None  # params gathered over fsdp (None without fsdp)
 
   @property
@@ -328,6 +375,10 @@ def validate_layout(config, layout: sharding_lib.Layout) -> None:
   if (r.num_prompts * r.k) % t.num_minibatches == 0:
     check("the minibatch (num_prompts * k / config.train.num_minibatches)",
           r.num_prompts * r.k // t.num_minibatches, layout)
+  if t.shared_prefix and r.num_prompts % t.num_minibatches == 0:
+    check("the minibatch's prompts (config.rloo.num_prompts / config.train.num_minibatches, "
+          "whole groups with config.train.shared_prefix)", r.num_prompts // t.num_minibatches,
+          layout)
   check("config.train.eval_batch_size", t.eval_batch_size, layout)
   if not config.model.init_from:
     check("config.sft.batch_size", config.sft.batch_size, layout)
@@ -380,14 +431,19 @@ def build(config, workdir: str, task=None, *, devices=None) -> Experiment:
       estimator=config.advantage.estimator,
       options=tuple(sorted(dict(config.advantage.options).items())),
       compute_shardings=compute_sh),
-      in_shardings=(state_sh.ref_params, state_sh.adv_state) + (rows,) * 8,
+      in_shardings=(state_sh.ref_params, state_sh.adv_state) + (rows,) * 6,
       out_shardings=(rows, state_sh.adv_state))
   sequences = jax.jit(rollout_sequences, static_argnums=4, in_shardings=(rows,) * 4,
                       out_shardings=rows)
   # jit takes no keyword arguments once in_shardings is given; keep the `k=` call style.
   exp.sequences_fn = lambda tokens_bp, lengths_b, completions_nt, cmask_nt, k: sequences(
       tokens_bp, lengths_b, completions_nt, cmask_nt, k)
+  inputs = jax.jit(model_inputs, static_argnums=(4, 5), in_shardings=(rows,) * 4,
+                   out_shardings=rows)
+  exp.inputs_fn = lambda tokens_bp, lengths_b, completions_nt, cmask_nt, k: inputs(
+      tokens_bp, lengths_b, completions_nt, cmask_nt, k, bool(config.train.shared_prefix))
   exp.rows_fn = jax.jit(_take_rows, out_shardings=rows)
+  exp.groups_fn = jax.jit(_take_groups, static_argnums=2, out_shardings=rows)
   return exp
 
 
@@ -403,6 +459,16 @@ def _make_task(tasks, config, data_dir: str):
 
 def _take_rows(rows: dict, idx):
   return jax.tree.map(lambda x: x[idx], rows)
+
+
+_PROMPT_KEYS = ("prompt_tokens", "prompt_positions", "prompt_mask")
+
+
+def _take_groups(rows: dict, group_idx, k: int):
+  """Whole groups: prompt arrays at group_idx, sample rows at group_idx * k + 0..k-1."""
+  sample_idx = (group_idx[:, None] * k + jnp.arange(k)[None, :]).reshape(-1)
+  return {name: x[group_idx] if name in _PROMPT_KEYS else x[sample_idx]
+          for name, x in rows.items()}
 
 
 def initial_params(exp: Experiment, *, log=print):
@@ -501,14 +567,32 @@ def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng):
 
   Epoch e's order comes from fold_in(rng, 1 + e), so a resumed run replays it exactly. Returns
   (state, [metrics of each step]). Shared by RLOO and the PPO baseline.
+
+  Rows in the shared-prefix form (`model_inputs`) are shuffled as whole groups (a prompt and its
+  k samples stay together, so the prompt is still computed once); with one minibatch they are
+  used as they are, since the order of rows in a single step changes nothing but float rounding.
   """
   c = exp.config.train
-  mb = n // c.num_minibatches
   step_metrics = []
+  if "prompt_tokens" in rows:
+    num_groups = rows["prompt_tokens"].shape[0]
+    k = n // num_groups
+    mb = num_groups // c.num_minibatches
+  else:
+    mb = n // c.num_minibatches
   for epoch in range(c.num_epochs):
-    order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), n)
+    if "prompt_tokens" in rows and c.num_minibatches == 1:
+      state, m = step_fn(state, rows)
+      step_metrics.append(m)
+      continue
+    if "prompt_tokens" in rows:
+      order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), num_groups)
+      take = lambda i: exp.groups_fn(rows, order[i * mb:(i + 1) * mb], k)
+    else:
+      order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), n)
+      take = lambda i: exp.rows_fn(rows, order[i * mb:(i + 1) * mb])
     for i in range(c.num_minibatches):
-      state, m = step_fn(state, exp.rows_fn(rows, order[i * mb:(i + 1) * mb]))
+      state, m = step_fn(state, take(i))
       step_metrics.append(m)
   return state, step_metrics
 
@@ -545,10 +629,10 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   completions_nt = layout.reshard_batch(out.tokens_bkt.reshape(b * k, -1))
   cmask_nt = layout.reshard_batch(out.mask_bkt.reshape(b * k, -1))
   policy_logp_nt = layout.reshard_batch(out.policy_logprobs_bkt.reshape(b * k, -1))
-  tokens, positions, mask = exp.sequences_fn(layout.shard_batch(batch["prompt_tokens"]),
-                                             layout.shard_batch(batch["prompt_lengths"]),
-                                             completions_nt, cmask_nt, k=k)
-  scored, adv_state = exp.score_fn(state.ref_params, state.adv_state, tokens, positions, mask,
+  inputs = exp.inputs_fn(layout.shard_batch(batch["prompt_tokens"]),
+                         layout.shard_batch(batch["prompt_lengths"]), completions_nt, cmask_nt,
+                         k=k)
+  scored, adv_state = exp.score_fn(state.ref_params, state.adv_state, inputs,
                                    completions_nt, cmask_nt, policy_logp_nt,
                                    layout.put_global_batch(rewards_bk.astype(np.float32)),
                                    layout.put_global_batch(usable_bk))
@@ -557,8 +641,7 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   state = state.replace(adv_state=adv_state)
 
   t0 = time.perf_counter()
-  rows = dict(tokens=tokens, positions=positions, mask=mask, completions=completions_nt,
-              cmask=cmask_nt, old_logp=policy_logp_nt,
+  rows = dict(inputs, completions=completions_nt, cmask=cmask_nt, old_logp=policy_logp_nt,
               advantages=scored["advantages_bk"].reshape(-1))
   n = b * k
   state, step_metrics = minibatch_updates(exp, exp.step_fn, state, rows, n, rng)
@@ -588,7 +671,9 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
       frac_groups_all_equal=float(all_equal.mean()),
       num_unscorable=float((~usable).sum()), num_nonfinite=float(num_nonfinite),
       rollout_tokens_per_s=num_tokens / max(timings["rollout_s"], 1e-9),
-      update_tokens_per_s=(c.train.num_epochs * n * tokens.shape[1])
+      # Tokens of the n [prompt | completion] rows trained on, however the prompt is shared.
+      update_tokens_per_s=(c.train.num_epochs * n * (batch["prompt_tokens"].shape[1]
+                                                     + completions_nt.shape[1]))
       / max(timings["update_s"], 1e-9),
       **timings)
   m["iteration_s"] = sum(timings.values())

@@ -100,6 +100,42 @@ def test_head_slice_equals_slicing_the_full_logits(model):
   np.testing.assert_allclose(part, full[:, 2:5], atol=1e-6, rtol=1e-6)
 
 
+
+def test_grouped_forward_equals_tiled_rows(model):
+  """fns.grouped computes each prompt once for its K completions; the same logits, and the same
+  gradients, as the K tiled [prompt | completion] rows through forward(head_slice=(P - 1, T))."""
+  config, params, _ = model
+  rng = np.random.default_rng(4)
+  # Left-padded prompts (last token in column P - 1) with a hole inside row 0.
+  lengths = np.array([P, P - 2], np.int32)
+  ptok = rng.integers(3, config.vocab_size, size=(B, P)).astype(np.int32)
+  pmask = np.arange(P)[None] >= (P - lengths)[:, None]
+  pmask[0, 1] = False
+  ppos = np.maximum(np.arange(P)[None] - (P - lengths)[:, None], 0).astype(np.int32)
+  ptok = np.where(pmask, ptok, 0)
+  ctok = rng.integers(3, config.vocab_size, size=(B * K, T)).astype(np.int32)
+  cpos = (np.repeat(lengths, K)[:, None] + np.arange(T)).astype(np.int32)
+  cmask = np.ones((B * K, T), bool)
+  cmask[1, 2:] = False  # a completion that ended early
+  fns = model_fns(abstract(config)[0])
+  tile = lambda x: np.repeat(x, K, axis=0)
+  flat = lambda prm: fns.forward(prm, np.concatenate([tile(ptok), ctok], 1),
+                                 np.concatenate([tile(ppos), cpos], 1),
+                                 np.concatenate([tile(pmask), cmask], 1), head_slice=(P - 1, T))
+  grouped = lambda prm: fns.grouped(prm, ptok, ppos, pmask, ctok, cpos, cmask)
+  a, b = jax.jit(flat)(params), jax.jit(grouped)(params)
+  assert b.shape == (B * K, T, config.vocab_size) and b.dtype == jnp.float32
+  np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
+  w = jnp.asarray(rng.standard_normal(a.shape), jnp.float32)
+  ga = jax.jit(jax.grad(lambda prm: jnp.sum(flat(prm) * w)))(params)
+  gb = jax.jit(jax.grad(lambda prm: jnp.sum(grouped(prm) * w)))(params)
+  scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(ga))
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5 * scale)
+  with pytest.raises(ValueError, match='5 completion rows do not split over 2 prompts'):
+    fns.grouped(params, ptok, ppos, pmask, ctok[:5], cpos[:5], cmask[:5])
+
+
 def test_shared_cached_decode_matches_full_recomputation(model):
   """K streams decoded on one prefix equal a full forward over each tiled prompt + completion."""
   config, params, jitted = model

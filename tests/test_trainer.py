@@ -159,6 +159,9 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(tmp_path):
      r"unknown advantage estimator 'rlooo'; registered estimators are \[.*'rloo'"),
     (dict(train=dict(num_minibatches=3)),
      r"num_prompts \* config\.rloo\.k = 16\) is not divisible by config\.train\.num_minibatches"),
+    (dict(train=dict(num_minibatches=8)),
+     r"shared_prefix minibatches whole groups, but config\.rloo\.num_prompts = 4 is not "
+     r"divisible by config\.train\.num_minibatches = 8"),
     (dict(rloo=dict(max_new_tokens=40)),
      r"max_prompt_len \(16\) \+ config\.rloo\.max_new_tokens \(40\) = 56 exceeds the model context"),
     (dict(model=dict(init_from="/no/such/checkpoint")),
@@ -203,6 +206,37 @@ def test_unscorable_samples_are_masked_and_counted(tmp_path):
   exp = trainer.build(config, str(tmp_path))
   with pytest.raises(ValueError, match=r"8 reward\(s\) are NaN or inf; set config\.rewards\.nan_policy='mask'"):
     trainer.rl_iteration(exp, state, batch)
+
+
+
+def test_shared_prefix_equals_tiled_rows(tmp_path):
+  """train.shared_prefix (each prompt computed once for its k samples, in the reference and the
+  policy forwards) against k tiled [prompt | completion] rows: one iteration from the same state
+  and batch gives the same KL, advantages, loss and gradient norm up to float rounding."""
+  config = load_config()
+  config.train.num_epochs = 1  # metrics of one step, taken before its update
+  from rloo_jax.data import pipeline
+  results = {}
+  for shared in (True, False):
+    config.train.shared_prefix = shared
+    exp = trainer.build(config, str(tmp_path))
+    state = trainer.init_state(exp, trainer.transformer.create(exp.model_config)[1])
+    batch = next(pipeline.prompt_batches(exp.task.train, exp.tokenizer, global_batch_size=4,
+                                         max_prompt_len=config.data.max_prompt_len))
+    _, results[shared] = trainer.rl_iteration(exp, state, batch)
+  for key in ("kl", "penalised_reward", "advantage_std", "advantage_abs_max", "loss", "grad_norm",
+              "entropy", "reward_mean"):
+    np.testing.assert_allclose(results[True][key], results[False][key], rtol=1e-4, atol=1e-6,
+                               err_msg=key)
+
+
+def test_take_groups_keeps_each_prompt_with_its_samples():
+  rows = dict(prompt_tokens=jnp.arange(3)[:, None] * 10, completions=jnp.arange(6)[:, None],
+              advantages=jnp.arange(6) * 1.0)
+  out = trainer._take_groups(rows, jnp.array([2, 0]), 2)
+  np.testing.assert_array_equal(out["prompt_tokens"][:, 0], [20, 0])
+  np.testing.assert_array_equal(out["completions"][:, 0], [4, 5, 0, 1])
+  np.testing.assert_array_equal(out["advantages"], [4.0, 5.0, 0.0, 1.0])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -182,13 +182,24 @@ class Norm(nnx.Module):
     return self.scale[...].astype(x_bse.dtype) * y.astype(x_bse.dtype)
 
 
-def _rope(x_bshd: jax.Array, positions_bs: jax.Array, theta: float) -> jax.Array:
+def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: int):
+  """cos / sin [B, S, 1, D/2] of every position's rotary angles, computed once per forward.
+
+  Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array.
+  Computed from the positions directly, XLA fused cos and sin into every consumer (q and k of
+  every layer) and recomputed them per element, i.e. per head: a visible share of a CPU decode
+  step and of the update. (XLA evaluates the table only at the gathered rows.)
+  """
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_sf = jnp.arange(max_seq_len, dtype=jnp.float32)[:, None] * inv_freq
+  take = lambda table: jnp.take(table, positions_bs, axis=0, mode='clip')[:, :, None, :]
+  return take(jnp.cos(angles_sf)), take(jnp.sin(angles_sf))
+
+
+def _rope(x_bshd: jax.Array, rotary) -> jax.Array:
   """HF-layout rotary embedding (rotate_half over the two halves of head_dim)."""
+  cos, sin = rotary
   d = x_bshd.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  angles_bsf = positions_bs.astype(jnp.float32)[..., None] * inv_freq
-  cos = jnp.cos(angles_bsf)[:, :, None, :]
-  sin = jnp.sin(angles_bsf)[:, :, None, :]
   x = x_bshd.astype(jnp.float32)
   x1, x2 = x[..., : d // 2], x[..., d // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -234,8 +245,10 @@ class Attention(nnx.Module):
     if c.is_gpt2:
       self.o_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
 
-  def qkv(self, x_bse: jax.Array, positions_bs: jax.Array):
-    """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D]."""
+  def qkv(self, x_bse: jax.Array, rotary):
+    """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D].
+
+    `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2)."""
     c = self.config
     dt = x_bse.dtype
     q = _project(x_bse, _cast(self.q_kernel, dt))
@@ -246,8 +259,8 @@ class Attention(nnx.Module):
       k = k + _cast(self.k_bias, dt)
       v = v + _cast(self.v_bias, dt)
     if not c.is_gpt2:
-      q = _rope(q, positions_bs, c.rope_theta)
-      k = _rope(k, positions_bs, c.rope_theta)
+      q = _rope(q, rotary)
+      k = _rope(k, rotary)
     # HF's repeat_kv gives kv head h to query heads h*G..h*G+G-1, i.e. a plain reshape.
     b, s = q.shape[:2]
     q_bshgd = q.reshape(b, s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
@@ -357,6 +370,37 @@ def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_
   return out + jnp.einsum('bkhgt,bkhtd->bkhgd', probs[..., p:], v_bkhtd)
 
 
+def _grouped_attention(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt: int):
+  """Attention over rows laid out per prompt as [prompt (P) | M completions (T each)].
+
+  The prompt's queries attend causally within the prompt; each completion's queries attend to the
+  prompt's keys (computed once, never tiled M times) and causally to their own completion. Both
+  score blocks of a completion query share one float32 softmax.
+  """
+  p = num_prompt
+  b, _, h, g, d = q_bshgd.shape
+  m, t = mask_bmt.shape[1:]
+  qp, kp, vp = q_bshgd[:, :p], k_bshd[:, :p], v_bshd[:, :p]
+  out_p = _full_attention(qp, kp, vp, prompt_mask_bp)
+  qc = q_bshgd[:, p:].reshape(b, m, t, h, g, d)
+  kc = k_bshd[:, p:].reshape(b, m, t, h, d)
+  vc = v_bshd[:, p:].reshape(b, m, t, h, d)
+  scale = 1.0 / math.sqrt(d)
+  f32 = jnp.float32
+  scores_p = jnp.einsum('bmthgd,bphd->bmhgtp', qc, kp, preferred_element_type=f32)
+  scores_c = jnp.einsum('bmthgd,bmshd->bmhgts', qc, kc, preferred_element_type=f32)
+  scores = jnp.concatenate([scores_p, scores_c], axis=-1) * scale
+  mask_p = jnp.broadcast_to(prompt_mask_bp.astype(bool)[:, None, None, None, None, :],
+                            (b, m, 1, 1, t, p))
+  causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  mask_c = causal_ts[None, None, None, None] & mask_bmt.astype(bool)[:, :, None, None, None, :]
+  mask = jnp.concatenate([mask_p, mask_c], axis=-1)
+  probs = _softmax_f32(scores, mask).astype(v_bshd.dtype)
+  out_c = (jnp.einsum('bmhgtp,bphd->bmthgd', probs[..., :p], vp)
+           + jnp.einsum('bmhgts,bmshd->bmthgd', probs[..., p:], vc))
+  return jnp.concatenate([out_p, out_c.reshape(b, m * t, h, g, d)], axis=1)
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM (head='lm': logits [B,S,V]) or value/reward model (head='scalar': [B,S])."""
 
@@ -388,6 +432,10 @@ class Transformer(nnx.Module):
       x = x + jnp.take(self.pos_embedding[...], positions_bs, axis=0, mode='clip').astype(dt)
     return x
 
+  def _rotary(self, positions_bs):
+    c = self.config
+    return None if c.is_gpt2 else _rotary(positions_bs, c.head_dim, c.rope_theta, c.max_seq_len)
+
   def _head(self, x_bse):
     """Final norm and head; the contraction accumulates and returns float32 whatever the dtype."""
     x = self.final_norm(x_bse)
@@ -402,9 +450,10 @@ class Transformer(nnx.Module):
   def _trunk(self, tokens_bs, positions_bs, mask_bs):
     """Every layer over the full sequence: final hidden states and each layer's K/V."""
     x = self._embed(tokens_bs, positions_bs)
+    rotary = self._rotary(positions_bs)
     ks, vs = [], []
     for block in self.layers:
-      q, k, v = block.attn.qkv(block.attn_norm(x), positions_bs)
+      q, k, v = block.attn.qkv(block.attn_norm(x), rotary)
       x = x + block.attn.out(_full_attention(q, k, v, mask_bs))
       x = x + block.mlp(block.mlp_norm(x))
       ks.append(k)
@@ -425,6 +474,43 @@ class Transformer(nnx.Module):
       x = jax.lax.slice_in_dim(x, start, start + length, axis=1)
     return self._head(x)
 
+  def grouped(self, prompt_tokens_bp, prompt_positions_bp, prompt_mask_bp, tokens_nt,
+              positions_nt, mask_nt):
+    """Logits [N, T, V] predicting each row of tokens_nt, where row n continues prompt n // M
+    (M = N / B rows per prompt: RLOO's k samples), with every prompt computed once.
+
+    Equal (up to float rounding) to `__call__` on the N rows [prompt | tokens] with
+    head_slice=(P - 1, T), at P*B instead of P*N prompt tokens of compute, forward and backward.
+    Needs T >= 1 completion columns.
+    Prompts must be left-padded (their last token in column P - 1), as `rollout_sequences` does.
+    Rows are laid out per prompt, [B, P + M*T], so a batch sharding over B holds throughout.
+    """
+    b, p = prompt_tokens_bp.shape
+    n, t = tokens_nt.shape
+    if n % b:
+      raise ValueError(f'grouped forward: {n} completion rows do not split over {b} prompts')
+    m = n // b
+    # A completion's last token is never fed: its hidden state predicts nothing scored here, and
+    # under the causal mask no earlier position sees it.
+    u = t - 1
+    tokens = jnp.concatenate([prompt_tokens_bp, tokens_nt[:, :u].reshape(b, m * u)], axis=1)
+    positions = jnp.concatenate([prompt_positions_bp, positions_nt[:, :u].reshape(b, m * u)],
+                                axis=1)
+    x = self._embed(tokens, positions)
+    mask_bmu = mask_nt[:, :u].reshape(b, m, u)
+    rotary = self._rotary(positions)
+    for block in self.layers:
+      q, k, v = block.attn.qkv(block.attn_norm(x), rotary)
+      x = x + block.attn.out(_grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p))
+      x = x + block.mlp(block.mlp_norm(x))
+    e = x.shape[-1]
+    # Token 0 of every completion is predicted from its prompt's last column, token i > 0 from
+    # completion position i - 1.
+    last_b1e = x[:, p - 1:p]
+    xc = x[:, p:].reshape(b, m, u, e)
+    h = jnp.concatenate([jnp.broadcast_to(last_b1e[:, None], (b, m, 1, e)), xc], axis=2)
+    return self._head(h.reshape(n, t, e))
+
   def decode(self, tokens_bk, positions_bk, cache: DecodeCache):
     """One token per stream, written at cache.index (callers keep index < max_new_tokens:
     dynamic_update_slice clamps, so a step past the end would overwrite the last slot)."""
@@ -432,8 +518,9 @@ class Transformer(nnx.Module):
     k_caches, v_caches = [], []
     idx = cache.index.astype(jnp.int32)
     zero = jnp.zeros((), jnp.int32)
+    rotary = self._rotary(positions_bk)
     for l, block in enumerate(self.layers):
-      q, k, v = block.attn.qkv(block.attn_norm(x), positions_bk)  # K plays the sequence axis
+      q, k, v = block.attn.qkv(block.attn_norm(x), rotary)  # K plays the sequence axis
       # k, v: [B, K, Hkv, D] into slot idx of the T axis (last for keys, second to last for
       # values); the while loop's donated per-layer buffers are updated in place.
       k_cache = jax.lax.dynamic_update_slice(
@@ -479,6 +566,7 @@ class ModelFns(NamedTuple):
   init_cache: Callable
   decode: Callable
   config: TransformerConfig | None = None
+  grouped: Callable | None = None
 
 
 def _config_of(graphdef) -> TransformerConfig | None:
@@ -502,8 +590,13 @@ def model_fns(graphdef) -> ModelFns:
   def decode(params, tokens_bk, positions_bk, cache):
     return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache)
 
+  def grouped(params, prompt_tokens_bp, prompt_positions_bp, prompt_mask_bp, tokens_nt,
+              positions_nt, mask_nt):
+    return nnx.merge(graphdef, params).grouped(prompt_tokens_bp, prompt_positions_bp,
+                                               prompt_mask_bp, tokens_nt, positions_nt, mask_nt)
+
   return ModelFns(forward=forward, prefill=prefill, init_cache=init_cache, decode=decode,
-                  config=_config_of(graphdef))
+                  config=_config_of(graphdef), grouped=grouped)
 
 
 def create(config: TransformerConfig, seed: int = 0):
