@@ -64,14 +64,19 @@ def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, share
              + num_prompts * attn(prompt_len, prompt_len) / 2
              + n * sum(attn(1, prompt_len + t) for t in range(new_tokens)))
   u = new_tokens - 1
+  skipped = 0
   if shared_prefix:
     fed = num_prompts * prompt_len + n * u
     attention = num_prompts * attn(prompt_len, prompt_len) / 2 + n * (attn(u, prompt_len)
                                                                      + attn(u, u) / 2)
+    # The last layer's prompt rows (but column P - 1) skip the output projection and the MLP.
+    o_and_mlp = m.num_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+    skipped = 2 * num_prompts * (prompt_len - 1) * o_and_mlp
   else:
     fed = n * (prompt_len + u)
     attention = n * attn(prompt_len + u, prompt_len + u) / 2
-  forward = 2 * trunk * fed + attention + 2 * head * n * new_tokens  # head: scored positions only
+  # The head runs on the scored positions only.
+  forward = 2 * trunk * fed - skipped + attention + 2 * head * n * new_tokens
   return {"rollout": rollout, "reference": forward, "update": 3 * forward}
 
 

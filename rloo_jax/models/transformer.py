@@ -499,15 +499,21 @@ class Transformer(nnx.Module):
     x = self._embed(tokens, positions)
     mask_bmu = mask_nt[:, :u].reshape(b, m, u)
     rotary = self._rotary(positions)
-    for block in self.layers:
+    last = len(self.layers) - 1
+    for l, block in enumerate(self.layers):
       q, k, v = block.attn.qkv(block.attn_norm(x), rotary)
-      x = x + block.attn.out(_grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p))
+      o = _grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p)
+      if l == last:
+        # The last layer's prompt rows serve only as keys/values, except column P - 1, which
+        # predicts each completion's first token: the rest skip the output projection and MLP.
+        x, o = x[:, p - 1:], o[:, p - 1:]
+      x = x + block.attn.out(o)
       x = x + block.mlp(block.mlp_norm(x))
     e = x.shape[-1]
-    # Token 0 of every completion is predicted from its prompt's last column, token i > 0 from
-    # completion position i - 1.
-    last_b1e = x[:, p - 1:p]
-    xc = x[:, p:].reshape(b, m, u, e)
+    # Token 0 of every completion is predicted from its prompt's last column (now row 0), token
+    # i > 0 from completion position i - 1.
+    last_b1e = x[:, :1]
+    xc = x[:, 1:].reshape(b, m, u, e)
     h = jnp.concatenate([jnp.broadcast_to(last_b1e[:, None], (b, m, 1, e)), xc], axis=2)
     return self._head(h.reshape(n, t, e))
 
