@@ -228,6 +228,12 @@ def test_shared_prefix_equals_tiled_rows(tmp_path):
               "entropy", "reward_mean"):
     np.testing.assert_allclose(results[True][key], results[False][key], rtol=1e-4, atol=1e-6,
                                err_msg=key)
+  # Two minibatches of whole groups (2 prompts with their 4 samples each): the epoch's steps run.
+  config.train.update(shared_prefix=True, num_minibatches=2)
+  exp = trainer.build(config, str(tmp_path))
+  state = trainer.init_state(exp, trainer.transformer.create(exp.model_config)[1])
+  state, m = trainer.rl_iteration(exp, state, batch)
+  assert int(state.opt_state[1][0].count) == 2 and np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
 
 def test_take_groups_keeps_each_prompt_with_its_samples():
