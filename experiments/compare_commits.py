@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from compare_trl import last_json
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
@@ -25,9 +27,7 @@ def bench(root, hidden, layers, iterations):
   cmd = [sys.executable, os.path.join(root, "experiments", "bench_step.py"), "--hidden", hidden,
          "--layers", layers, "--iterations", str(iterations)]
   # PYTHONPATH first: the worktree's rloo_jax shadows the installed (editable) one.
-  env = dict(os.environ, PYTHONPATH=root)
-  out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=root).stdout
-  return json.loads([l for l in out.splitlines() if l.startswith("{")][-1])["median"]
+  return last_json(cmd, env=dict(os.environ, PYTHONPATH=root), cwd=root)["median"]
 
 
 def main():

@@ -19,8 +19,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def last_json(cmd):
-  out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+def last_json(cmd, **run_kwargs):
+  """The last JSON line `cmd` prints (subprocess.run keyword arguments pass through)."""
+  out = subprocess.run(cmd, check=True, capture_output=True, text=True, **run_kwargs).stdout
   return json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
 
 

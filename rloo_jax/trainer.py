@@ -574,25 +574,19 @@ def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng):
   """
   c = exp.config.train
   step_metrics = []
-  if "prompt_tokens" in rows:
-    num_groups = rows["prompt_tokens"].shape[0]
-    k = n // num_groups
-    mb = num_groups // c.num_minibatches
-  else:
-    mb = n // c.num_minibatches
+  grouped = "prompt_tokens" in rows
+  units = rows["prompt_tokens"].shape[0] if grouped else n  # what is shuffled: groups or rows
+  mb = units // c.num_minibatches
+  take = ((lambda idx: exp.groups_fn(rows, idx, n // units)) if grouped
+          else (lambda idx: exp.rows_fn(rows, idx)))
   for epoch in range(c.num_epochs):
-    if "prompt_tokens" in rows and c.num_minibatches == 1:
+    if grouped and c.num_minibatches == 1:
       state, m = step_fn(state, rows)
       step_metrics.append(m)
       continue
-    if "prompt_tokens" in rows:
-      order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), num_groups)
-      take = lambda i: exp.groups_fn(rows, order[i * mb:(i + 1) * mb], k)
-    else:
-      order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), n)
-      take = lambda i: exp.rows_fn(rows, order[i * mb:(i + 1) * mb])
+    order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), units)
     for i in range(c.num_minibatches):
-      state, m = step_fn(state, take(i))
+      state, m = step_fn(state, take(order[i * mb:(i + 1) * mb]))
       step_metrics.append(m)
   return state, step_metrics
 

@@ -483,7 +483,7 @@ class Transformer(nnx.Module):
     head_slice=(P - 1, T), at P*B instead of P*N prompt tokens of compute, forward and backward.
     Needs T >= 1 completion columns.
     Prompts must be left-padded (their last token in column P - 1), as `rollout_sequences` does.
-    Rows are laid out per prompt, [B, P + M*T], so a batch sharding over B holds throughout.
+    Rows are laid out per prompt, [B, P + M*(T-1)], so a batch sharding over B holds throughout.
     """
     b, p = prompt_tokens_bp.shape
     n, t = tokens_nt.shape
