@@ -7,7 +7,12 @@ Prints ONE JSON line: seconds per rollout (median over --repeats, after compilin
   hf_generate_s transformers' LlamaForCausalLM.generate (torch CPU, KV cache) on the same weights
                 and sampling settings; null when torch/transformers are not importable
 plus the configuration and ratios. Modes are timed round-robin in one process, so load from other
-processes hits them alike.
+processes hits them alike. Two more modes time the two forms of the shared cache directly (the
+'shared' mode picks one by prompt length, transformer.COPY_PREFIX_MAX_LEN):
+  copied_s      the prompt's K/V copied into the front of every stream's cache
+  kept_s        one prefix cache per prompt that its k streams all read
+
+  python experiments/bench_sampler.py --modes=copied,kept --prompt_len=16 --new_tokens=32 --layers=4
 
   python experiments/bench_sampler.py --prompt_len=512 --new_tokens=32
   python experiments/bench_sampler.py --prompt_len=64 --new_tokens=64
@@ -17,6 +22,7 @@ processes hits them alike.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -34,7 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rloo_jax import sampler, sampling  # noqa: E402
 from rloo_jax.models import transformer  # noqa: E402
 
-ALL_MODES = ('shared', 'unshared', 'recompute', 'hf')
+ALL_MODES = ('shared', 'unshared', 'recompute', 'hf', 'copied', 'kept')
+# Modes that run the sampler's 'shared' mode with the prefix copied into every stream / kept
+# once per prompt, whatever the prompt length.
+PREFIX_FORMS = {'copied': 1 << 30, 'kept': 0}
 
 
 def parse_args(argv=None):
@@ -186,14 +195,19 @@ def main(argv=None):
   for mode in args.modes:
     if mode == 'hf':
       continue
+    mode_fns, sampler_mode = fns, mode
+    if mode in PREFIX_FORMS:
+      mode_fns = fns._replace(init_cache=functools.partial(
+          fns.init_cache, copy_prefix_max_len=PREFIX_FORMS[mode]))
+      sampler_mode = 'shared'
     t0 = time.perf_counter()
-    compile_sampler(fns, params, tokens, lengths, jax.random.key(0), mode=mode, **kw)
+    compile_sampler(mode_fns, params, tokens, lengths, jax.random.key(0), mode=sampler_mode, **kw)
     compile_s[mode] = round(time.perf_counter() - t0, 2)
 
-    def run(mode=mode, counter=[0]):  # noqa: B006 -- a fresh rng per rollout, as in training
-      counter[0] += 1
-      out = sampler.sample(fns, params, tokens, lengths, jax.random.key(counter[0]), mode=mode,
-                           **kw)
+    def run(mode_fns=mode_fns, sampler_mode=sampler_mode, counter=[0]):  # noqa: B006
+      counter[0] += 1  # a fresh rng per rollout, as in training
+      out = sampler.sample(mode_fns, params, tokens, lengths, jax.random.key(counter[0]),
+                           mode=sampler_mode, **kw)
       jax.block_until_ready(out)
       return out
     runners[mode] = run
@@ -239,6 +253,9 @@ def main(argv=None):
                     ('hf', 'hf_generate')):
     result[f'{key}_tokens_per_s'] = (round(new_tokens_total / med(mode), 1) if mode in times
                                      else None)
+  result['copied_s'], result['kept_s'] = med('copied'), med('kept')
+  result['copied_over_kept'] = (round(med('copied') / med('kept'), 3)
+                                if 'copied' in times and 'kept' in times else None)
   s, u, r, h = (med(m) for m in ('shared', 'unshared', 'recompute', 'hf'))
   result['shared_over_unshared'] = round(s / u, 3) if s and u else None
   result['shared_over_recompute'] = round(s / r, 3) if s and r else None

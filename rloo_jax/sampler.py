@@ -8,7 +8,9 @@
 
 Modes (same tokens for the same rng in all three, see `_stream_keys`):
   'shared'    prefill each prompt once; `init_cache(..., num_streams=k)` lets the k streams of a
-              prompt attend to that one prefix, which is never copied.
+              prompt attend to that one prefix (kept once per prompt; a prompt of a few tokens,
+              where a second attention product costs more than the copy, is copied into each
+              stream's buffer: `transformer.COPY_PREFIX_MAX_LEN`).
   'unshared'  prompts tiled to B*k rows and prefilled k times, one stream per row.
   'recompute' no cache: `fns.forward` over the whole [B*k, P+T] buffer at every step (a baseline).
 

@@ -52,7 +52,7 @@ def model(request):
   graphdef, params = random_params(config, seed=1)
   fns = model_fns(graphdef)
   jitted = dict(forward=jax.jit(fns.forward), prefill=jax.jit(fns.prefill),
-                decode=jax.jit(fns.decode), init_cache=jax.jit(fns.init_cache, static_argnums=(2, 3)))
+                decode=jax.jit(fns.decode), init_cache=jax.jit(fns.init_cache, static_argnums=(2, 3, 4)))
   return config, params, jitted
 
 
@@ -136,8 +136,10 @@ def test_grouped_forward_equals_tiled_rows(model):
     fns.grouped(params, ptok, ppos, pmask, ctok[:5], cpos[:5], cmask[:5])
 
 
-def test_shared_cached_decode_matches_full_recomputation(model):
-  """K streams decoded on one prefix equal a full forward over each tiled prompt + completion."""
+@pytest.mark.parametrize('copy_prefix_max_len', [P - 1, P], ids=['shared', 'copied'])
+def test_shared_cached_decode_matches_full_recomputation(model, copy_prefix_max_len):
+  """K streams decoded on one prefix equal a full forward over each tiled prompt + completion,
+  with the prefix shared by the streams (longer than copy_prefix_max_len) or copied into each."""
   config, params, jitted = model
   rng = np.random.default_rng(1)
   tokens, mask, positions, lengths = prompts(rng, config.vocab_size)
@@ -147,19 +149,27 @@ def test_shared_cached_decode_matches_full_recomputation(model):
   _, prefix = jitted['prefill'](params, tokens, positions, mask)
   assert isinstance(prefix, PrefixKV)
   assert prefix.k_lbphd.shape == (config.num_layers, B, P, config.num_kv_heads, config.head_dim)
-  cache = jitted['init_cache'](prefix, mask, K, T)
+  cache = jitted['init_cache'](prefix, mask, K, T, copy_prefix_max_len)
   assert isinstance(cache, DecodeCache)
+  copied = cache.copied_prefix
+  assert copied == (P if copy_prefix_max_len >= P else 0)
   assert len(cache.k_bkhdt) == len(cache.v_bkhtd) == config.num_layers
-  assert cache.k_bkhdt[0].shape == (B, K, config.num_kv_heads, config.head_dim, T)
-  assert cache.v_bkhtd[0].shape == (B, K, config.num_kv_heads, T, config.head_dim)
+  assert cache.k_bkhdt[0].shape == (B, K, config.num_kv_heads, config.head_dim, copied + T)
+  assert cache.v_bkhtd[0].shape == (B, K, config.num_kv_heads, copied + T, config.head_dim)
   decoded = []
   for i in range(T):
     logits_bkv, cache = jitted['decode'](params, new_bkt[..., i], pos_bkt[..., i], cache)
     decoded.append(logits_bkv)
   assert int(cache.index) == T
-  # The prefix is stored once per prompt row, never per stream.
-  assert cache.prefix_k_bhdp[0].shape == (B, config.num_kv_heads, config.head_dim, P)
-  assert cache.prefix_v_bhpd[0].shape == (B, config.num_kv_heads, P, config.head_dim)
+  if copied:
+    assert cache.prefix_k_bhdp == cache.prefix_v_bhpd == ()
+    # Each stream's first P slots hold the prompt's keys (prefill layout [B, P, H, D]).
+    np.testing.assert_array_equal(
+        cache.k_bkhdt[0][:, 1, :, :, :P], np.transpose(prefix.k_lbphd[0], (0, 2, 3, 1)))
+  else:
+    # The prefix is stored once per prompt row, never per stream.
+    assert cache.prefix_k_bhdp[0].shape == (B, config.num_kv_heads, config.head_dim, P)
+    assert cache.prefix_v_bhpd[0].shape == (B, config.num_kv_heads, P, config.head_dim)
 
   # One row per stream: the padded prompt followed by its completion, as the trainer scores it.
   tile = lambda x: np.repeat(x, K, axis=0)
@@ -185,7 +195,8 @@ def test_shared_prefix_attention_forms_agree(monkeypatch):
   np.testing.assert_allclose(cpu, other, atol=1e-5, rtol=1e-5)
 
 
-def test_shared_prefix_decode_matches_unshared():
+@pytest.mark.parametrize('copy_prefix_max_len', [0, P], ids=['shared', 'copied'])
+def test_shared_prefix_decode_matches_unshared(copy_prefix_max_len):
   """Prompt tiled to B*K rows with K=1 (the unshared layout) gives the same logits."""
   config = CONFIGS['llama']
   graphdef, params = random_params(config, seed=2)
@@ -196,10 +207,12 @@ def test_shared_prefix_decode_matches_unshared():
   new_bkt = rng.integers(3, config.vocab_size, size=(B, K, T)).astype(np.int32)
   pos_bkt = np.broadcast_to((lengths[:, None] + np.arange(T))[:, None], (B, K, T)).astype(np.int32)
 
-  shared = fns.init_cache(prefill(params, tokens, positions, mask)[1], mask, K, T)
+  shared = fns.init_cache(prefill(params, tokens, positions, mask)[1], mask, K, T,
+                          copy_prefix_max_len)
+  assert shared.copied_prefix == copy_prefix_max_len
   tile = lambda x: np.repeat(x, K, axis=0)
   unshared = fns.init_cache(prefill(params, tile(tokens), tile(positions), tile(mask))[1],
-                            tile(mask), 1, T)
+                            tile(mask), 1, T, copy_prefix_max_len)
   for i in range(T):
     logits_s, shared = decode(params, new_bkt[..., i], pos_bkt[..., i], shared)
     logits_u, unshared = decode(params, new_bkt[..., i].reshape(B * K, 1),

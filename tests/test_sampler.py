@@ -9,6 +9,7 @@ The last tests use a tiny real Transformer when rloo_jax.models is importable.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -79,7 +80,9 @@ class FakeFns(NamedTuple):
   max_seq_len: int
 
 
-FNS = FakeFns(fake_forward, fake_prefill, init_cache, fake_decode, max_seq_len=48)
+# The fake decode reads the shared cache form (the prefix fields), so never copy the prefix.
+FNS = FakeFns(fake_forward, fake_prefill, functools.partial(init_cache, copy_prefix_max_len=0),
+              fake_decode, max_seq_len=48)
 
 
 def fake_params(vocab=16, dim=8, seed=0, scale=3.0, bias=None):

@@ -125,23 +125,40 @@ class PrefixKV:
   v_lbphd: jax.Array
 
 
+# Prompts up to this many tokens are copied into each stream's cache by `init_cache` (see
+# `DecodeCache`); longer ones stay shared. Measured with experiments/bench_sampler.py on 2 CPU
+# cores (docs/ARCHITECTURE.md): copying is faster for short prompts, sharing for long ones.
+COPY_PREFIX_MAX_LEN = 16
+
+
 @flax.struct.dataclass
 class DecodeCache:
-  """Prefix cache shared by the K streams of a row, plus each stream's own generated keys/values.
+  """The prompt's keys/values (computed once per prompt row) plus each stream's own.
+
+  Two forms, chosen by `init_cache` from the prompt length:
+  - shared (copied_prefix == 0): one prefix cache per row that its K streams all read, never
+    tiled, next to per-stream buffers of T slots. Each decode step then contracts against two
+    blocks, which pays for long prompts: their memory traffic is paid once per row.
+  - copied (copied_prefix == P): the prefix is written into the first P slots of every stream's
+    buffer (P + T slots; the prefix fields are empty). One score product and one value product
+    per layer and step instead of two each plus a concatenation: for short prompts, where the
+    per-operation cost dominates, -6% of a hidden-256 rollout on 2 CPU cores.
 
   One array per layer (tuples of length L), each in the layout the decode-step contractions read
   directly, so no step copies a cache: keys with head_dim before the sequence axis (`_hdp` /
   `_hdt`: the score product q.k contracts D against a row-major [D, T] matrix), values with the
   sequence axis before head_dim (probs.v contracts T against [T, D]). A stacked [L, B, T, H, D]
   buffer cost a transpose plus a slice copy of every layer's K and V at every generated token.
+  `index` counts generated tokens in both forms; stream slot `copied_prefix + index` is next.
   """
 
-  prefix_k_bhdp: tuple  # L x [B, Hkv, D, P]
-  prefix_v_bhpd: tuple  # L x [B, Hkv, P, D]
+  prefix_k_bhdp: tuple  # L x [B, Hkv, D, P]; () when copied
+  prefix_v_bhpd: tuple  # L x [B, Hkv, P, D]; () when copied
   prefix_mask_bp: jax.Array  # [B, P] bool
-  k_bkhdt: tuple  # L x [B, K, Hkv, D, T]
-  v_bkhtd: tuple  # L x [B, K, Hkv, T, D]
+  k_bkhdt: tuple  # L x [B, K, Hkv, D, copied_prefix + T]
+  v_bkhtd: tuple  # L x [B, K, Hkv, copied_prefix + T, D]
   index: jax.Array
+  copied_prefix: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
@@ -245,15 +262,21 @@ class Attention(nnx.Module):
     if c.is_gpt2:
       self.o_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
 
-  def qkv(self, x_bse: jax.Array, rotary):
+  def qkv(self, x_bse: jax.Array, rotary, fused: bool = False):
     """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D].
 
-    `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2)."""
+    `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2).
+    fused: one matmul against the three kernels concatenated per kv head (see `_fused_qkv`)
+    instead of three. Same values; faster for the few rows of a decode step.
+    """
     c = self.config
     dt = x_bse.dtype
-    q = _project(x_bse, _cast(self.q_kernel, dt))
-    k = _project(x_bse, _cast(self.k_kernel, dt))
-    v = _project(x_bse, _cast(self.v_kernel, dt))
+    if fused:
+      q, k, v = self._fused_qkv(x_bse)
+    else:
+      q = _project(x_bse, _cast(self.q_kernel, dt))
+      k = _project(x_bse, _cast(self.k_kernel, dt))
+      v = _project(x_bse, _cast(self.v_kernel, dt))
     if c.qkv_bias:
       q = q + _cast(self.q_bias, dt)
       k = k + _cast(self.k_bias, dt)
@@ -265,6 +288,27 @@ class Attention(nnx.Module):
     b, s = q.shape[:2]
     q_bshgd = q.reshape(b, s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
     return q_bshgd, k, v
+
+  def _fused_qkv(self, x_bse: jax.Array):
+    """q [B,S,H,D], k and v [B,S,Hkv,D] from one [E, Hkv*(G+2)*D] matmul.
+
+    The kernels are concatenated per kv head, [E, Hkv, G + 2, D] (the G query heads of a group,
+    then its key and value head), so a kernel split over heads (tensor parallelism) stays split
+    over the merged axis without any exchange. Inside the sampler's decode loop the weights are
+    loop-invariant and XLA hoists the concatenation out of the loop: three decode-step matmuls
+    of a few rows become one (-7% of a hidden-256 rollout on 2 CPU cores).
+    """
+    c = self.config
+    dt = x_bse.dtype
+    e, hkv, d = c.hidden_size, c.num_kv_heads, c.head_dim
+    g = c.num_heads // hkv
+    kernel = jnp.concatenate([_cast(self.q_kernel, dt).reshape(e, hkv, g, d),
+                              _cast(self.k_kernel, dt).reshape(e, hkv, 1, d),
+                              _cast(self.v_kernel, dt).reshape(e, hkv, 1, d)], axis=2)
+    y = _dense(x_bse, kernel.reshape(e, hkv * (g + 2) * d))
+    b, s = y.shape[:2]
+    y = y.reshape(b, s, hkv, g + 2, d)
+    return y[:, :, :, :g].reshape(b, s, hkv * g, d), y[:, :, :, g], y[:, :, :, g + 1]
 
   def out(self, o_bshgd: jax.Array) -> jax.Array:
     c = self.config
@@ -368,6 +412,21 @@ def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_
   else:
     out = jnp.einsum('bkhgp,bhpd->bkhgd', probs[..., :p], prefix_v_bhpd)
   return out + jnp.einsum('bkhgt,bkhtd->bkhgd', probs[..., p:], v_bkhtd)
+
+
+def _stream_attention(q_bkhgd, prefix_mask_bp, k_bkhdt, v_bkhtd, index, copied: int):
+  """Decode attention over each stream's own buffer, whose first `copied` slots hold the prompt
+  (masked by prefix_mask_bp) and whose next slots hold its tokens 0..index."""
+  scale = 1.0 / math.sqrt(q_bkhgd.shape[-1])
+  scores = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt,
+                      preferred_element_type=jnp.float32) * scale
+  b, k = q_bkhgd.shape[:2]
+  t = k_bkhdt.shape[-1] - copied
+  mask_p = jnp.broadcast_to(prefix_mask_bp.astype(bool)[:, None, :], (b, k, copied))
+  mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
+  mask = jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
+  probs = _softmax_f32(scores, mask).astype(v_bkhtd.dtype)
+  return jnp.einsum('bkhgt,bkhtd->bkhgd', probs, v_bkhtd)
 
 
 def _grouped_attention(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt: int):
@@ -523,22 +582,28 @@ class Transformer(nnx.Module):
     x = self._embed(tokens_bk, positions_bk)
     k_caches, v_caches = [], []
     idx = cache.index.astype(jnp.int32)
+    slot = idx + cache.copied_prefix
     zero = jnp.zeros((), jnp.int32)
     rotary = self._rotary(positions_bk)
     for l, block in enumerate(self.layers):
-      q, k, v = block.attn.qkv(block.attn_norm(x), rotary)  # K plays the sequence axis
-      # k, v: [B, K, Hkv, D] into slot idx of the T axis (last for keys, second to last for
+      # K plays the sequence axis.
+      q, k, v = block.attn.qkv(block.attn_norm(x), rotary, fused=True)
+      # k, v: [B, K, Hkv, D] into the slot of the T axis (last for keys, second to last for
       # values); the while loop's donated per-layer buffers are updated in place.
       k_cache = jax.lax.dynamic_update_slice(
           cache.k_bkhdt[l], k[..., None].astype(cache.k_bkhdt[l].dtype),
-          (zero, zero, zero, zero, idx))
+          (zero, zero, zero, zero, slot))
       v_cache = jax.lax.dynamic_update_slice(
           cache.v_bkhtd[l], v[:, :, :, None].astype(cache.v_bkhtd[l].dtype),
-          (zero, zero, zero, idx, zero))
+          (zero, zero, zero, slot, zero))
       k_caches.append(k_cache)
       v_caches.append(v_cache)
-      o = _shared_prefix_attention(q, cache.prefix_k_bhdp[l], cache.prefix_v_bhpd[l],
-                                   cache.prefix_mask_bp, k_cache, v_cache, idx)
+      if cache.copied_prefix:
+        o = _stream_attention(q, cache.prefix_mask_bp, k_cache, v_cache, idx,
+                              cache.copied_prefix)
+      else:
+        o = _shared_prefix_attention(q, cache.prefix_k_bhdp[l], cache.prefix_v_bhpd[l],
+                                     cache.prefix_mask_bp, k_cache, v_cache, idx)
       x = x + block.attn.out(o)
       x = x + block.mlp(block.mlp_norm(x))
     new_cache = cache.replace(k_bkhdt=tuple(k_caches), v_bkhtd=tuple(v_caches), index=idx + 1)
@@ -546,19 +611,33 @@ class Transformer(nnx.Module):
 
 
 def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
-               max_new_tokens: int) -> DecodeCache:
-  """Empty per-stream buffers next to the prefix (one copy per prompt row, never per stream,
-  transposed once here into the decode layouts); stream slots are valid up to index."""
-  l, b, _, h, d = prefix.k_lbphd.shape
+               max_new_tokens: int, copy_prefix_max_len: int | None = None) -> DecodeCache:
+  """The decode cache of `prefix` (transposed once here into the decode layouts) with empty
+  stream slots: shared, one prefix per prompt row, or for prompts of at most
+  `copy_prefix_max_len` tokens (default COPY_PREFIX_MAX_LEN) copied into the front of each of
+  the `num_streams` buffers (see `DecodeCache`). Stream slots are valid up to index."""
+  l, b, p, h, d = prefix.k_lbphd.shape
   dt = prefix.k_lbphd.dtype
+  limit = COPY_PREFIX_MAX_LEN if copy_prefix_max_len is None else copy_prefix_max_len
+  k_bhdp = tuple(jnp.transpose(prefix.k_lbphd[i], (0, 2, 3, 1)) for i in range(l))
+  v_bhpd = tuple(jnp.transpose(prefix.v_lbphd[i], (0, 2, 1, 3)) for i in range(l))
+  mask_bp = jnp.asarray(mask_bp, bool)
+  index = jnp.zeros((), jnp.int32)
+  if p <= limit:
+    streams = lambda x: jnp.broadcast_to(x[:, None], (b, num_streams, *x.shape[1:]))
+    empty_k = jnp.zeros((b, num_streams, h, d, max_new_tokens), dt)
+    empty_v = jnp.zeros((b, num_streams, h, max_new_tokens, d), dt)
+    return DecodeCache(
+        prefix_k_bhdp=(), prefix_v_bhpd=(), prefix_mask_bp=mask_bp,
+        k_bkhdt=tuple(jnp.concatenate([streams(x), empty_k], axis=-1) for x in k_bhdp),
+        v_bkhtd=tuple(jnp.concatenate([streams(x), empty_v], axis=-2) for x in v_bhpd),
+        index=index, copied_prefix=p)
   zeros = lambda *shape: tuple(jnp.zeros(shape, dt) for _ in range(l))
   return DecodeCache(
-      prefix_k_bhdp=tuple(jnp.transpose(prefix.k_lbphd[i], (0, 2, 3, 1)) for i in range(l)),
-      prefix_v_bhpd=tuple(jnp.transpose(prefix.v_lbphd[i], (0, 2, 1, 3)) for i in range(l)),
-      prefix_mask_bp=jnp.asarray(mask_bp, bool),
+      prefix_k_bhdp=k_bhdp, prefix_v_bhpd=v_bhpd, prefix_mask_bp=mask_bp,
       k_bkhdt=zeros(b, num_streams, h, d, max_new_tokens),
       v_bkhtd=zeros(b, num_streams, h, max_new_tokens, d),
-      index=jnp.zeros((), jnp.int32))
+      index=index)
 
 
 class ModelFns(NamedTuple):
