@@ -577,8 +577,9 @@ class Transformer(nnx.Module):
     return self._head(h.reshape(n, t, e))
 
   def decode(self, tokens_bk, positions_bk, cache: DecodeCache):
-    """One token per stream, written at cache.index (callers keep index < max_new_tokens:
-    dynamic_update_slice clamps, so a step past the end would overwrite the last slot)."""
+    """One token per stream, written at stream slot cache.copied_prefix + cache.index (callers
+    keep index < max_new_tokens: dynamic_update_slice clamps, so a step past the end would
+    overwrite the last slot)."""
     x = self._embed(tokens_bk, positions_bk)
     k_caches, v_caches = [], []
     idx = cache.index.astype(jnp.int32)
