@@ -1,0 +1,137 @@
+r"""A/B of a code variant inside one process: the bench_step.py workload's three programs (rollout,
+reference-style forward of the policy loss, its gradient) compiled for the current code (A) and
+for the code with a variant applied (B), then timed in interleaved pairs.
+
+A variant is a Python file in experiments/variants/ with an `apply()` that monkeypatches rloo_jax
+(e.g. swaps an attention function). Each side is compiled ahead of time after `jax.clear_caches()`:
+`model_fns` is memoised per graphdef and the sampler's programs are jit-cached on it, so flipping
+a switch between two experiments built in one process would time the same program twice.
+
+Prints one JSON line: per program the medians of A and B and the median of the per-pair ratios
+B / A (the figure to read: this machine's speed drifts, pairs taken back to back do not).
+
+    python experiments/ab_compiled.py experiments/variants/unfused_decode_qkv.py
+    python experiments/ab_compiled.py experiments/variants/head_major_attention.py --pairs 30
+"""
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_step  # noqa: E402
+
+from rloo_jax import loss, tasks, trainer  # noqa: E402
+from rloo_jax.config_utils import base_config  # noqa: E402
+from rloo_jax.data import pipeline  # noqa: E402
+
+
+def workload(hidden, layers):
+  """bench_step.py's configuration; returns (closures of the three programs, their arguments)."""
+  c = base_config()
+  c.task = "bench"
+  c.model.update(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=4,
+                 head_dim=hidden // 4, intermediate_size=4 * hidden, max_seq_len=48)
+  c.data.max_prompt_len = 16
+  c.rloo.update(k=4, num_prompts=8, max_new_tokens=32)
+  c.kl.beta = 0.05
+  c.train.update(num_epochs=1, num_minibatches=1)
+  c.rewards.fns = [bench_step.synthetic_reward]
+  c.rewards.weights = [1.0]
+  tok = bench_step.IdTokenizer(256)
+  task = tasks.Task("bench", tok, bench_step.random_prompts(512, 16, 256, 0), [])
+  exp = trainer.build(c, tempfile.mkdtemp(), task=task)
+  state = trainer.init_state(exp, trainer.transformer.create(exp.model_config, seed=0)[1])
+  batch = next(pipeline.prompt_batches(task.train, tok, global_batch_size=8, max_prompt_len=16,
+                                       add_bos=False))
+  k, b = 4, 8
+  out = trainer.sampler.sample(exp.fns, state.params, batch["prompt_tokens"],
+                               batch["prompt_lengths"], jax.random.PRNGKey(0), k=k,
+                               max_new_tokens=32, method=exp.method, eos_id=2, pad_id=0,
+                               mode=c.rloo.sampler_mode, max_seq_len=48)
+  comp = out.tokens_bkt.reshape(b * k, -1)
+  cmask = out.mask_bkt.reshape(b * k, -1)
+  inputs = exp.inputs_fn(batch["prompt_tokens"], batch["prompt_lengths"], comp, cmask, k=k)
+  rows = dict(inputs, completions=comp, cmask=cmask,
+              old_logp=out.policy_logprobs_bkt.reshape(b * k, -1),
+              advantages=jnp.asarray(np.random.default_rng(0).standard_normal(b * k), jnp.float32))
+  spec = trainer.LossSpec()
+
+  def loss_fn(params):
+    logits = trainer.rows_logits(exp.fns, params, rows, 16)
+    logp = loss.token_logprobs(logits, rows["completions"], rows["cmask"])
+    return trainer.policy_loss(spec, logp, rows["old_logp"], rows["cmask"], rows["advantages"],
+                               logits)[0]
+
+  def rollout(params, prompt_tokens, prompt_lengths, rng):
+    return trainer.sampler.sample(exp.fns, params, prompt_tokens, prompt_lengths, rng, k=k,
+                                  max_new_tokens=32, method=exp.method, eos_id=2, pad_id=0,
+                                  mode=c.rloo.sampler_mode, max_seq_len=48).tokens_bkt
+
+  programs = {"rollout": rollout, "forward": loss_fn, "gradient": jax.grad(loss_fn)}
+  args = {"rollout": (state.params, batch["prompt_tokens"], batch["prompt_lengths"],
+                      jax.random.PRNGKey(1)),
+          "forward": (state.params,), "gradient": (state.params,)}
+  return programs, args
+
+
+def compile_all(programs, args):
+  jax.clear_caches()
+  out = {name: jax.jit(f).lower(*args[name]).compile() for name, f in programs.items()}
+  for name, f in out.items():
+    jax.block_until_ready(f(*args[name]))
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("variant", help="a file defining apply(), e.g. experiments/variants/*.py")
+  p.add_argument("--hidden", type=int, default=256)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--pairs", type=int, default=20)
+  args = p.parse_args()
+  spec = importlib.util.spec_from_file_location("variant", args.variant)
+  variant = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(variant)
+
+  programs, prog_args = workload(args.hidden, args.layers)
+  side_a = compile_all(programs, prog_args)
+  variant.apply()
+  side_b = compile_all(programs, prog_args)
+  # Same results up to float rounding: the variant must not change what is computed.
+  tokens_equal = bool(jnp.all(side_a["rollout"](*prog_args["rollout"])
+                              == side_b["rollout"](*prog_args["rollout"])))
+  grads = [side["gradient"](*prog_args["gradient"]) for side in (side_a, side_b)]
+  grad_rel_diff = max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(x)) + 1e-30))
+                      for x, y in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])))
+
+  times = collections.defaultdict(list)
+  for i in range(args.pairs):
+    for name in programs:
+      order = (("A", side_a), ("B", side_b)) if i % 2 == 0 else (("B", side_b), ("A", side_a))
+      for side, compiled in order:
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled[name](*prog_args[name]))
+        times[side, name].append(time.perf_counter() - t0)
+  result = {"variant": os.path.basename(args.variant), "hidden": args.hidden,
+            "layers": args.layers, "pairs": args.pairs, "rollout_tokens_equal": tokens_equal,
+            "gradient_max_rel_diff": grad_rel_diff}
+  for name in programs:
+    a, b = np.array(times["A", name]), np.array(times["B", name])
+    result[name] = {"A_s": round(statistics.median(a), 4), "B_s": round(statistics.median(b), 4),
+                    "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3)}
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

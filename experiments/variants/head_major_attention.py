@@ -1,0 +1,43 @@
+"""B: the update/reference grouped attention in head-major layouts: q, k, v transposed once per
+layer so every score and value product is a plain batched matmul."""
+import math
+
+import jax.numpy as jnp
+
+from rloo_jax.models import transformer
+
+
+def head_major(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt):
+  p = num_prompt
+  b, _, h, g, d = q_bshgd.shape
+  m, t = mask_bmt.shape[1:]
+  f32 = jnp.float32
+  scale = 1.0 / math.sqrt(d)
+  q_p = jnp.transpose(q_bshgd[:, :p], (0, 2, 3, 1, 4))
+  q_c = jnp.transpose(q_bshgd[:, p:].reshape(b, m, t, h, g, d), (0, 3, 1, 4, 2, 5))
+  kt_p = jnp.transpose(k_bshd[:, :p], (0, 2, 3, 1))
+  kt_c = jnp.transpose(k_bshd[:, p:].reshape(b, m, t, h, d), (0, 3, 1, 4, 2))
+  v_p = jnp.transpose(v_bshd[:, :p], (0, 2, 1, 3))
+  v_c = jnp.transpose(v_bshd[:, p:].reshape(b, m, t, h, d), (0, 3, 1, 2, 4))
+  s_pp = jnp.einsum('bhgsd,bhdt->bhgst', q_p, kt_p, preferred_element_type=f32) * scale
+  causal_pp = jnp.arange(p)[:, None] >= jnp.arange(p)[None, :]
+  mask_pp = causal_pp[None, None, None] & prompt_mask_bp.astype(bool)[:, None, None, None, :]
+  out_p = jnp.einsum('bhgst,bhtd->bhgsd',
+                     transformer._softmax_f32(s_pp, mask_pp).astype(v_bshd.dtype), v_p)
+  scores = jnp.concatenate(
+      [jnp.einsum('bhmgtd,bhdp->bhmgtp', q_c, kt_p, preferred_element_type=f32),
+       jnp.einsum('bhmgtd,bhmds->bhmgts', q_c, kt_c, preferred_element_type=f32)], -1) * scale
+  mask_p = jnp.broadcast_to(prompt_mask_bp.astype(bool)[:, None, None, None, None, :],
+                            (b, 1, m, 1, t, p))
+  causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  mask_c = causal_ts[None, None, None, None] & mask_bmt.astype(bool)[:, None, :, None, None, :]
+  mask = jnp.concatenate([mask_p, jnp.broadcast_to(mask_c, (b, 1, m, 1, t, t))], axis=-1)
+  probs = transformer._softmax_f32(scores, mask).astype(v_bshd.dtype)
+  out_c = (jnp.einsum('bhmgtp,bhpd->bhmgtd', probs[..., :p], v_p)
+           + jnp.einsum('bhmgts,bhmsd->bhmgtd', probs[..., p:], v_c))
+  out_c = jnp.transpose(out_c, (0, 2, 4, 1, 3, 5)).reshape(b, m * t, h, g, d)
+  return jnp.concatenate([jnp.transpose(out_p, (0, 3, 1, 2, 4)), out_c], axis=1)
+
+
+def apply():
+  transformer._grouped_attention = head_major

@@ -1,0 +1,11 @@
+"""B: the decode step's q/k/v as three matmuls (before d8b857d) instead of one fused matmul."""
+from rloo_jax.models import transformer
+
+
+def apply():
+  qkv = transformer.Attention.qkv
+
+  def unfused(self, x_bse, rotary, fused=False):
+    return qkv(self, x_bse, rotary, fused=False)
+
+  transformer.Attention.qkv = unfused
