@@ -7,8 +7,10 @@ A variant is a Python file in experiments/variants/ with an `apply()` that monke
 `model_fns` is memoised per graphdef and the sampler's programs are jit-cached on it, so flipping
 a switch between two experiments built in one process would time the same program twice.
 
-Prints one JSON line: per program the medians of A and B and the median of the per-pair ratios
-B / A (the figure to read: this machine's speed drifts, pairs taken back to back do not).
+Prints one JSON line: per program the medians of A and B, the median of the per-pair ratios
+B / A (the figure to read: this machine's speed drifts, pairs taken back to back do not) and
+whether the variant changed that program's compiled code at all; plus whether the rollout's
+tokens and the gradient agree between A and B.
 
     python experiments/ab_compiled.py experiments/variants/unfused_decode_qkv.py
     python experiments/ab_compiled.py experiments/variants/head_major_attention.py --pairs 30
@@ -129,7 +131,9 @@ def main():
   for name in programs:
     a, b = np.array(times["A", name]), np.array(times["B", name])
     result[name] = {"A_s": round(statistics.median(a), 4), "B_s": round(statistics.median(b), 4),
-                    "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3)}
+                    "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3),
+                    # Whether the variant reached this program at all (the pitfall this avoids).
+                    "program_changed": side_a[name].as_text() != side_b[name].as_text()}
   print(json.dumps(result))
 
 
