@@ -378,9 +378,17 @@ def _tiny_transformer(family):
 # GPT-2's learned absolute positions catch any off-by-one in the sampler's position bookkeeping
 # (RoPE would hide a constant shift); tests/test_models.py covers the cache of every family.
 @pytest.mark.parametrize('family, other', [('gpt2', 'recompute')])
-def test_real_transformer_cached_equals_uncached(family, other):
+@pytest.mark.parametrize('prefix', ['copied', 'kept'])
+def test_real_transformer_cached_equals_uncached(family, other, prefix):
+  """Both forms of the shared cache: the 12-token prompts are copied into each stream's buffer by
+  default (<= COPY_PREFIX_MAX_LEN) or kept once per prompt."""
   fns, params = _tiny_transformer(family)
+  if prefix == 'kept':
+    fns = fns._replace(init_cache=functools.partial(fns.init_cache, copy_prefix_max_len=0))
   tokens, lengths = prompts(lengths=(7, 2, 12), width=12, vocab=48, seed=4)
+  if prefix == 'copied':
+    from rloo_jax.models import transformer
+    assert tokens.shape[1] <= transformer.COPY_PREFIX_MAX_LEN  # the default copies these
   outs = {m: np_out(run(params, tokens, lengths, rng=2, fns=fns, k=3, t=8, mode=m, eos_id=47,
                         method=sampling.Temperature(1.0)))
           for m in ('shared', other)}
