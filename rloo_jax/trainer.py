@@ -80,6 +80,12 @@ def _left_padded_prompts(prompt_tokens_bp, prompt_lengths_b):
   return left_bp.astype(jnp.int32), ppos_bp.astype(jnp.int32), pmask_bp
 
 
+def _completion_positions(prompt_lengths_b, k: int, t: int):
+  """Positions [B*k, T] of the completions' tokens: each continues its prompt's true length."""
+  return (jnp.repeat(prompt_lengths_b, k, axis=0)[:, None] + jnp.arange(t)[None, :]).astype(
+      jnp.int32)
+
+
 def rollout_sequences(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, k: int):
   """Rows of [left-padded prompt | completion] for the B*k samples, n = b * k + j.
 
@@ -89,8 +95,7 @@ def rollout_sequences(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_
   """
   left_bp, ppos_bp, pmask_bp = _left_padded_prompts(prompt_tokens_bp, prompt_lengths_b)
   rep = lambda x: jnp.repeat(x, k, axis=0)
-  t = completions_nt.shape[1]
-  cpos_nt = rep(prompt_lengths_b)[:, None] + jnp.arange(t)[None, :]
+  cpos_nt = _completion_positions(prompt_lengths_b, k, completions_nt.shape[1])
   tokens = jnp.concatenate([rep(left_bp), completions_nt], axis=1)
   positions = jnp.concatenate([rep(ppos_bp), cpos_nt], axis=1)
   mask = jnp.concatenate([rep(pmask_bp), cmask_nt], axis=1)
@@ -110,10 +115,9 @@ def model_inputs(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, k
                                                 completions_nt, cmask_nt, k)
     return dict(tokens=tokens, positions=positions, mask=mask)
   left_bp, ppos_bp, pmask_bp = _left_padded_prompts(prompt_tokens_bp, prompt_lengths_b)
-  t = completions_nt.shape[1]
-  cpos_nt = jnp.repeat(prompt_lengths_b, k, axis=0)[:, None] + jnp.arange(t)[None, :]
   return dict(prompt_tokens=left_bp, prompt_positions=ppos_bp, prompt_mask=pmask_bp,
-              completion_positions=cpos_nt.astype(jnp.int32))
+              completion_positions=_completion_positions(prompt_lengths_b, k,
+                                                         completions_nt.shape[1]))
 
 
 def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, num_prompt: int, t: int):

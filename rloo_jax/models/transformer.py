@@ -377,6 +377,15 @@ def _full_attention(q_bshgd, k_bthd, v_bthd, mask_bt):
   return jnp.einsum('bhgst,bthd->bshgd', probs, v_bthd)
 
 
+def _decode_mask(prefix_mask_bp, k: int, t: int, index):
+  """[B, K, 1, 1, P + T] keys a decode query sees: the prompt's valid columns, then the
+  stream's own slots 0..index."""
+  b, p = prefix_mask_bp.shape
+  mask_p = jnp.broadcast_to(prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
+  mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
+  return jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
+
+
 def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_bp,
                              k_bkhdt, v_bkhtd, index):
   """K streams per row attend to the row's single prefix cache and to their own keys 0..index.
@@ -401,11 +410,8 @@ def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_
   scores_t = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt, preferred_element_type=f32)
   p, t = scores_p.shape[-1], scores_t.shape[-1]
   scores = jnp.concatenate([scores_p, scores_t], axis=-1) * scale
-  b, k = q_bkhgd.shape[:2]
-  mask_p = jnp.broadcast_to(prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
-  mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
-  mask = jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
-  probs = _softmax_f32(scores, mask).astype(v_bkhtd.dtype)
+  probs = _softmax_f32(scores, _decode_mask(prefix_mask_bp, q_bkhgd.shape[1], t, index))
+  probs = probs.astype(v_bkhtd.dtype)
   if reduce_form:
     out = jnp.sum(probs[..., :p, None].astype(f32) * prefix_v_bhpd.astype(f32)[:, None, :, None],
                   axis=4).astype(v_bkhtd.dtype)
@@ -420,11 +426,7 @@ def _stream_attention(q_bkhgd, prefix_mask_bp, k_bkhdt, v_bkhtd, index, copied: 
   scale = 1.0 / math.sqrt(q_bkhgd.shape[-1])
   scores = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt,
                       preferred_element_type=jnp.float32) * scale
-  b, k = q_bkhgd.shape[:2]
-  t = k_bkhdt.shape[-1] - copied
-  mask_p = jnp.broadcast_to(prefix_mask_bp.astype(bool)[:, None, :], (b, k, copied))
-  mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
-  mask = jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
+  mask = _decode_mask(prefix_mask_bp, q_bkhgd.shape[1], k_bkhdt.shape[-1] - copied, index)
   probs = _softmax_f32(scores, mask).astype(v_bkhtd.dtype)
   return jnp.einsum('bkhgt,bkhtd->bkhgd', probs, v_bkhtd)
 
