@@ -5,7 +5,9 @@ random weights, vocab 256, 8 prompts of 16 tokens per iteration, k = 4, 32 new t
 step per rollout batch, beta = 0.05, and a cheap synthetic reward (the same one TRL gets in
 experiments/bench_trl_rloo.py). For the FLOP/s figure, the FLOPs the iteration executes are counted:
 2 x params per token fed forward, 6 x per token trained, attention added, and the prompt counted
-once per group when it is shared (`--shared_prefix 1`, the default, as in the trainer).
+once per group when it is shared (`--shared_prefix 1`, the default, as in the trainer). With
+`--reuse_rollout_activations 1` (the default, as in the trainer) the update step replays the
+rollout's trunk matmul outputs, so its forward runs no trunk matmul and is not counted.
 
     python experiments/bench_step.py --hidden 64 --layers 2
     python experiments/bench_step.py --hidden 256 --layers 4
@@ -50,10 +52,12 @@ def random_prompts(num, length, vocab, seed):
   return [{"prompt": "".join(chr(0xE000 + int(i)) for i in row), "answer": ""} for row in ids]
 
 
-def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, shared_prefix=True):
+def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, shared_prefix=True,
+                              reuse=False):
   """Model FLOPs one iteration executes (matmuls and attention), counting generated tokens at full
   length. The scoring forwards (reference, update) feed each [prompt | completion] without its
-  last token; with shared_prefix each prompt is fed once for its k samples."""
+  last token; with shared_prefix each prompt is fed once for its k samples; with reuse the
+  update's forward replays the rollout's trunk matmuls (only attention and the head run)."""
   m = exp.model_config
   head = m.vocab_size * m.hidden_size
   trunk = m.num_params - m.vocab_size * m.hidden_size - (0 if m.tie_embeddings else head)
@@ -76,8 +80,10 @@ def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, share
     fed = n * (prompt_len + u)
     attention = n * attn(prompt_len + u, prompt_len + u) / 2
   # The head runs on the scored positions only.
-  forward = 2 * trunk * fed - skipped + attention + 2 * head * n * new_tokens
-  return {"rollout": rollout, "reference": forward, "update": 3 * forward}
+  trunk_matmuls = 2 * trunk * fed - skipped
+  forward = trunk_matmuls + attention + 2 * head * n * new_tokens
+  return {"rollout": rollout, "reference": forward,
+          "update": 3 * forward - (trunk_matmuls if reuse else 0)}
 
 
 def main():
@@ -95,9 +101,15 @@ def main():
                  help="activation dtype (params, log-probs, KL and loss stay float32)")
   p.add_argument("--shared_prefix", type=int, default=1, choices=(0, 1),
                  help="config.train.shared_prefix: each prompt computed once for its k samples")
+  p.add_argument("--reuse_rollout_activations", type=int, default=None, choices=(0, 1),
+                 help="config.train.reuse_rollout_activations: the update replays the rollout's "
+                      "matmul outputs instead of recomputing its forward (default: on with "
+                      "--shared_prefix 1, which it needs)")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
+  if args.reuse_rollout_activations is None:
+    args.reuse_rollout_activations = args.shared_prefix
 
   c = base_config()
   c.task = "bench"
@@ -108,7 +120,8 @@ def main():
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.kl.beta = 0.05
-  c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix))
+  c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix),
+                 reuse_rollout_activations=bool(args.reuse_rollout_activations))
   c.rewards.fns = [synthetic_reward]
   c.rewards.weights = [1.0]
   tok = IdTokenizer(args.vocab)
@@ -128,7 +141,8 @@ def main():
   keys = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
   med = {k: float(np.median([r[k] for r in rows])) for k in keys}
   flops = model_flops_per_iteration(exp, args.prompts, args.prompt_len, args.k, args.new_tokens,
-                                    bool(args.shared_prefix))
+                                    bool(args.shared_prefix),
+                                    bool(args.reuse_rollout_activations))
   total = sum(flops.values())
   out = {
       "framework": "rloo_jax", "jax": jax.__version__, "devices": str(jax.devices()[0].platform),

@@ -84,6 +84,11 @@ def base_config() -> ml_collections.ConfigDict:
       # The reference and policy forwards compute each prompt once for its k samples (equal up to
       # float rounding; minibatches then hold whole groups). False: k separate [prompt | y] rows.
       shared_prefix=True,
+      # The first update step of each rollout batch is taken at the params that sampled it, so
+      # it replays the rollout's prefill/decode matmul outputs instead of recomputing its
+      # forward (same gradient up to float rounding; holds about L * (P + k*T) * (5E + 2F)
+      # activations per prompt until the step). Needs shared_prefix and sampler_mode='shared'.
+      reuse_rollout_activations=True,
       log_every=1, eval_every=25, eval_prompts=256, eval_batch_size=128,
       checkpoint_every=25, keep_checkpoints=3, progress_bar=True))
   # Device mesh: -1 takes the remaining devices. Logical model axes -> mesh axes.

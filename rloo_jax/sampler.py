@@ -14,6 +14,10 @@ Modes (same tokens for the same rng in all three, see `_stream_keys`):
   'unshared'  prompts tiled to B*k rows and prefilled k times, one stream per row.
   'recompute' no cache: `fns.forward` over the whole [B*k, P+T] buffer at every step (a baseline).
 
+record_activations=True (mode 'shared') also returns the trunk's matmul outputs for every prompt
+token and every fed completion token (`SampleOutput.activations`), which the update step taken at
+the same params replays instead of recomputing its forward (`Transformer.grouped(saved=...)`).
+
 Runs as two jitted programs: `_start` (prefill + the first token) and `_decode_loop`
 (a `lax.while_loop` over `SamplingState`, donated, so the cache is updated in place and never
 copied on entry). The loop stops when every stream has emitted EOS or after max_new_tokens.
@@ -41,6 +45,11 @@ class SampleOutput:
   policy_logprobs_bkt: jax.Array  # float32 [B, K, T]: log p under the untempered policy.
   mask_bkt: jax.Array             # bool [B, K, T]: True up to and including EOS.
   lengths_bk: jax.Array           # int32 [B, K]: number of True entries of mask_bkt.
+  # With record_activations: (prompt, completions), per layer {name: [B, P, F]} from the prefill
+  # (right-padded rows, as prompt_tokens_bp) and {name: [B, K, T-1, F]} for completion tokens
+  # 0..T-2 (the ones a scoring forward feeds); slots the loop never reached (every stream done)
+  # are zeros. Otherwise None.
+  activations: Any = None
 
 
 @struct.dataclass
@@ -65,11 +74,12 @@ class SamplingState:
   lengths_bk: jax.Array           # int32 [B, K]
   cache: Any                      # the model's DecodeCache, or a RecomputeBuffer.
   noise_tbkv: Any = None          # float32 [T, B, K, V] Gumbel noise of every step, or None.
+  activations: Any = None         # SampleOutput.activations being filled, or None.
 
   def output(self) -> SampleOutput:
     return SampleOutput(tokens_bkt=self.tokens_bkt, logprobs_bkt=self.logprobs_bkt,
                         policy_logprobs_bkt=self.policy_logprobs_bkt, mask_bkt=self.mask_bkt,
-                        lengths_bk=self.lengths_bk)
+                        lengths_bk=self.lengths_bk, activations=self.activations)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,15 +195,25 @@ def _prompt_inputs(prompt_tokens_xp, lengths_x):
   return positions_xp, mask_xp
 
 
-def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode):
-  """Returns (first-step logits [B, K, V], model state for the decode loop)."""
+def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode,
+             record=False):
+  """Returns (first-step logits [B, K, V], model state for the decode loop); with record
+  (mode 'shared'), also the activations buffers (`SampleOutput.activations`) to fill."""
   num_prompts = prompt_tokens_bp.shape[0]
   if mode == 'shared':
     positions_bp, mask_bp = _prompt_inputs(prompt_tokens_bp, lengths_b)
-    logits_bpv, prefix = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp)
+    logits_bpv, prefix, *recorded = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp,
+                                                **({'record': True} if record else {}))
     first_bv = _last_prompt_logits(logits_bpv, lengths_b)
     first_bkv = jnp.broadcast_to(first_bv[:, None], (num_prompts, k, first_bv.shape[-1]))
-    return first_bkv, fns.init_cache(prefix, mask_bp, k, max_new_tokens)
+    cache = fns.init_cache(prefix, mask_bp, k, max_new_tokens)
+    if not record:
+      return first_bkv, cache
+    prompt = recorded[0]
+    completion = jax.tree.map(
+        lambda y_bpf: jnp.zeros((num_prompts, k, max_new_tokens - 1, y_bpf.shape[-1]),
+                                y_bpf.dtype), prompt)
+    return first_bkv, cache, (prompt, completion)
 
   tokens_np = jnp.repeat(prompt_tokens_bp, k, axis=0)  # row n = b * k + j
   lengths_n = jnp.repeat(lengths_b, k, axis=0)
@@ -222,7 +242,17 @@ def _decode(fns, params, state: SamplingState, *, mode):
   num_prompts, k = state.last_tokens_bk.shape
   positions_bk = state.prompt_lengths_bk + state.step - 1
   if mode == 'shared':
-    return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache)
+    if state.activations is None:
+      return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache)
+    logits_bkv, cache, recorded = fns.decode(params, state.last_tokens_bk, positions_bk,
+                                             state.cache, record=True)
+    prompt, completion = state.activations
+    # Token step - 1 was fed: its outputs go to slot step - 1 (in place: the state is donated).
+    completion = jax.tree.map(
+        lambda buf_bkuf, y_bkf: jax.lax.dynamic_update_index_in_dim(
+            buf_bkuf, y_bkf.astype(buf_bkuf.dtype), state.step - 1, axis=2),
+        completion, recorded)
+    return logits_bkv, cache, (prompt, completion)
   if mode == 'unshared':
     logits_n1v, cache = fns.decode(params, state.last_tokens_bk.reshape(-1, 1),
                                    positions_bk.reshape(-1, 1), state.cache)
@@ -269,6 +299,7 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
   if fields and hasattr(cache, 'replace'):
     cache = cache.replace(**fields)
   return state.replace(
+      activations=jax.tree.map(rows, state.activations),
       keys_bk=rows(state.keys_bk), prompt_lengths_bk=rows(state.prompt_lengths_bk),
       last_tokens_bk=rows(state.last_tokens_bk), done_bk=rows(state.done_bk),
       tokens_bkt=rows(state.tokens_bkt), logprobs_bkt=rows(state.logprobs_bkt),
@@ -284,16 +315,18 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 
 # eos_id and pad_id are traced, not static: a new end token must not recompile the sampler.
 @functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
-                                             'batch_sharding', 'noise_budget_bytes'))
+                                             'batch_sharding', 'noise_budget_bytes',
+                                             'record_activations'))
 def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *, k,
            max_new_tokens, method, mode, batch_sharding=None,
-           noise_budget_bytes=NOISE_BUDGET_BYTES) -> SamplingState:
+           noise_budget_bytes=NOISE_BUDGET_BYTES, record_activations=False) -> SamplingState:
   """Prefill, then draw the first token of every stream from the logits at position len - 1."""
   prompt_tokens_bp = _shard_rows(prompt_tokens_bp, 0, batch_sharding)
   prompt_lengths_b = _shard_rows(prompt_lengths_b.astype(jnp.int32), 0, batch_sharding)
   num_prompts = prompt_tokens_bp.shape[0]
-  first_bkv, cache = _prefill(fns, params, prompt_tokens_bp, prompt_lengths_b, k=k,
-                              max_new_tokens=max_new_tokens, mode=mode)
+  first_bkv, cache, *activations = _prefill(
+      fns, params, prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens,
+      mode=mode, record=record_activations)
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
   keys_bk = _stream_keys(rng, num_prompts, k)
   vocab = first_bkv.shape[-1]
@@ -311,7 +344,8 @@ def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id,
       policy_logprobs_bkt=jnp.zeros(shape_bkt, jnp.float32),
       mask_bkt=jnp.zeros(shape_bkt, bool),
       lengths_bk=jnp.zeros(shape_bk, jnp.int32),
-      cache=cache, noise_tbkv=noise_tbkv)
+      cache=cache, noise_tbkv=noise_tbkv,
+      activations=activations[0] if activations else None)
   state = _record(state, first_bkv, method=method, eos_id=eos_id, pad_id=pad_id)
   return _shard_state(state, batch_sharding)
 
@@ -327,7 +361,9 @@ def _decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
     return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)
 
   def body(state):
-    logits_bkv, cache = _decode(fns, params, state, mode=mode)
+    logits_bkv, cache, *activations = _decode(fns, params, state, mode=mode)
+    if activations:
+      state = state.replace(activations=activations[0])
     return _shard_state(_record(state.replace(cache=cache), logits_bkv, method=method,
                                 eos_id=eos_id, pad_id=pad_id), batch_sharding)
 
@@ -413,7 +449,8 @@ def _validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, 
 def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_new_tokens: int,
            method: sampling.Method, eos_id: int, pad_id: int, mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
-           noise_budget_bytes: int = NOISE_BUDGET_BYTES) -> SampleOutput:
+           noise_budget_bytes: int = NOISE_BUDGET_BYTES,
+           record_activations: bool = False) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -436,6 +473,9 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       already placed with it; params keep their own (e.g. FSDP/tensor) shardings.
     noise_budget_bytes: the rollout's Gumbel noise (T * B * K * V float32) is drawn before the
       decode loop when it fits in this; otherwise at each step. The tokens are the same.
+    record_activations: also return every trunk matmul output of the rollout
+      (`SampleOutput.activations`, mode 'shared' only; about L * (P + K * T) * (5E + 2F) values
+      per prompt for a Llama block). The tokens are the same.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -449,10 +489,14 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
   k, max_new_tokens, eos_id, pad_id = _validate(
       prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens, method=method,
       eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
+  if record_activations and mode != 'shared':
+    raise ValueError(f"sample: record_activations needs mode='shared' (the prompt prefilled once "
+                     f"per row), got mode={mode!r}")
   eos_id, pad_id = jnp.int32(eos_id), jnp.int32(pad_id)
   state = _start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
                  eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
-                 batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes))
+                 batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes),
+                 record_activations=bool(record_activations))
   state = _decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
                        batch_sharding=batch_sharding)
   return state.output()

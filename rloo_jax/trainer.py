@@ -69,11 +69,17 @@ def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.Grad
 # Pure pieces of one iteration
 
 
+def _left_pad_index(prompt_lengths_b, p: int):
+  """[B, P] source column of each left-padded column: right-padded rows rolled by P - len."""
+  shift_b = p - prompt_lengths_b
+  return (jnp.arange(p)[None, :] - shift_b[:, None]) % p
+
+
 def _left_padded_prompts(prompt_tokens_bp, prompt_lengths_b):
   """Prompts moved to the right end of their P columns: (tokens, positions, mask), all [B, P]."""
   b, p = prompt_tokens_bp.shape
   shift_b = p - prompt_lengths_b
-  idx_bp = (jnp.arange(p)[None, :] - shift_b[:, None]) % p
+  idx_bp = _left_pad_index(prompt_lengths_b, p)
   left_bp = jnp.take_along_axis(prompt_tokens_bp, idx_bp, axis=1)
   pmask_bp = jnp.arange(p)[None, :] >= shift_b[:, None]
   ppos_bp = jnp.maximum(jnp.arange(p)[None, :] - shift_b[:, None], 0)
@@ -120,6 +126,21 @@ def model_inputs(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, k
                                                          completions_nt.shape[1]))
 
 
+def replay_activations(activations, prompt_lengths_b):
+  """The sampler's `activations` in the rows `fns.grouped(saved=...)` replays: the prompt part
+  left-padded like `model_inputs`' prompt tokens (the completion part is already [B, k, T-1])."""
+  prompt, completion = activations
+  p = jax.tree.leaves(prompt)[0].shape[1]
+  idx_bp1 = _left_pad_index(prompt_lengths_b, p)[:, :, None]
+  prompt = jax.tree.map(lambda y_bpf: jnp.take_along_axis(y_bpf, idx_bp1, axis=1), prompt)
+  return prompt, completion
+
+
+def _take_saved_groups(saved, group_idx):
+  """The replayed activations of whole groups (every array has the prompt on axis 0)."""
+  return jax.tree.map(lambda x: x[group_idx], saved)
+
+
 def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, num_prompt: int, t: int):
   """Logits predicting the T completion tokens: positions P - 1 .. P + T - 2 only.
 
@@ -130,12 +151,16 @@ def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, num_prompt:
                      head_slice=(num_prompt - 1, t))
 
 
-def rows_logits(fns, params, rows: dict, num_prompt: int):
-  """Logits [N, T, V] predicting rows['completions'] from either form of `model_inputs`."""
+def rows_logits(fns, params, rows: dict, num_prompt: int, saved=None):
+  """Logits [N, T, V] predicting rows['completions'] from either form of `model_inputs`;
+  `saved` (shared-prefix form only): the rollout's activations, `replay_activations`."""
   if "prompt_tokens" in rows:
     return fns.grouped(params, rows["prompt_tokens"], rows["prompt_positions"],
                        rows["prompt_mask"], rows["completions"], rows["completion_positions"],
-                       rows["cmask"])
+                       rows["cmask"], **({} if saved is None else {"saved": saved}))
+  if saved is not None:
+    raise ValueError("replayed activations need the shared-prefix rows "
+                     "(config.train.shared_prefix=True)")
   return completion_logits(fns, params, rows["tokens"], rows["positions"], rows["mask"],
                            num_prompt, rows["completions"].shape[1])
 
@@ -164,16 +189,19 @@ def policy_loss(spec: LossSpec, logp_nt, old_logp_nt, cmask_nt, adv_n, logits_nt
                             aggregation=spec.aggregation, max_len=t, logits_btv=logits_ntv)
 
 
-def train_step(state: TrainState, batch: dict, *, fns, tx, spec: LossSpec, num_prompt: int,
-               compute_shardings=None, param_shardings=None):
+def train_step(state: TrainState, batch: dict, saved=None, *, fns, tx, spec: LossSpec,
+               num_prompt: int, compute_shardings=None, param_shardings=None):
   """One gradient step on a minibatch of rollout rows. Pure; jitted with the state donated.
 
+  saved: the rollout's trunk matmul outputs for these rows (`replay_activations`), valid only
+  while state.params are the params that sampled them: the forward then replays them and only
+  the backward's matmuls run. Same gradient up to float rounding.
   FSDP: params are gathered into `compute_shardings` for the forward/backward and the gradients
   reduce-scattered back onto `param_shardings` (both None without fsdp).
   """
   def loss_fn(params):
     params = _constrain(params, compute_shardings)
-    logits = rows_logits(fns, params, batch, num_prompt)
+    logits = rows_logits(fns, params, batch, num_prompt, saved)
     logp = loss.token_logprobs(logits, batch["completions"], batch["cmask"])
     return policy_loss(spec, logp, batch["old_logp"], batch["cmask"], batch["advantages"], logits)
 
@@ -293,6 +321,13 @@ def validate_config(config) -> None:
                      f"config.train.num_minibatches = {config.train.num_minibatches}; choose "
                      f"num_minibatches dividing {r.num_prompts}, or set "
                      f"config.train.shared_prefix=False to minibatch single samples")
+  if config.train.reuse_rollout_activations and not (config.train.shared_prefix
+                                                     and r.sampler_mode == "shared"):
+    raise ValueError(f"config.train.reuse_rollout_activations replays the rollout's prefill and "
+                     f"decode matmuls in the shared-prefix update, so it needs "
+                     f"config.train.shared_prefix=True and config.rloo.sampler_mode='shared' "
+                     f"(got {bool(config.train.shared_prefix)} and {r.sampler_mode!r}); set those "
+                     f"or config.train.reuse_rollout_activations=False")
   if config.train.num_epochs < 1 or config.train.num_iterations < 0:
     raise ValueError("config.train.num_epochs must be >= 1 and num_iterations >= 0")
   need = config.data.max_prompt_len + r.max_new_tokens
@@ -364,6 +399,10 @@ class Experiment:
   inputs_fn: Callable = None  # model_inputs for this config's train.shared_prefix
   groups_fn: Callable = None  # whole-group minibatch gather (shared-prefix rows)
   compute_shardings: Any = None  # params gathered over fsdp (None without fsdp)
+  # config.train.reuse_rollout_activations: the first update step replays the rollout's matmuls.
+  replay_step_fn: Callable = None  # train_step(state, rows, saved)
+  replay_fn: Callable = None  # replay_activations, jitted
+  saved_groups_fn: Callable = None  # _take_saved_groups, jitted
 
   @property
   def tokenizer(self):
@@ -424,10 +463,10 @@ def build(config, workdir: str, task=None, *, devices=None) -> Experiment:
   state_sh = exp.state_shardings = layout.tree_shardings(abstract)
   rows, rep = layout.batch_sharding, layout.replicated
   compute_sh = exp.compute_shardings = layout.compute_shardings(abstract.params)
-  exp.step_fn = jax.jit(functools.partial(train_step, fns=fns, tx=tx, spec=spec, num_prompt=p,
-                                          compute_shardings=compute_sh,
-                                          param_shardings=compute_sh and state_sh.params),
-                        in_shardings=(state_sh, rows), out_shardings=(state_sh, rep),
+  step = functools.partial(train_step, fns=fns, tx=tx, spec=spec, num_prompt=p,
+                           compute_shardings=compute_sh,
+                           param_shardings=compute_sh and state_sh.params)
+  exp.step_fn = jax.jit(step, in_shardings=(state_sh, rows), out_shardings=(state_sh, rep),
                         donate_argnums=0)
   exp.score_fn = jax.jit(functools.partial(
       score_rollout, fns=fns, num_prompt=p, beta=float(config.kl.beta),
@@ -448,6 +487,14 @@ def build(config, workdir: str, task=None, *, devices=None) -> Experiment:
       tokens_bp, lengths_b, completions_nt, cmask_nt, k, bool(config.train.shared_prefix))
   exp.rows_fn = jax.jit(_take_rows, out_shardings=rows)
   exp.groups_fn = jax.jit(_take_groups, static_argnums=2, out_shardings=rows)
+  if config.train.reuse_rollout_activations:
+    # No in_shardings: the recorded activations keep the layout the sampler's matmuls gave them
+    # (rows over the batch axes, and e.g. the MLP width over 'tensor' under tensor parallelism);
+    # forcing one spec on them would all-gather every recording. The state and the rows arrive
+    # committed to state_sh and the batch sharding, as step_fn requires of them.
+    exp.replay_step_fn = jax.jit(step, out_shardings=(state_sh, rep), donate_argnums=0)
+    exp.replay_fn = jax.jit(replay_activations)
+    exp.saved_groups_fn = jax.jit(_take_saved_groups)
   return exp
 
 
@@ -537,8 +584,10 @@ def decode_completions(tokenizer, tokens_nt, lengths_n) -> list[str]:
   return out
 
 
-def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None):
-  """Samples k completions per prompt and scores them with the reward functions (host side)."""
+def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None,
+            record_activations: bool = False):
+  """Samples k completions per prompt and scores them with the reward functions (host side).
+  record_activations: the sample output also carries the trunk's matmul outputs (`sampler`)."""
   c = exp.config
   layout = exp.layout
   if exp.compute_shardings is not None:
@@ -552,7 +601,8 @@ def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None):
                        method=method or exp.method, eos_id=exp.tokenizer.eos_id,
                        pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
                        max_seq_len=exp.model_config.max_seq_len,
-                       batch_sharding=layout.batch_sharding)
+                       batch_sharding=layout.batch_sharding,
+                       record_activations=record_activations)
   b = batch["prompt_tokens"].shape[0]
   tokens_nt = layout.local_rows(out.tokens_bkt).reshape(b * k, -1)
   lengths_n = layout.local_rows(out.lengths_bk).reshape(-1)
@@ -566,7 +616,7 @@ def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None):
   return out, layout.gather_rows(rewards_n.reshape(b, k)), completions, parts
 
 
-def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng):
+def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng, saved=None):
   """`num_epochs` shuffled passes over the n rollout rows in `num_minibatches` minibatches.
 
   Epoch e's order comes from fold_in(rng, 1 + e), so a resumed run replays it exactly. Returns
@@ -575,34 +625,51 @@ def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng):
   Rows in the shared-prefix form (`model_inputs`) are shuffled as whole groups (a prompt and its
   k samples stay together, so the prompt is still computed once); with one minibatch they are
   used as they are, since the order of rows in a single step changes nothing but float rounding.
+
+  saved: the rollout's activations (`replay_activations`, shared-prefix rows). The first step
+  is the only one taken at the params that sampled the rollout, so it alone replays them
+  (`exp.replay_step_fn`); every later step runs its own forward.
   """
   c = exp.config.train
   step_metrics = []
   grouped = "prompt_tokens" in rows
+  if saved is not None and not grouped:
+    raise ValueError("replayed activations need the shared-prefix rows "
+                     "(config.train.shared_prefix=True)")
   units = rows["prompt_tokens"].shape[0] if grouped else n  # what is shuffled: groups or rows
   mb = units // c.num_minibatches
   take = ((lambda idx: exp.groups_fn(rows, idx, n // units)) if grouped
           else (lambda idx: exp.rows_fn(rows, idx)))
+
+  def step(state, batch, saved_batch):
+    if saved_batch is None:
+      return step_fn(state, batch)
+    return exp.replay_step_fn(state, batch, saved_batch)
+
   for epoch in range(c.num_epochs):
     if grouped and c.num_minibatches == 1:
-      state, m = step_fn(state, rows)
+      state, m = step(state, rows, saved if epoch == 0 else None)
       step_metrics.append(m)
       continue
     order = jax.random.permutation(jax.random.fold_in(rng, 1 + epoch), units)
     for i in range(c.num_minibatches):
-      state, m = step_fn(state, take(order[i * mb:(i + 1) * mb]))
+      idx = order[i * mb:(i + 1) * mb]
+      first = epoch == 0 and i == 0 and saved is not None
+      state, m = step(state, take(idx), exp.saved_groups_fn(saved, idx) if first else None)
       step_metrics.append(m)
   return state, step_metrics
 
 
-def timed_rollout(exp: Experiment, params, batch: dict, rng, *, k: int):
+def timed_rollout(exp: Experiment, params, batch: dict, rng, *, k: int,
+                  record_activations: bool = False):
   """The rollout and its validated rewards, timed: the first half of every on-policy iteration.
 
   Returns (sample output, rewards [B, k] float32, usable mask, number masked as non-finite,
   per-function scores, {'rollout_s', 'reward_s'}).
   """
   t0 = time.perf_counter()
-  out, raw_rewards_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, 0), k=k)
+  out, raw_rewards_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, 0), k=k,
+                                          record_activations=record_activations)
   jax.block_until_ready(out.tokens_bkt)
   timings = {"rollout_s": time.perf_counter() - t0}
   t0 = time.perf_counter()
@@ -618,8 +685,9 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   k = c.rloo.k
   step = int(state.step)
   rng = jax.random.fold_in(state.rng, step)
+  reuse = bool(c.train.reuse_rollout_activations)
   out, rewards_bk, usable_bk, num_nonfinite, parts, timings = timed_rollout(
-      exp, state.params, batch, rng, k=k)
+      exp, state.params, batch, rng, k=k, record_activations=reuse)
 
   t0 = time.perf_counter()
   layout = exp.layout
@@ -642,7 +710,9 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   rows = dict(inputs, completions=completions_nt, cmask=cmask_nt, old_logp=policy_logp_nt,
               advantages=scored["advantages_bk"].reshape(-1))
   n = b * k
-  state, step_metrics = minibatch_updates(exp, exp.step_fn, state, rows, n, rng)
+  saved = (exp.replay_fn(out.activations, layout.shard_batch(batch["prompt_lengths"]))
+           if reuse else None)
+  state, step_metrics = minibatch_updates(exp, exp.step_fn, state, rows, n, rng, saved=saved)
   jax.block_until_ready(state.params)
   timings["update_s"] = time.perf_counter() - t0
   state = state.replace(step=state.step + 1)

@@ -218,7 +218,7 @@ def test_shared_prefix_equals_tiled_rows(tmp_path):
   from rloo_jax.data import pipeline
   results = {}
   for shared in (True, False):
-    config.train.shared_prefix = shared
+    config.train.update(shared_prefix=shared, reuse_rollout_activations=shared)
     exp = trainer.build(config, str(tmp_path))
     state = trainer.init_state(exp, trainer.transformer.create(exp.model_config)[1])
     batch = next(pipeline.prompt_batches(exp.task.train, exp.tokenizer, global_batch_size=4,

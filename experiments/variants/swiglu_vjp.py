@@ -28,10 +28,10 @@ swiglu.defvjp(_fwd, _bwd)
 
 
 def apply():
-  def mlp(self, x_bse):
+  def mlp(self, x_bse, dense=transformer._plain_dense):
     dt = x_bse.dtype
-    up = transformer._dense(x_bse, transformer._cast(self.up_kernel, dt))
-    gate = transformer._dense(x_bse, transformer._cast(self.gate_kernel, dt))
-    return transformer._dense(swiglu(gate, up), transformer._cast(self.down_kernel, dt))
+    up = dense('up', x_bse, transformer._cast(self.up_kernel, dt))
+    gate = dense('gate', x_bse, transformer._cast(self.gate_kernel, dt))
+    return dense('down', swiglu(gate, up), transformer._cast(self.down_kernel, dt))
 
   transformer.MLP.__call__ = mlp

@@ -5,7 +5,8 @@ from rloo_jax.models import transformer
 def apply():
   qkv = transformer.Attention.qkv
 
-  def unfused(self, x_bse, rotary, fused=False):
-    return qkv(self, x_bse, rotary, fused=False)
+  def unfused(self, x_bse, rotary, fused=False, dense=transformer._plain_dense):
+    # A recording or replaying tape (`dense`) still takes the fused form: its names must match.
+    return qkv(self, x_bse, rotary, fused=False, dense=dense)
 
   transformer.Attention.qkv = unfused

@@ -241,8 +241,81 @@ def _project(x_bse: jax.Array, kernel_ehd: jax.Array) -> jax.Array:
   return y.reshape(*y.shape[:2], h, d)
 
 
+def _plain_dense(name: str, x_bse, kernel_ef, preferred_element_type=None):
+  """The default `dense` of the blocks: an ordinary matmul (`name` is for the tapes below)."""
+  del name
+  return _dense(x_bse, kernel_ef, preferred_element_type)
+
+
+class _Recorder:
+  """A `dense` that keeps each matmul output of one layer by name (trace-time bookkeeping).
+
+  The sampler runs prefill and decode with one per layer, so a rollout hands the update every
+  trunk matmul output it computed (see `Transformer.grouped(saved=...)`)."""
+
+  def __init__(self):
+    self.outputs = {}
+
+  def __call__(self, name, x_bse, kernel_ef, preferred_element_type=None):
+    y = _dense(x_bse, kernel_ef, preferred_element_type)
+    self.outputs[name] = y
+    return y
+
+
+@jax.custom_vjp
+def _replayed_matmul(x_bse, kernel_ef, y_bsf):
+  """`x @ kernel` whose value is the recorded y_bsf: the forward runs no matmul, the backward the
+  usual two (dx = g @ kernel^T, dkernel = x^T g). Exact when y_bsf was computed from the same
+  x and kernel, as a rollout's matmuls are for the update step taken at the rollout's params."""
+  del x_bse, kernel_ef
+  return y_bsf
+
+
+def _replayed_matmul_fwd(x_bse, kernel_ef, y_bsf):
+  return y_bsf, (x_bse, kernel_ef, y_bsf)
+
+
+def _replayed_matmul_bwd(res, g_bsf):
+  x_bse, kernel_ef, y_bsf = res
+  e, f = kernel_ef.shape
+  g_nf = g_bsf.reshape(-1, f).astype(x_bse.dtype)
+  dx = jnp.matmul(g_nf, kernel_ef.T.astype(x_bse.dtype)).reshape(x_bse.shape)
+  dkernel = jnp.matmul(x_bse.reshape(-1, e).T, g_nf, preferred_element_type=jnp.float32)
+  # y_bsf is data, not a function of params: its cotangent is dropped (and the zeros with it).
+  return dx.astype(x_bse.dtype), dkernel.astype(kernel_ef.dtype), jnp.zeros_like(y_bsf)
+
+
+_replayed_matmul.defvjp(_replayed_matmul_fwd, _replayed_matmul_bwd)
+
+
+class _Replayer:
+  """A `dense` that returns a recorded output through `_replayed_matmul` (no forward matmul).
+
+  saved: {name: [B, S, F]} of one layer, in the rows of the forward that replays it. The grouped
+  forward's last layer feeds only its trailing rows to the output projection and MLP (the
+  prompt's leading rows are dropped), so a shorter input takes the recording's trailing rows."""
+
+  def __init__(self, saved):
+    self.saved = saved
+
+  def __call__(self, name, x_bse, kernel_ef, preferred_element_type=None):
+    y = self.saved[name]
+    rows = x_bse.shape[1]
+    if y.shape[:2] != x_bse.shape[:2]:
+      if y.shape[0] != x_bse.shape[0] or y.shape[1] < rows:
+        raise ValueError(f'replayed {name!r}: recorded rows {y.shape[:2]} do not cover the '
+                         f'input rows {x_bse.shape[:2]}')
+      y = y[:, y.shape[1] - rows:]
+    if preferred_element_type is not None:
+      y = y.astype(preferred_element_type)
+    return _replayed_matmul(x_bse, kernel_ef, y)
+
+
 class Attention(nnx.Module):
-  """Projections only; the attention pattern (full, prefill, cached decode) is chosen by the caller."""
+  """Projections only; the attention pattern (full, prefill, cached decode) is chosen by the caller.
+
+  Every matmul goes through `dense(name, x, kernel)`: `_plain_dense`, or a tape that records
+  (`_Recorder`) or replays (`_Replayer`) its outputs."""
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     c = config
@@ -262,17 +335,18 @@ class Attention(nnx.Module):
     if c.is_gpt2:
       self.o_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
 
-  def qkv(self, x_bse: jax.Array, rotary, fused: bool = False):
+  def qkv(self, x_bse: jax.Array, rotary, fused: bool = False, dense=_plain_dense):
     """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D].
 
     `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2).
     fused: one matmul against the three kernels concatenated per kv head (see `_fused_qkv`)
-    instead of three. Same values; faster for the few rows of a decode step.
+    instead of three. Same values; faster for the few rows of a decode step. A tape (`dense`
+    other than `_plain_dense`) always uses the fused form, so its recordings have one name.
     """
     c = self.config
     dt = x_bse.dtype
-    if fused:
-      q, k, v = self._fused_qkv(x_bse)
+    if fused or dense is not _plain_dense:
+      q, k, v = self._fused_qkv(x_bse, dense)
     else:
       q = _project(x_bse, _cast(self.q_kernel, dt))
       k = _project(x_bse, _cast(self.k_kernel, dt))
@@ -289,7 +363,7 @@ class Attention(nnx.Module):
     q_bshgd = q.reshape(b, s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
     return q_bshgd, k, v
 
-  def _fused_qkv(self, x_bse: jax.Array):
+  def _fused_qkv(self, x_bse: jax.Array, dense=_plain_dense):
     """q [B,S,H,D], k and v [B,S,Hkv,D] from one [E, Hkv*(G+2)*D] matmul.
 
     The kernels are concatenated per kv head, [E, Hkv, G + 2, D] (the G query heads of a group,
@@ -305,17 +379,17 @@ class Attention(nnx.Module):
     kernel = jnp.concatenate([_cast(self.q_kernel, dt).reshape(e, hkv, g, d),
                               _cast(self.k_kernel, dt).reshape(e, hkv, 1, d),
                               _cast(self.v_kernel, dt).reshape(e, hkv, 1, d)], axis=2)
-    y = _dense(x_bse, kernel.reshape(e, hkv * (g + 2) * d))
+    y = dense('qkv', x_bse, kernel.reshape(e, hkv * (g + 2) * d))
     b, s = y.shape[:2]
     y = y.reshape(b, s, hkv, g + 2, d)
     return y[:, :, :, :g].reshape(b, s, hkv * g, d), y[:, :, :, g], y[:, :, :, g + 1]
 
-  def out(self, o_bshgd: jax.Array) -> jax.Array:
+  def out(self, o_bshgd: jax.Array, dense=_plain_dense) -> jax.Array:
     c = self.config
     b, s = o_bshgd.shape[:2]
-    o_nf = o_bshgd.reshape(b * s, c.num_heads * c.head_dim)
-    kernel = _cast(self.o_kernel, o_nf.dtype)
-    y = (o_nf @ kernel.reshape(-1, kernel.shape[-1])).reshape(b, s, -1)
+    o_bsf = o_bshgd.reshape(b, s, c.num_heads * c.head_dim)
+    kernel = _cast(self.o_kernel, o_bsf.dtype)
+    y = dense('out', o_bsf, kernel.reshape(-1, kernel.shape[-1]))
     if c.is_gpt2:
       y = y + _cast(self.o_bias, y.dtype)
     return y
@@ -338,15 +412,15 @@ class MLP(nnx.Module):
     else:
       self.gate_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
 
-  def __call__(self, x_bse: jax.Array) -> jax.Array:
+  def __call__(self, x_bse: jax.Array, dense=_plain_dense) -> jax.Array:
     dt = x_bse.dtype
-    up = _dense(x_bse, _cast(self.up_kernel, dt))
+    up = dense('up', x_bse, _cast(self.up_kernel, dt))
     if self.gpt2:
       h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=True)
     else:
-      gate = _dense(x_bse, _cast(self.gate_kernel, dt))
+      gate = dense('gate', x_bse, _cast(self.gate_kernel, dt))
       h = jax.nn.silu(gate) * up
-    y = _dense(h, _cast(self.down_kernel, dt))
+    y = dense('down', h, _cast(self.down_kernel, dt))
     if self.gpt2:
       y = y + _cast(self.down_bias, dt)
     return y
@@ -508,22 +582,28 @@ class Transformer(nnx.Module):
       return _dense(x, _cast(self.embedding, x.dtype).T, preferred_element_type=f32)
     return _dense(x, _cast(self.lm_head, x.dtype), preferred_element_type=f32)
 
-  def _trunk(self, tokens_bs, positions_bs, mask_bs):
-    """Every layer over the full sequence: final hidden states and each layer's K/V."""
+  def _trunk(self, tokens_bs, positions_bs, mask_bs, tapes=None):
+    """Every layer over the full sequence: final hidden states and each layer's K/V.
+    tapes: one `dense` per layer (e.g. `_Recorder`s), or None for plain matmuls."""
     x = self._embed(tokens_bs, positions_bs)
     rotary = self._rotary(positions_bs)
     ks, vs = [], []
-    for block in self.layers:
-      q, k, v = block.attn.qkv(block.attn_norm(x), rotary)
-      x = x + block.attn.out(_full_attention(q, k, v, mask_bs))
-      x = x + block.mlp(block.mlp_norm(x))
+    for l, block in enumerate(self.layers):
+      dense = _plain_dense if tapes is None else tapes[l]
+      q, k, v = block.attn.qkv(block.attn_norm(x), rotary, dense=dense)
+      x = x + block.attn.out(_full_attention(q, k, v, mask_bs), dense)
+      x = x + block.mlp(block.mlp_norm(x), dense)
       ks.append(k)
       vs.append(v)
     return x, ks, vs
 
-  def prefill(self, tokens_bp, positions_bp, mask_bp):
-    x, ks, vs = self._trunk(tokens_bp, positions_bp, mask_bp)
-    return self._head(x), PrefixKV(k_lbphd=jnp.stack(ks), v_lbphd=jnp.stack(vs))
+  def prefill(self, tokens_bp, positions_bp, mask_bp, record: bool = False):
+    """(logits [B,P,V], PrefixKV); with record=True also every layer's matmul outputs,
+    ({name: [B, P, F]}, ...) one dict per layer (see `_Recorder`)."""
+    tapes = [_Recorder() for _ in self.layers] if record else None
+    x, ks, vs = self._trunk(tokens_bp, positions_bp, mask_bp, tapes)
+    out = self._head(x), PrefixKV(k_lbphd=jnp.stack(ks), v_lbphd=jnp.stack(vs))
+    return out + (tuple(t.outputs for t in tapes),) if record else out
 
   def __call__(self, tokens_bs, positions_bs, mask_bs, head_slice=None):
     """Logits [B, S, V]; with head_slice=(start, length) (static ints) only positions
@@ -536,7 +616,7 @@ class Transformer(nnx.Module):
     return self._head(x)
 
   def grouped(self, prompt_tokens_bp, prompt_positions_bp, prompt_mask_bp, tokens_nt,
-              positions_nt, mask_nt):
+              positions_nt, mask_nt, saved=None):
     """Logits [N, T, V] predicting each row of tokens_nt, where row n continues prompt n // M
     (M = N / B rows per prompt: RLOO's k samples), with every prompt computed once.
 
@@ -545,6 +625,13 @@ class Transformer(nnx.Module):
     Needs T >= 1 completion columns.
     Prompts must be left-padded (their last token in column P - 1), as `rollout_sequences` does.
     Rows are laid out per prompt, [B, P + M*(T-1)], so a batch sharding over B holds throughout.
+
+    saved: the trunk's matmul outputs recorded while these tokens were sampled with these
+    params, (prompt, completions): per layer {name: [B, P, F]} (left-padded like the prompt
+    tokens) and {name: [B, M, U, F]} for completion tokens 0..U-1, U >= T - 1 (the sampler's
+    `activations`). The forward then runs no trunk matmul (`_replayed_matmul`): only the
+    elementwise work, attention's score and value products and the head; its gradient is the
+    same up to float rounding. Valid only at the params that produced the recording.
     """
     b, p = prompt_tokens_bp.shape
     n, t = tokens_nt.shape
@@ -561,15 +648,17 @@ class Transformer(nnx.Module):
     mask_bmu = mask_nt[:, :u].reshape(b, m, u)
     rotary = self._rotary(positions)
     last = len(self.layers) - 1
+    tapes = None if saved is None else _replay_tapes(saved, b, m, u)
     for l, block in enumerate(self.layers):
-      q, k, v = block.attn.qkv(block.attn_norm(x), rotary)
+      dense = _plain_dense if tapes is None else tapes[l]
+      q, k, v = block.attn.qkv(block.attn_norm(x), rotary, dense=dense)
       o = _grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p)
       if l == last:
         # The last layer's prompt rows serve only as keys/values, except column P - 1, which
         # predicts each completion's first token: the rest skip the output projection and MLP.
         x, o = x[:, p - 1:], o[:, p - 1:]
-      x = x + block.attn.out(o)
-      x = x + block.mlp(block.mlp_norm(x))
+      x = x + block.attn.out(o, dense)
+      x = x + block.mlp(block.mlp_norm(x), dense)
     e = x.shape[-1]
     # Token 0 of every completion is predicted from its prompt's last column (now row 0), token
     # i > 0 from completion position i - 1.
@@ -578,10 +667,12 @@ class Transformer(nnx.Module):
     h = jnp.concatenate([jnp.broadcast_to(last_b1e[:, None], (b, m, 1, e)), xc], axis=2)
     return self._head(h.reshape(n, t, e))
 
-  def decode(self, tokens_bk, positions_bk, cache: DecodeCache):
+  def decode(self, tokens_bk, positions_bk, cache: DecodeCache, record: bool = False):
     """One token per stream, written at stream slot cache.copied_prefix + cache.index (callers
     keep index < max_new_tokens: dynamic_update_slice clamps, so a step past the end would
-    overwrite the last slot)."""
+    overwrite the last slot). Returns (logits [B,K,V], cache); with record=True also every
+    layer's matmul outputs for these tokens, ({name: [B, K, F]}, ...) (see `_Recorder`)."""
+    tapes = [_Recorder() for _ in self.layers] if record else None
     x = self._embed(tokens_bk, positions_bk)
     k_caches, v_caches = [], []
     idx = cache.index.astype(jnp.int32)
@@ -590,7 +681,8 @@ class Transformer(nnx.Module):
     rotary = self._rotary(positions_bk)
     for l, block in enumerate(self.layers):
       # K plays the sequence axis.
-      q, k, v = block.attn.qkv(block.attn_norm(x), rotary, fused=True)
+      dense = _plain_dense if tapes is None else tapes[l]
+      q, k, v = block.attn.qkv(block.attn_norm(x), rotary, fused=True, dense=dense)
       # k, v: [B, K, Hkv, D] into the slot of the T axis (last for keys, second to last for
       # values); the while loop's donated per-layer buffers are updated in place.
       k_cache = jax.lax.dynamic_update_slice(
@@ -607,10 +699,29 @@ class Transformer(nnx.Module):
       else:
         o = _shared_prefix_attention(q, cache.prefix_k_bhdp[l], cache.prefix_v_bhpd[l],
                                      cache.prefix_mask_bp, k_cache, v_cache, idx)
-      x = x + block.attn.out(o)
-      x = x + block.mlp(block.mlp_norm(x))
+      x = x + block.attn.out(o, dense)
+      x = x + block.mlp(block.mlp_norm(x), dense)
     new_cache = cache.replace(k_bkhdt=tuple(k_caches), v_bkhtd=tuple(v_caches), index=idx + 1)
+    if record:
+      return self._head(x), new_cache, tuple(t.outputs for t in tapes)
     return self._head(x), new_cache
+
+
+def _replay_tapes(saved, b: int, m: int, u: int):
+  """One `_Replayer` per layer over the grouped rows [prompt (P) | M completions (u each)]."""
+  prompt, completion = saved
+  tapes = []
+  for prompt_l, completion_l in zip(prompt, completion):
+    rows = {}
+    for name, y_bpf in prompt_l.items():
+      y_bmuf = completion_l[name]
+      if y_bmuf.shape[:2] != (b, m) or y_bmuf.shape[2] < u:
+        raise ValueError(f'saved activations {name!r}: completion recording of shape '
+                         f'{y_bmuf.shape} does not cover [{b}, {m}, {u}, ...] grouped rows')
+      rows[name] = jnp.concatenate(
+          [y_bpf, y_bmuf[:, :, :u].reshape(b, m * u, y_bmuf.shape[-1])], axis=1)
+    tapes.append(_Replayer(rows))
+  return tapes
 
 
 def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
@@ -672,16 +783,17 @@ def model_fns(graphdef) -> ModelFns:
   def forward(params, tokens_bs, positions_bs, mask_bs, head_slice=None):
     return nnx.merge(graphdef, params)(tokens_bs, positions_bs, mask_bs, head_slice=head_slice)
 
-  def prefill(params, tokens_bp, positions_bp, mask_bp):
-    return nnx.merge(graphdef, params).prefill(tokens_bp, positions_bp, mask_bp)
+  def prefill(params, tokens_bp, positions_bp, mask_bp, record=False):
+    return nnx.merge(graphdef, params).prefill(tokens_bp, positions_bp, mask_bp, record=record)
 
-  def decode(params, tokens_bk, positions_bk, cache):
-    return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache)
+  def decode(params, tokens_bk, positions_bk, cache, record=False):
+    return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, record=record)
 
   def grouped(params, prompt_tokens_bp, prompt_positions_bp, prompt_mask_bp, tokens_nt,
-              positions_nt, mask_nt):
+              positions_nt, mask_nt, saved=None):
     return nnx.merge(graphdef, params).grouped(prompt_tokens_bp, prompt_positions_bp,
-                                               prompt_mask_bp, tokens_nt, positions_nt, mask_nt)
+                                               prompt_mask_bp, tokens_nt, positions_nt, mask_nt,
+                                               saved=saved)
 
   return ModelFns(forward=forward, prefill=prefill, init_cache=init_cache, decode=decode,
                   config=_config_of(graphdef), grouped=grouped)
