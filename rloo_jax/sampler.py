@@ -45,10 +45,11 @@ class SampleOutput:
   policy_logprobs_bkt: jax.Array  # float32 [B, K, T]: log p under the untempered policy.
   mask_bkt: jax.Array             # bool [B, K, T]: True up to and including EOS.
   lengths_bk: jax.Array           # int32 [B, K]: number of True entries of mask_bkt.
-  # With record_activations: (prompt, completions), per layer {name: [B, P, F]} from the prefill
-  # (right-padded rows, as prompt_tokens_bp) and {name: [B, K, T-1, F]} for completion tokens
-  # 0..T-2 (the ones a scoring forward feeds); slots the loop never reached (every stream done)
-  # are zeros. Otherwise None.
+  # With record_activations: the model's recorded matmul outputs (`fns.prefill/decode(
+  # record=True)`, a pytree), each [B, P + (T-1)*K, F] in the rows of `Transformer.grouped`: the
+  # prompt left-padded (`left_pad_index`), then completion tokens 0..T-2 (the ones a scoring
+  # forward feeds) token-major, row P + t*K + j for token t of stream j. Rows the loop never
+  # reached (every stream done) are zeros. Otherwise None.
   activations: Any = None
 
 
@@ -186,6 +187,12 @@ def _last_prompt_logits(logits_xpv, lengths_x):
   return jnp.take_along_axis(logits_xpv, idx, axis=1)[:, 0]
 
 
+def left_pad_index(lengths_b, p: int):
+  """[B, P] source column of each left-padded column: right-padded rows rolled by P - len."""
+  shift_b = p - lengths_b
+  return (jnp.arange(p)[None, :] - shift_b[:, None]) % p
+
+
 def _prompt_inputs(prompt_tokens_xp, lengths_x):
   num_cols = prompt_tokens_xp.shape[1]
   cols_p = jnp.arange(num_cols, dtype=jnp.int32)
@@ -209,11 +216,13 @@ def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mod
     cache = fns.init_cache(prefix, mask_bp, k, max_new_tokens)
     if not record:
       return first_bkv, cache
-    prompt = recorded[0]
-    completion = jax.tree.map(
-        lambda y_bpf: jnp.zeros((num_prompts, k, max_new_tokens - 1, y_bpf.shape[-1]),
-                                y_bpf.dtype), prompt)
-    return first_bkv, cache, (prompt, completion)
+    idx_bp1 = left_pad_index(lengths_b, prompt_tokens_bp.shape[1])[:, :, None]
+
+    def buffer(y_bpf):
+      rows = jnp.zeros((num_prompts, (max_new_tokens - 1) * k, y_bpf.shape[-1]), y_bpf.dtype)
+      return jnp.concatenate([jnp.take_along_axis(y_bpf, idx_bp1, axis=1), rows], axis=1)
+
+    return first_bkv, cache, jax.tree.map(buffer, recorded[0])
 
   tokens_np = jnp.repeat(prompt_tokens_bp, k, axis=0)  # row n = b * k + j
   lengths_n = jnp.repeat(lengths_b, k, axis=0)
@@ -246,13 +255,16 @@ def _decode(fns, params, state: SamplingState, *, mode):
       return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache)
     logits_bkv, cache, recorded = fns.decode(params, state.last_tokens_bk, positions_bk,
                                              state.cache, record=True)
-    prompt, completion = state.activations
-    # Token step - 1 was fed: its outputs go to slot step - 1 (in place: the state is donated).
-    completion = jax.tree.map(
-        lambda buf_bkuf, y_bkf: jax.lax.dynamic_update_index_in_dim(
-            buf_bkuf, y_bkf.astype(buf_bkuf.dtype), state.step - 1, axis=2),
-        completion, recorded)
-    return logits_bkv, cache, (prompt, completion)
+    # Token step - 1 was fed: its K streams' outputs are the K adjacent rows after the prompt's
+    # P and the earlier steps' (one contiguous write each, in place: the state is donated).
+    first = jax.tree.leaves(state.activations)[0]
+    row = (first.shape[1] - (state.tokens_bkt.shape[2] - 1) * k
+           + (state.step - 1) * k).astype(jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    return logits_bkv, cache, jax.tree.map(
+        lambda buf_bsf, y_bkf: jax.lax.dynamic_update_slice(
+            buf_bsf, y_bkf.astype(buf_bsf.dtype), (zero, row, zero)),
+        state.activations, recorded)
   if mode == 'unshared':
     logits_n1v, cache = fns.decode(params, state.last_tokens_bk.reshape(-1, 1),
                                    positions_bk.reshape(-1, 1), state.cache)
@@ -474,8 +486,9 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     noise_budget_bytes: the rollout's Gumbel noise (T * B * K * V float32) is drawn before the
       decode loop when it fits in this; otherwise at each step. The tokens are the same.
     record_activations: also return every trunk matmul output of the rollout
-      (`SampleOutput.activations`, mode 'shared' only; about L * (P + K * T) * (5E + 2F) values
-      per prompt for a Llama block). The tokens are the same.
+      (`SampleOutput.activations`, mode 'shared' only: (P + (T-1)*K) * A values per prompt,
+      A = `transformer.activation_width`, L * (q + 2 kv + 2E + 2F) for a Llama block). The
+      tokens are the same.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.

@@ -69,17 +69,11 @@ def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.Grad
 # Pure pieces of one iteration
 
 
-def _left_pad_index(prompt_lengths_b, p: int):
-  """[B, P] source column of each left-padded column: right-padded rows rolled by P - len."""
-  shift_b = p - prompt_lengths_b
-  return (jnp.arange(p)[None, :] - shift_b[:, None]) % p
-
-
 def _left_padded_prompts(prompt_tokens_bp, prompt_lengths_b):
   """Prompts moved to the right end of their P columns: (tokens, positions, mask), all [B, P]."""
   b, p = prompt_tokens_bp.shape
   shift_b = p - prompt_lengths_b
-  idx_bp = _left_pad_index(prompt_lengths_b, p)
+  idx_bp = sampler.left_pad_index(prompt_lengths_b, p)
   left_bp = jnp.take_along_axis(prompt_tokens_bp, idx_bp, axis=1)
   pmask_bp = jnp.arange(p)[None, :] >= shift_b[:, None]
   ppos_bp = jnp.maximum(jnp.arange(p)[None, :] - shift_b[:, None], 0)
@@ -126,21 +120,6 @@ def model_inputs(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, k
                                                          completions_nt.shape[1]))
 
 
-def replay_activations(activations, prompt_lengths_b):
-  """The sampler's `activations` in the rows `fns.grouped(saved=...)` replays: the prompt part
-  left-padded like `model_inputs`' prompt tokens (the completion part is already [B, k, T-1])."""
-  prompt, completion = activations
-  p = jax.tree.leaves(prompt)[0].shape[1]
-  idx_bp1 = _left_pad_index(prompt_lengths_b, p)[:, :, None]
-  prompt = jax.tree.map(lambda y_bpf: jnp.take_along_axis(y_bpf, idx_bp1, axis=1), prompt)
-  return prompt, completion
-
-
-def _take_saved_groups(saved, group_idx):
-  """The replayed activations of whole groups (every array has the prompt on axis 0)."""
-  return jax.tree.map(lambda x: x[group_idx], saved)
-
-
 def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, num_prompt: int, t: int):
   """Logits predicting the T completion tokens: positions P - 1 .. P + T - 2 only.
 
@@ -153,7 +132,8 @@ def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, num_prompt:
 
 def rows_logits(fns, params, rows: dict, num_prompt: int, saved=None):
   """Logits [N, T, V] predicting rows['completions'] from either form of `model_inputs`;
-  `saved` (shared-prefix form only): the rollout's activations, `replay_activations`."""
+  `saved` (shared-prefix form only): the rollout's recorded activations
+  (`SampleOutput.activations`)."""
   if "prompt_tokens" in rows:
     return fns.grouped(params, rows["prompt_tokens"], rows["prompt_positions"],
                        rows["prompt_mask"], rows["completions"], rows["completion_positions"],
@@ -193,7 +173,7 @@ def train_step(state: TrainState, batch: dict, saved=None, *, fns, tx, spec: Los
                num_prompt: int, compute_shardings=None, param_shardings=None):
   """One gradient step on a minibatch of rollout rows. Pure; jitted with the state donated.
 
-  saved: the rollout's trunk matmul outputs for these rows (`replay_activations`), valid only
+  saved: the rollout's trunk matmul outputs for these rows (`SampleOutput.activations`), valid only
   while state.params are the params that sampled them: the forward then replays them and only
   the backward's matmuls run. Same gradient up to float rounding.
   FSDP: params are gathered into `compute_shardings` for the forward/backward and the gradients
@@ -401,8 +381,7 @@ class Experiment:
   compute_shardings: Any = None  # params gathered over fsdp (None without fsdp)
   # config.train.reuse_rollout_activations: the first update step replays the rollout's matmuls.
   replay_step_fn: Callable = None  # train_step(state, rows, saved)
-  replay_fn: Callable = None  # replay_activations, jitted
-  saved_groups_fn: Callable = None  # _take_saved_groups, jitted
+  saved_groups_fn: Callable = None  # the recording's rows of whole groups, jitted
 
   @property
   def tokenizer(self):
@@ -493,8 +472,8 @@ def build(config, workdir: str, task=None, *, devices=None) -> Experiment:
     # forcing one spec on them would all-gather every recording. The state and the rows arrive
     # committed to state_sh and the batch sharding, as step_fn requires of them.
     exp.replay_step_fn = jax.jit(step, out_shardings=(state_sh, rep), donate_argnums=0)
-    exp.replay_fn = jax.jit(replay_activations)
-    exp.saved_groups_fn = jax.jit(_take_saved_groups)
+    exp.saved_groups_fn = jax.jit(
+        lambda saved, group_idx: jax.tree.map(lambda y_bsf: y_bsf[group_idx], saved))
   return exp
 
 
@@ -626,7 +605,7 @@ def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng, 
   k samples stay together, so the prompt is still computed once); with one minibatch they are
   used as they are, since the order of rows in a single step changes nothing but float rounding.
 
-  saved: the rollout's activations (`replay_activations`, shared-prefix rows). The first step
+  saved: the rollout's recorded activations (`SampleOutput.activations`). The first step
   is the only one taken at the params that sampled the rollout, so it alone replays them
   (`exp.replay_step_fn`); every later step runs its own forward.
   """
@@ -710,9 +689,8 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   rows = dict(inputs, completions=completions_nt, cmask=cmask_nt, old_logp=policy_logp_nt,
               advantages=scored["advantages_bk"].reshape(-1))
   n = b * k
-  saved = (exp.replay_fn(out.activations, layout.shard_batch(batch["prompt_lengths"]))
-           if reuse else None)
-  state, step_metrics = minibatch_updates(exp, exp.step_fn, state, rows, n, rng, saved=saved)
+  state, step_metrics = minibatch_updates(exp, exp.step_fn, state, rows, n, rng,
+                                          saved=out.activations if reuse else None)
   jax.block_until_ready(state.params)
   timings["update_s"] = time.perf_counter() - t0
   state = state.replace(step=state.step + 1)

@@ -50,11 +50,10 @@ def grouped_pair(fns, params, tokens, lengths, out):
   comp = out.tokens_bkt.reshape(b * K, T)
   cmask = out.mask_bkt.reshape(b * K, T)
   inputs = trainer.model_inputs(tokens, lengths, comp, cmask, K, True)
-  saved = trainer.replay_activations(out.activations, jnp.asarray(lengths))
   args = (inputs['prompt_tokens'], inputs['prompt_positions'], inputs['prompt_mask'], comp,
           inputs['completion_positions'], cmask)
   return (lambda prm: fns.grouped(prm, *args),
-          lambda prm: fns.grouped(prm, *args, saved=saved), np.asarray(cmask))
+          lambda prm: fns.grouped(prm, *args, saved=out.activations), np.asarray(cmask))
 
 
 def assert_same_logits_and_grads(fns, params, tokens, lengths, out):
@@ -85,9 +84,11 @@ def test_replayed_forward_equals_recomputed(family, p):
   eos = int(probe.tokens_bkt[0, 1, 1])
   tokens, lengths, out = rollout(fns, params, p, eos_id=eos)
   assert int(out.lengths_bk[0, 1]) == 2 and int(out.lengths_bk.max()) == T
-  prompt, completion = out.activations
-  assert len(prompt) == config.num_layers and set(prompt[0]) == set(completion[0])
-  assert completion[0]['qkv'].shape[:3] == (B, K, T - 1)
+  widths = dict(transformer.activation_layout(config))
+  assert widths['qkv'] == (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+  shapes = [[y.shape for y in layer] for layer in out.activations]
+  assert shapes == [[(B, p + (T - 1) * K, w) for w in widths.values()]] * config.num_layers
+  assert sum(widths.values()) * config.num_layers == transformer.activation_width(config)
   assert_same_logits_and_grads(fns, params, tokens, lengths, out)
 
 
@@ -104,7 +105,8 @@ def test_replay_after_the_decode_loop_stopped_early():
   stop = next(t for t in range(1, T - 1) if first[t] not in first[:t])
   tokens, lengths, out = greedy(eos_id=int(first[stop]))
   assert np.all(np.asarray(out.lengths_bk) == stop + 1)
-  assert not np.any(np.asarray(out.activations[1][0]['down'])[:, :, stop:])  # never written
+  for y in jax.tree.leaves(out.activations):
+    assert not np.any(np.asarray(y)[:, 6 + stop * K:])  # rows never written
   assert_same_logits_and_grads(fns, params, tokens, lengths, out)
 
 

@@ -14,11 +14,12 @@ def head_major(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt):
   f32 = jnp.float32
   scale = 1.0 / math.sqrt(d)
   q_p = jnp.transpose(q_bshgd[:, :p], (0, 2, 3, 1, 4))
-  q_c = jnp.transpose(q_bshgd[:, p:].reshape(b, m, t, h, g, d), (0, 3, 1, 4, 2, 5))
+  # Completion rows are token-major (row P + i*M + j: token i of completion j).
+  q_c = jnp.transpose(q_bshgd[:, p:].reshape(b, t, m, h, g, d), (0, 3, 2, 4, 1, 5))
   kt_p = jnp.transpose(k_bshd[:, :p], (0, 2, 3, 1))
-  kt_c = jnp.transpose(k_bshd[:, p:].reshape(b, m, t, h, d), (0, 3, 1, 4, 2))
+  kt_c = jnp.transpose(k_bshd[:, p:].reshape(b, t, m, h, d), (0, 3, 2, 4, 1))
   v_p = jnp.transpose(v_bshd[:, :p], (0, 2, 1, 3))
-  v_c = jnp.transpose(v_bshd[:, p:].reshape(b, m, t, h, d), (0, 3, 1, 2, 4))
+  v_c = jnp.transpose(v_bshd[:, p:].reshape(b, t, m, h, d), (0, 3, 2, 1, 4))
   s_pp = jnp.einsum('bhgsd,bhdt->bhgst', q_p, kt_p, preferred_element_type=f32) * scale
   causal_pp = jnp.arange(p)[:, None] >= jnp.arange(p)[None, :]
   mask_pp = causal_pp[None, None, None] & prompt_mask_bp.astype(bool)[:, None, None, None, :]
@@ -35,7 +36,7 @@ def head_major(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt):
   probs = transformer._softmax_f32(scores, mask).astype(v_bshd.dtype)
   out_c = (jnp.einsum('bhmgtp,bhpd->bhmgtd', probs[..., :p], v_p)
            + jnp.einsum('bhmgts,bhmsd->bhmgtd', probs[..., p:], v_c))
-  out_c = jnp.transpose(out_c, (0, 2, 4, 1, 3, 5)).reshape(b, m * t, h, g, d)
+  out_c = jnp.transpose(out_c, (0, 4, 2, 1, 3, 5)).reshape(b, t * m, h, g, d)
   return jnp.concatenate([jnp.transpose(out_p, (0, 3, 1, 2, 4)), out_c], axis=1)
 
 
