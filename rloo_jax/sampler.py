@@ -49,7 +49,9 @@ class SampleOutput:
   # record=True)`, a pytree), each [B, P + (T-1)*K, F] in the rows of `Transformer.grouped`: the
   # prompt left-padded (`left_pad_index`), then completion tokens 0..T-2 (the ones a scoring
   # forward feeds) token-major, row P + t*K + j for token t of stream j. Rows the loop never
-  # reached (every stream done) are zeros. Otherwise None.
+  # reached (every stream done) hold zeros, or the values of the reused `activations_buffer`:
+  # finite, and masked wherever they are read (their tokens come after every stream's EOS).
+  # Otherwise None.
   activations: Any = None
 
 
@@ -203,9 +205,10 @@ def _prompt_inputs(prompt_tokens_xp, lengths_x):
 
 
 def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode,
-             record=False):
+             record=False, buffers=None):
   """Returns (first-step logits [B, K, V], model state for the decode loop); with record
-  (mode 'shared'), also the activations buffers (`SampleOutput.activations`) to fill."""
+  (mode 'shared'), also the activations buffers (`SampleOutput.activations`) to fill: `buffers`
+  (a previous rollout's, donated) written over in place, or new zero-filled ones."""
   num_prompts = prompt_tokens_bp.shape[0]
   if mode == 'shared':
     positions_bp, mask_bp = _prompt_inputs(prompt_tokens_bp, lengths_b)
@@ -217,12 +220,26 @@ def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mod
     if not record:
       return first_bkv, cache
     idx_bp1 = left_pad_index(lengths_b, prompt_tokens_bp.shape[1])[:, :, None]
+    prompt = jax.tree.map(lambda y_bpf: jnp.take_along_axis(y_bpf, idx_bp1, axis=1), recorded[0])
+    if buffers is not None:
+      rows = prompt_tokens_bp.shape[1] + (max_new_tokens - 1) * k
+      want = [(num_prompts, rows, y.shape[-1]) for y in jax.tree.leaves(prompt)]
+      got = [tuple(b.shape) for b in jax.tree.leaves(buffers)]
+      if got != want:
+        raise ValueError(f'sample: activations_buffer has shapes {got}; this rollout records '
+                         f'{want}: pass the activations of a rollout with the same batch, prompt '
+                         f'width, k and max_new_tokens, or None')
+      # Only the prompt rows are written here and the loop writes the rest: no pass over the
+      # whole recording to fill it (XLA:CPU fills at a few GB/s).
+      return first_bkv, cache, jax.tree.map(
+          lambda buf, y_bpf: jax.lax.dynamic_update_slice_in_dim(buf, y_bpf, 0, axis=1),
+          buffers, prompt)
 
     def buffer(y_bpf):
       rows = jnp.zeros((num_prompts, (max_new_tokens - 1) * k, y_bpf.shape[-1]), y_bpf.dtype)
-      return jnp.concatenate([jnp.take_along_axis(y_bpf, idx_bp1, axis=1), rows], axis=1)
+      return jnp.concatenate([y_bpf, rows], axis=1)
 
-    return first_bkv, cache, jax.tree.map(buffer, recorded[0])
+    return first_bkv, cache, jax.tree.map(buffer, prompt)
 
   tokens_np = jnp.repeat(prompt_tokens_bp, k, axis=0)  # row n = b * k + j
   lengths_n = jnp.repeat(lengths_b, k, axis=0)
@@ -326,11 +343,14 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 
 
 # eos_id and pad_id are traced, not static: a new end token must not recompile the sampler.
+# `buffers` (a previous rollout's activations, or None) is donated: the recording is written
+# over it in place.
 @functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
                                              'batch_sharding', 'noise_budget_bytes',
-                                             'record_activations'))
-def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *, k,
-           max_new_tokens, method, mode, batch_sharding=None,
+                                             'record_activations'),
+                   donate_argnames=('buffers',))
+def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, buffers=None, *,
+           k, max_new_tokens, method, mode, batch_sharding=None,
            noise_budget_bytes=NOISE_BUDGET_BYTES, record_activations=False) -> SamplingState:
   """Prefill, then draw the first token of every stream from the logits at position len - 1."""
   prompt_tokens_bp = _shard_rows(prompt_tokens_bp, 0, batch_sharding)
@@ -338,7 +358,7 @@ def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id,
   num_prompts = prompt_tokens_bp.shape[0]
   first_bkv, cache, *activations = _prefill(
       fns, params, prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens,
-      mode=mode, record=record_activations)
+      mode=mode, record=record_activations, buffers=buffers)
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
   keys_bk = _stream_keys(rng, num_prompts, k)
   vocab = first_bkv.shape[-1]
@@ -462,7 +482,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
            method: sampling.Method, eos_id: int, pad_id: int, mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
            noise_budget_bytes: int = NOISE_BUDGET_BYTES,
-           record_activations: bool = False) -> SampleOutput:
+           record_activations: bool = False, activations_buffer=None) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -489,6 +509,9 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       (`SampleOutput.activations`, mode 'shared' only: (P + (T-1)*K) * A values per prompt,
       A = `transformer.activation_width`, L * (q + 2 kv + 2E + 2F) for a Llama block). The
       tokens are the same.
+    activations_buffer: a previous call's `activations` of the same shapes, donated (unusable
+      after this call): the recording is written over it instead of into new zero-filled
+      buffers. Rows this loop does not reach then keep its (finite, masked) values.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -505,9 +528,12 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
   if record_activations and mode != 'shared':
     raise ValueError(f"sample: record_activations needs mode='shared' (the prompt prefilled once "
                      f"per row), got mode={mode!r}")
+  if activations_buffer is not None and not record_activations:
+    raise ValueError('sample: activations_buffer is only used with record_activations=True')
   eos_id, pad_id = jnp.int32(eos_id), jnp.int32(pad_id)
   state = _start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
-                 eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
+                 eos_id, pad_id, activations_buffer,
+                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
                  batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes),
                  record_activations=bool(record_activations))
   state = _decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,

@@ -382,6 +382,9 @@ class Experiment:
   # config.train.reuse_rollout_activations: the first update step replays the rollout's matmuls.
   replay_step_fn: Callable = None  # train_step(state, rows, saved)
   saved_groups_fn: Callable = None  # the recording's rows of whole groups, jitted
+  # Device buffers reused from one iteration to the next (never part of the results): the last
+  # rollout's recorded activations, donated to the next rollout to be written over.
+  workspace: dict = dataclasses.field(default_factory=dict)
 
   @property
   def tokenizer(self):
@@ -564,9 +567,10 @@ def decode_completions(tokenizer, tokens_nt, lengths_n) -> list[str]:
 
 
 def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None,
-            record_activations: bool = False):
+            record_activations: bool = False, activations_buffer=None):
   """Samples k completions per prompt and scores them with the reward functions (host side).
-  record_activations: the sample output also carries the trunk's matmul outputs (`sampler`)."""
+  record_activations: the sample output also carries the trunk's matmul outputs (`sampler`),
+  written over `activations_buffer` (a previous rollout's, donated) when given."""
   c = exp.config
   layout = exp.layout
   if exp.compute_shardings is not None:
@@ -581,7 +585,8 @@ def rollout(exp: Experiment, params, batch: dict, rng, *, k: int, method=None,
                        pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
                        max_seq_len=exp.model_config.max_seq_len,
                        batch_sharding=layout.batch_sharding,
-                       record_activations=record_activations)
+                       record_activations=record_activations,
+                       activations_buffer=activations_buffer)
   b = batch["prompt_tokens"].shape[0]
   tokens_nt = layout.local_rows(out.tokens_bkt).reshape(b * k, -1)
   lengths_n = layout.local_rows(out.lengths_bk).reshape(-1)
@@ -640,7 +645,7 @@ def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng, 
 
 
 def timed_rollout(exp: Experiment, params, batch: dict, rng, *, k: int,
-                  record_activations: bool = False):
+                  record_activations: bool = False, activations_buffer=None):
   """The rollout and its validated rewards, timed: the first half of every on-policy iteration.
 
   Returns (sample output, rewards [B, k] float32, usable mask, number masked as non-finite,
@@ -648,7 +653,8 @@ def timed_rollout(exp: Experiment, params, batch: dict, rng, *, k: int,
   """
   t0 = time.perf_counter()
   out, raw_rewards_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, 0), k=k,
-                                          record_activations=record_activations)
+                                          record_activations=record_activations,
+                                          activations_buffer=activations_buffer)
   jax.block_until_ready(out.tokens_bkt)
   timings = {"rollout_s": time.perf_counter() - t0}
   t0 = time.perf_counter()
@@ -666,7 +672,8 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   rng = jax.random.fold_in(state.rng, step)
   reuse = bool(c.train.reuse_rollout_activations)
   out, rewards_bk, usable_bk, num_nonfinite, parts, timings = timed_rollout(
-      exp, state.params, batch, rng, k=k, record_activations=reuse)
+      exp, state.params, batch, rng, k=k, record_activations=reuse,
+      activations_buffer=exp.workspace.pop("activations", None) if reuse else None)
 
   t0 = time.perf_counter()
   layout = exp.layout
@@ -692,6 +699,8 @@ def rl_iteration(exp: Experiment, state: TrainState, batch: dict):
   state, step_metrics = minibatch_updates(exp, exp.step_fn, state, rows, n, rng,
                                           saved=out.activations if reuse else None)
   jax.block_until_ready(state.params)
+  if reuse:  # read by the replayed step only, which is done: the next rollout writes over it
+    exp.workspace["activations"] = out.activations
   timings["update_s"] = time.perf_counter() - t0
   state = state.replace(step=state.step + 1)
 

@@ -33,14 +33,15 @@ def random_params(config, seed=0, scale=0.3):
 
 
 def rollout(fns, params, p, *, eos_id, method=sampling.Temperature(1.0), record=True, rng=0,
-            lengths=(0, 2, 3)):
+            lengths=(0, 2, 3), activations_buffer=None):
   """Right-padded prompts of p columns (lengths p - lengths) and their sampled completions."""
   lengths = p - np.array(lengths, np.int32)
   tokens = np.random.default_rng(7).integers(3, fns.config.vocab_size,
                                              (len(lengths), p)).astype(np.int32)
   tokens = np.where(np.arange(p)[None] < lengths[:, None], tokens, 0)
   out = sampler.sample(fns, params, tokens, lengths, jax.random.key(rng), k=K, max_new_tokens=T,
-                       method=method, eos_id=eos_id, pad_id=0, record_activations=record)
+                       method=method, eos_id=eos_id, pad_id=0, record_activations=record,
+                       activations_buffer=activations_buffer)
   return tokens, lengths, out
 
 
@@ -108,6 +109,18 @@ def test_replay_after_the_decode_loop_stopped_early():
   for y in jax.tree.leaves(out.activations):
     assert not np.any(np.asarray(y)[:, 6 + stop * K:])  # rows never written
   assert_same_logits_and_grads(fns, params, tokens, lengths, out)
+  # Written over a full-length rollout's buffers (donated), the rows this loop never reaches
+  # keep that rollout's values: still finite, still masked, the same logits and gradients.
+  full = greedy(eos_id=config.vocab_size + 1)[2]
+  tokens, lengths, reused = greedy(eos_id=int(first[stop]), activations_buffer=full.activations)
+  stale = [np.asarray(y)[:, 6 + stop * K:] for y in jax.tree.leaves(reused.activations)]
+  assert all(np.all(np.isfinite(y)) for y in stale) and any(np.any(y) for y in stale)
+  for a, b in zip(jax.tree.leaves(out.activations), jax.tree.leaves(reused.activations)):
+    np.testing.assert_array_equal(np.asarray(b)[:, :6 + stop * K], np.asarray(a)[:, :6 + stop * K])
+  assert_same_logits_and_grads(fns, params, tokens, lengths, reused)
+  with pytest.raises(ValueError, match=r'activations_buffer has shapes .* pass the activations '
+                                       r'of a rollout with the same batch'):
+    rollout(fns, params, 6, eos_id=5, activations_buffer=reused.activations)  # 3 prompts, not 1
 
 
 def test_recording_leaves_the_samples_unchanged():
@@ -151,7 +164,8 @@ def parity_reward(prompts, completions, **fields):
 @pytest.mark.parametrize('minibatches', [1, 2])
 def test_trainer_iteration_with_replay_equals_recomputed(tmp_path, minibatches):
   """One iteration of the smoke config from the same (perturbed) state with the flag on and off:
-  the same loss and gradient norm, and the replayed step did run (once, first)."""
+  the same loss and gradient norm, and the replayed step did run (once, first); the recording
+  is kept for the next rollout to write over."""
   from test_trainer import load_config
   from rloo_jax.data import pipeline
   config = load_config()
@@ -179,6 +193,7 @@ def test_trainer_iteration_with_replay_equals_recomputed(tmp_path, minibatches):
     state, results[reuse] = trainer.rl_iteration(exp, state, batch)
     params_after[reuse] = state.params
     assert len(calls) == int(reuse)
+    assert ("activations" in exp.workspace) == reuse
   assert results[True]["reward_std"] > 0 and results[True]["grad_norm"] > 1e-3
   for key in ("kl", "advantage_abs_max", "loss", "grad_norm", "entropy"):
     np.testing.assert_allclose(results[True][key], results[False][key], rtol=2e-4, atol=1e-6,
