@@ -23,7 +23,6 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -34,27 +33,14 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
 
-from rloo_jax import loss, tasks, trainer  # noqa: E402
-from rloo_jax.config_utils import base_config  # noqa: E402
+from rloo_jax import loss, trainer  # noqa: E402
 from rloo_jax.data import pipeline  # noqa: E402
 
 
 def workload(hidden, layers):
   """bench_step.py's configuration; returns (closures of the three programs, their arguments)."""
-  c = base_config()
-  c.task = "bench"
-  c.model.update(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=4,
-                 head_dim=hidden // 4, intermediate_size=4 * hidden, max_seq_len=48)
-  c.data.max_prompt_len = 16
-  c.rloo.update(k=4, num_prompts=8, max_new_tokens=32)
-  c.kl.beta = 0.05
-  c.train.update(num_epochs=1, num_minibatches=1)
-  c.rewards.fns = [bench_step.synthetic_reward]
-  c.rewards.weights = [1.0]
-  tok = bench_step.IdTokenizer(256)
-  task = tasks.Task("bench", tok, bench_step.random_prompts(512, 16, 256, 0), [])
-  exp = trainer.build(c, tempfile.mkdtemp(), task=task)
-  state = trainer.init_state(exp, trainer.transformer.create(exp.model_config, seed=0)[1])
+  exp, state, task = bench_step.default_workload(hidden, layers)
+  c, tok = exp.config, exp.tokenizer
   batch = next(pipeline.prompt_batches(task.train, tok, global_batch_size=8, max_prompt_len=16,
                                        add_bos=False))
   k, b = 4, 8

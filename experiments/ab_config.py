@@ -18,15 +18,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
 
-from rloo_jax import tasks, trainer  # noqa: E402
-from rloo_jax.config_utils import base_config  # noqa: E402
+from rloo_jax import trainer  # noqa: E402
 from rloo_jax.data import pipeline  # noqa: E402
 
 PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
@@ -34,22 +32,8 @@ PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
 
 def side(hidden, layers, flag, value):
   """(experiment, state, batches) of bench_step's workload with config.train.<flag> = value."""
-  c = base_config()
-  c.task = "bench"
-  c.model.update(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=4,
-                 head_dim=hidden // 4, intermediate_size=4 * hidden, max_seq_len=48)
-  c.data.max_prompt_len = 16
-  c.rloo.update(k=4, num_prompts=8, max_new_tokens=32)
-  c.kl.beta = 0.05
-  c.train.update(num_epochs=1, num_minibatches=1)
-  c.train[flag] = value
-  c.rewards.fns = [bench_step.synthetic_reward]
-  c.rewards.weights = [1.0]
-  tok = bench_step.IdTokenizer(256)
-  task = tasks.Task("bench", tok, bench_step.random_prompts(512, 16, 256, 0), [])
-  exp = trainer.build(c, tempfile.mkdtemp(), task=task)
-  state = trainer.init_state(exp, trainer.transformer.create(exp.model_config, seed=0)[1])
-  return [exp, state, pipeline.prompt_batches(task.train, tok, global_batch_size=8,
+  exp, state, task = bench_step.default_workload(hidden, layers, **{flag: value})
+  return [exp, state, pipeline.prompt_batches(task.train, exp.tokenizer, global_batch_size=8,
                                               max_prompt_len=16, add_bos=False)]
 
 

@@ -14,9 +14,7 @@ rollout's trunk matmul outputs, so its forward runs no trunk matmul and is not c
 """
 import argparse
 import json
-import os
 import tempfile
-import time
 
 import numpy as np
 
@@ -84,6 +82,26 @@ def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, share
   forward = trunk_matmuls + attention + 2 * head * n * new_tokens
   return {"rollout": rollout, "reference": forward,
           "update": 3 * forward - (trunk_matmuls if reuse else 0)}
+
+
+def default_workload(hidden, layers, **train):
+  """(experiment, initial state, task) of the TRL comparison's workload at its defaults (4 heads,
+  vocab 256, 8 prompts of 16 tokens, k = 4, 32 new tokens, one gradient step), with
+  `config.train` overrides: the set-up the in-process A/B scripts share."""
+  c = base_config()
+  c.task = "bench"
+  c.model.update(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=4,
+                 head_dim=hidden // 4, intermediate_size=4 * hidden, max_seq_len=48)
+  c.data.max_prompt_len = 16
+  c.rloo.update(k=4, num_prompts=8, max_new_tokens=32)
+  c.kl.beta = 0.05
+  c.train.update(num_epochs=1, num_minibatches=1, **train)
+  c.rewards.fns = [synthetic_reward]
+  c.rewards.weights = [1.0]
+  task = tasks.Task("bench", IdTokenizer(256), random_prompts(512, 16, 256, 0), [])
+  exp = trainer.build(c, tempfile.mkdtemp(), task=task)
+  state = trainer.init_state(exp, trainer.transformer.create(exp.model_config, seed=0)[1])
+  return exp, state, task
 
 
 def main():

@@ -27,3 +27,15 @@ def test_ab_compiled_runs_a_variant_and_checks_equal_results():
   assert result["rollout"]["program_changed"] is True
   assert result["forward"]["program_changed"] is False
   assert result["gradient"]["program_changed"] is False
+
+
+def test_ab_config_interleaves_iterations_of_both_settings():
+  out = subprocess.run(
+      [sys.executable, os.path.join(REPO, "experiments", "ab_config.py"),
+       "--flag", "reuse_rollout_activations", "--hidden", "32", "--layers", "1", "--pairs", "2"],
+      check=True, capture_output=True, text=True, cwd=REPO).stdout
+  result = json.loads(out.strip().splitlines()[-1])
+  assert result["flag"] == "reuse_rollout_activations" and result["pairs"] == 2
+  for phase in ("rollout_s", "reference_s", "update_s", "iteration_s"):
+    assert result[phase]["A_s"] > 0 and result[phase]["B_s"] > 0
+    assert result[phase]["median_pair_ratio_B_over_A"] > 0
