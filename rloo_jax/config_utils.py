@@ -86,8 +86,9 @@ def base_config() -> ml_collections.ConfigDict:
       shared_prefix=True,
       # The first update step of each rollout batch is taken at the params that sampled it, so
       # it replays the rollout's prefill/decode matmul outputs instead of recomputing its
-      # forward (same gradient up to float rounding; holds about L * (P + k*T) * (5E + 2F)
-      # activations per prompt until the step). Needs shared_prefix and sampler_mode='shared'.
+      # forward (same gradient up to float rounding; holds (P + k*(T-1)) *
+      # transformer.activation_width(model) values per prompt until the step, about the
+      # update's own activation memory). Needs shared_prefix and sampler_mode='shared'.
       reuse_rollout_activations=True,
       log_every=1, eval_every=25, eval_prompts=256, eval_batch_size=128,
       checkpoint_every=25, keep_checkpoints=3, progress_bar=True))

@@ -617,9 +617,6 @@ def minibatch_updates(exp: Experiment, step_fn, state, rows: dict, n: int, rng, 
   c = exp.config.train
   step_metrics = []
   grouped = "prompt_tokens" in rows
-  if saved is not None and not grouped:
-    raise ValueError("replayed activations need the shared-prefix rows "
-                     "(config.train.shared_prefix=True)")
   units = rows["prompt_tokens"].shape[0] if grouped else n  # what is shuffled: groups or rows
   mb = units // c.num_minibatches
   take = ((lambda idx: exp.groups_fn(rows, idx, n // units)) if grouped

@@ -661,7 +661,7 @@ class Transformer(nnx.Module):
     Prompts must be left-padded (their last token in column P - 1), as `rollout_sequences` does.
     Rows are laid out per prompt, [B, P + (T-1)*M], so a batch sharding over B holds throughout;
     the completions token-major: row P + i*M + j holds token i of sample j, so the M tokens of
-    one decode step are adjacent (`grouped_rows` says so to the sampler).
+    one decode step are adjacent (the sampler records in this layout).
 
     saved: the trunk's matmul outputs recorded in these rows, [B, P + (T-1)*M, F] each, while
     these tokens were sampled with these params (the sampler's `activations`: one tuple per
