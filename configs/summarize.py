@@ -1,6 +1,7 @@
 r"""TL;DR in miniature: SFT -> preference pairs -> reward model -> RLOO, judged by a hidden gold reward.
 
-The embedded summarisation task (`rloo_jax.data.summarize`): a prompt is a short bag-of-words
+The embedded summarisation task (`rloo_jax.data.summarize`; its gold reward is
+`rloo_jax.rewards.summarize_gold`): a prompt is a short bag-of-words
 "document", a good completion lists its key words once, in order. A small Llama-shaped policy is
 fine-tuned on imperfect human-style summaries: a systematic habit (70% open with the filler word
 "the", so even the SFT policy's greedy summaries carry it) plus random slips. Its samples, labelled
@@ -43,13 +44,13 @@ def get_config(arg=None):
                  eval_batch_size=128, checkpoint_every=20)
   # `python -m rloo_jax.train` on this config optimises the gold reward itself; the RLHF pipeline
   # replaces this entry with the learned reward model's scorer.
-  c.rewards.fns = ["rloo_jax.data.summarize:gold_reward"]
+  c.rewards.fns = ["rloo_jax.rewards.summarize_gold:gold_reward"]
   c.rewards.weights = [1.0]
 
-  # The RLHF stages between SFT and RLOO (read by rloo_jax.rlhf only).
+  # The RLHF stages between SFT and RLOO (read by rloo_jax.rlhf, and by DPO with dpo.pairs='rlhf').
   c.rlhf = ml_collections.ConfigDict(dict(
       # The hidden labeller: judges pairs and the final evaluation, never seen by the policy.
-      gold_reward="rloo_jax.data.summarize:gold_reward",
+      gold_reward="rloo_jax.rewards.summarize_gold:gold_reward",
       # Preference pairs: two distinct SFT samples per training prompt, labelled by the gold
       # reward with Bradley-Terry noise P(a > b) = sigmoid((gold_a - gold_b) / bt_temperature).
       # Up to pairs_per_prompt disjoint pairs of distinct samples per prompt.

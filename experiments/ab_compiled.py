@@ -33,41 +33,41 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
 
-from rloo_jax import loss, trainer  # noqa: E402
-from rloo_jax.data import pipeline  # noqa: E402
+from rloo_jax import loss, rollout, sampler  # noqa: E402
 
 
 def workload(hidden, layers):
   """bench_step.py's configuration; returns (closures of the three programs, their arguments)."""
-  exp, state, task = bench_step.default_workload(hidden, layers)
-  c, tok = exp.config, exp.tokenizer
-  batch = next(pipeline.prompt_batches(task.train, tok, global_batch_size=8, max_prompt_len=16,
-                                       add_bos=False))
+  algo, state, task = bench_step.default_workload(hidden, layers)
+  exp = algo.exp
+  c = exp.config
+  batch = next(bench_step.prompt_batches(task, 8, 16))
   k, b = 4, 8
-  out = trainer.sampler.sample(exp.fns, state.params, batch["prompt_tokens"],
-                               batch["prompt_lengths"], jax.random.PRNGKey(0), k=k,
-                               max_new_tokens=32, method=exp.method, eos_id=2, pad_id=0,
-                               mode=c.rloo.sampler_mode, max_seq_len=48)
-  comp = out.tokens_bkt.reshape(b * k, -1)
-  cmask = out.mask_bkt.reshape(b * k, -1)
-  inputs = exp.inputs_fn(batch["prompt_tokens"], batch["prompt_lengths"], comp, cmask, k=k)
-  rows = dict(inputs, completions=comp, cmask=cmask,
-              old_logp=out.policy_logprobs_bkt.reshape(b * k, -1),
-              advantages=jnp.asarray(np.random.default_rng(0).standard_normal(b * k), jnp.float32))
-  spec = trainer.LossSpec()
+
+  def rollout_fn(params, prompt_tokens, prompt_lengths, rng):
+    return sampler.sample(exp.fns, params, prompt_tokens, prompt_lengths, rng, k=k,
+                          max_new_tokens=32, method=exp.method, eos_id=2, pad_id=0,
+                          mode=c.rloo.sampler_mode, max_seq_len=48)
+
+  out = rollout_fn(state.params, batch["prompt_tokens"], batch["prompt_lengths"],
+                   jax.random.PRNGKey(0))
+  # The rows the update trains on (grouped: config.train.shared_prefix, the default).
+  rows = rollout.make_rows(batch["prompt_tokens"], batch["prompt_lengths"],
+                           out.tokens_bkt.reshape(b * k, -1), out.mask_bkt.reshape(b * k, -1),
+                           out.policy_logprobs_bkt.reshape(b * k, -1), k=k,
+                           shared_prefix=bool(c.train.shared_prefix))
+  rows = rows.replace(advantages_n=jnp.asarray(np.random.default_rng(0).standard_normal(b * k),
+                                               jnp.float32))
+  spec = loss.LossSpec()
 
   def loss_fn(params):
-    logits = trainer.rows_logits(exp.fns, params, rows, 16)
-    logp = loss.token_logprobs(logits, rows["completions"], rows["cmask"])
-    return trainer.policy_loss(spec, logp, rows["old_logp"], rows["cmask"], rows["advantages"],
-                               logits)[0]
+    logits = rows.logits(exp.fns, params)
+    logp = loss.token_logprobs(logits, rows.completions_nt, rows.cmask_nt)
+    return loss.policy_loss(spec, logp, rows.old_logp_nt, rows.cmask_nt, rows.advantages_n,
+                            logits)[0]
 
-  def rollout(params, prompt_tokens, prompt_lengths, rng):
-    return trainer.sampler.sample(exp.fns, params, prompt_tokens, prompt_lengths, rng, k=k,
-                                  max_new_tokens=32, method=exp.method, eos_id=2, pad_id=0,
-                                  mode=c.rloo.sampler_mode, max_seq_len=48).tokens_bkt
-
-  programs = {"rollout": rollout, "forward": loss_fn, "gradient": jax.grad(loss_fn)}
+  programs = {"rollout": lambda *a: rollout_fn(*a).tokens_bkt, "forward": loss_fn,
+              "gradient": jax.grad(loss_fn)}
   args = {"rollout": (state.params, batch["prompt_tokens"], batch["prompt_lengths"],
                       jax.random.PRNGKey(1)),
           "forward": (state.params,), "gradient": (state.params,)}

@@ -9,10 +9,13 @@ argument), so this A/B does not fall into the memoised-`model_fns` pitfall that 
 avoids for module-level switches.
 
 Prints one JSON line: for each phase (rollout, reference, update, iteration) the medians of A and
-B and the median of the per-pair ratios B / A.
+B and the median of the per-pair ratios B / A; and `first_iteration`, each side's reward, KL and
+loss on its first iteration. Both sides start from the same weights, prompts and random numbers,
+so a flag that only changes how the same quantities are computed (shared_prefix) must give the
+same first iteration up to float rounding.
 
-    python experiments/ab_config.py --flag reuse_rollout_activations
-    python experiments/ab_config.py --flag reuse_rollout_activations --hidden 64 --layers 2
+    python experiments/ab_config.py --flag shared_prefix
+    python experiments/ab_config.py --flag shared_prefix --hidden 64 --layers 2
 """
 import argparse
 import json
@@ -24,22 +27,19 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
 
-from rloo_jax import trainer  # noqa: E402
-from rloo_jax.data import pipeline  # noqa: E402
-
 PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
+FIRST_ITERATION = ("reward_mean", "kl", "loss", "completion_length")
 
 
 def side(hidden, layers, flag, value):
-  """(experiment, state, batches) of bench_step's workload with config.train.<flag> = value."""
-  exp, state, task = bench_step.default_workload(hidden, layers, **{flag: value})
-  return [exp, state, pipeline.prompt_batches(task.train, exp.tokenizer, global_batch_size=8,
-                                              max_prompt_len=16, add_bos=False)]
+  """[algorithm, state, batches] of bench_step's workload with config.train.<flag> = value."""
+  algo, state, task = bench_step.default_workload(hidden, layers, **{flag: value})
+  return [algo, state, bench_step.prompt_batches(task, 8, 16)]
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--flag", default="reuse_rollout_activations",
+  p.add_argument("--flag", default="shared_prefix",
                  help="a boolean config.train field: A = False, B = True")
   p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--layers", type=int, default=4)
@@ -49,19 +49,21 @@ def main():
            "B": side(args.hidden, args.layers, args.flag, True)}
 
   def iterate(name):
-    exp, state, data = sides[name]
-    sides[name][1], metrics = trainer.rl_iteration(exp, state, next(data))
+    algo, state, data = sides[name]
+    sides[name][1], metrics = algo.iteration(state, next(data))
     return metrics
 
+  first = {}
   for name in sides:  # compile and warm up
-    iterate(name)
+    m = iterate(name)
+    first[name] = {key: float(m[key]) for key in FIRST_ITERATION}
     iterate(name)
   rows = {"A": [], "B": []}
   for i in range(args.pairs):
     for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
       rows[name].append(iterate(name))
   result = {"flag": args.flag, "A": False, "B": True, "hidden": args.hidden,
-            "layers": args.layers, "pairs": args.pairs}
+            "layers": args.layers, "pairs": args.pairs, "first_iteration": first}
   for k in PHASES:
     a = np.array([m[k] for m in rows["A"]])
     b = np.array([m[k] for m in rows["B"]])

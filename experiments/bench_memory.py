@@ -2,11 +2,12 @@ r"""Per-device memory of the sharded train state and of the compiled update step
 
     python experiments/bench_memory.py            # 8 simulated CPU devices; prints one JSON line
 
-For each mesh (data = 8 / fsdp, fsdp, tensor = 1) it builds the trainer on a model whose dims
+For each mesh (data = 8 / fsdp, fsdp, tensor = 1) it builds the RLOO experiment on a model whose dims
 divide by 8, takes the train state's shardings (nothing is allocated: abstract arrays only), and
 reports per device: parameter + optimizer-state bytes (the target is 1/fsdp of the total, within
 10%), the frozen reference's bytes, and the compiled `train_step`'s memory analysis (peak temporary
-bytes, arguments, outputs) from `jit(...).lower(...).compile().memory_analysis()`.
+bytes, arguments, outputs) from `jit(...).lower(...).compile().memory_analysis()`, for the rows
+the configured layout trains on (`rollout.make_rows`: grouped rows with config.train.shared_prefix).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rloo_jax import sharding, trainer  # noqa: E402
+from rloo_jax import experiment, rollout, sharding  # noqa: E402
+from rloo_jax.algorithms.rloo import RLOO  # noqa: E402
 from rloo_jax.config_utils import base_config  # noqa: E402
 
 MODEL = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=64,
@@ -43,25 +45,28 @@ def config_for(fsdp: int):
   return c
 
 
-def abstract_rows(exp, rows: int):
+def abstract_rows(exp, prompts: int):
+  """ShapeDtypeStructs of the update's rows for `prompts` prompts (k samples each), in the layout
+  the config trains on: `rollout.make_rows` traced, nothing computed."""
   c = exp.config
-  s, t = c.data.max_prompt_len + c.rloo.max_new_tokens, c.rloo.max_new_tokens
-  sh = exp.layout.batch_sharding
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-  return dict(tokens=spec((rows, s), jnp.int32), positions=spec((rows, s), jnp.int32),
-              mask=spec((rows, s), jnp.bool_), completions=spec((rows, t), jnp.int32),
-              cmask=spec((rows, t), jnp.bool_), old_logp=spec((rows, t), jnp.float32),
-              advantages=spec((rows,), jnp.float32))
+  k, p, t = c.rloo.k, c.data.max_prompt_len, c.rloo.max_new_tokens
+  n = prompts * k
+  spec = jax.ShapeDtypeStruct
+  return jax.eval_shape(
+      lambda *a: rollout.make_rows(*a, k=k, shared_prefix=bool(c.train.shared_prefix)),
+      spec((prompts, p), jnp.int32), spec((prompts,), jnp.int32), spec((n, t), jnp.int32),
+      spec((n, t), jnp.bool_), spec((n, t), jnp.float32))
 
 
 def measure(fsdp: int, workdir: str, task=None) -> tuple[dict, object]:
-  exp = trainer.build(config_for(fsdp), workdir, task=task)
-  state = trainer.abstract_state(exp)
+  exp = experiment.build(config_for(fsdp), workdir, task=task)
+  algo = RLOO(exp)
+  state = algo.abstract_state()
   total = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
   params_opt = sharding.per_device_bytes((state.params, state.opt_state))
   full = total((state.params, state.opt_state))
-  rows = NUM_PROMPTS * K // exp.config.train.num_minibatches
-  compiled = exp.step_fn.lower(state, abstract_rows(exp, rows)).compile()
+  prompts = NUM_PROMPTS // exp.config.train.num_minibatches
+  compiled = algo.step_fn.lower(state, abstract_rows(exp, prompts)).compile()
   mem = compiled.memory_analysis()
   row = dict(
       mesh=dict(exp.layout.mesh.shape), fsdp=fsdp,
@@ -73,19 +78,19 @@ def measure(fsdp: int, workdir: str, task=None) -> tuple[dict, object]:
       step_argument_bytes=int(mem.argument_size_in_bytes),
       step_output_bytes=int(mem.output_size_in_bytes),
       step_alias_bytes=int(mem.alias_size_in_bytes))
-  return row, exp.task
+  return row, exp
 
 
 def main():
-  rows, task = [], None
+  rows, exp = [], None
   with tempfile.TemporaryDirectory() as workdir:
     for fsdp in (1, 2, 4, 8):
-      row, task = measure(fsdp, workdir, task)
+      row, exp = measure(fsdp, workdir, exp and exp.task)
       rows.append(row)
-  exp_cfg = trainer.model_config(config_for(1), task.tokenizer.vocab_size)
+  vocab = exp.tokenizer.vocab_size
   print(json.dumps(dict(
       bench="memory", devices=jax.device_count(), platform=jax.devices()[0].platform,
-      model=dict(MODEL, vocab_size=task.tokenizer.vocab_size, num_params=exp_cfg.num_params),
+      model=dict(MODEL, vocab_size=vocab, num_params=exp.model_config.num_params),
       rollout_rows=NUM_PROMPTS * K, results=rows)))
 
 

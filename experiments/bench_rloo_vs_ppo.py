@@ -4,8 +4,9 @@ Prints ONE JSON line (and writes it to --out) with
   memory      bytes of the persistent training state (params of every model held + optimizer
               state) and of each compiled executable (XLA memory_analysis: arguments, outputs,
               temporaries), for RLOO and for PPO at the same model and rollout batch; the peak
-              estimate is state + the largest executable's temporaries. The seed claims RLOO needs
-              ~50% less memory.
+              estimate is state + the largest executable's temporaries. Each trains on its own
+              rows (RLOO: grouped with config.train.shared_prefix; PPO: full rows). The seed
+              claims RLOO needs ~50% less memory.
   speed       median seconds per full iteration (rollout -> rewards -> reference [+ critic] ->
               update), iterations interleaved so machine load hits both alike. Claim: 1.4x faster.
   variance    total variance (trace of covariance) of the RLOO policy-gradient estimate of one
@@ -32,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import loss, ppo, sampler, trainer
-from rloo_jax.data import pipeline
+from rloo_jax import advantage, algorithms, loop, loss, policy_init, rollout, sampler
 from rloo_jax.models import transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +46,12 @@ def load_config():
   return m.get_config(None)
 
 
+def with_algorithm(config, name: str):
+  c = copy.deepcopy(config)
+  c.algorithm = name
+  return c
+
+
 def tree_bytes(tree) -> int:
   return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
@@ -56,38 +62,39 @@ def memory_of(jitted, *args) -> dict:
               temp=int(m.temp_size_in_bytes), alias=int(m.alias_size_in_bytes))
 
 
-def abstract_rows(n, p, t, *, ppo_rows: bool):
+def abstract_rollout(b, k, p, t):
+  """The rollout's outputs the rows are made of: prompts [B, P], lengths [B], completions, their
+  mask and log-probs [N, T] (N = B * k)."""
   s = jax.ShapeDtypeStruct
-  rows = dict(tokens=s((n, p + t), jnp.int32), positions=s((n, p + t), jnp.int32),
-              mask=s((n, p + t), bool), completions=s((n, t), jnp.int32),
-              old_logp=s((n, t), jnp.float32))
-  if ppo_rows:
-    rows.update(loss_mask=s((n, t), bool), advantages=s((n, t), jnp.float32),
-                returns=s((n, t), jnp.float32), old_values=s((n, t), jnp.float32))
-  else:
-    rows.update(cmask=s((n, t), bool), advantages=s((n,), jnp.float32))
-  return rows
+  n = b * k
+  return (s((b, p), jnp.int32), s((b,), jnp.int32), s((n, t), jnp.int32), s((n, t), jnp.bool_),
+          s((n, t), jnp.float32))
 
 
-def measure_memory(exp, pexp, n, p, t):
-  rloo_state = trainer.abstract_state(exp)
-  ppo_state = ppo.abstract_state(pexp)
+def measure_memory(rloo, ppo, n, p, t):
+  """Each algorithm's state and compiled scoring / update programs, on the rows each trains on
+  (`rollout.make_rows` traced with its own layout; PPO's GAE targets from its own score_fn)."""
+  k = rloo.exp.config.rloo.k
+  b = n // k
   s = jax.ShapeDtypeStruct
-  common = (s((n, p + t), jnp.int32), s((n, p + t), jnp.int32), s((n, p + t), bool),
-            s((n, t), jnp.int32), s((n, t), bool), s((n, t), jnp.float32))
-  b, k = n // exp.config.rloo.k, exp.config.rloo.k
+  rloo_state, ppo_state = rloo.abstract_state(), ppo.abstract_state()
+  inputs = abstract_rollout(b, k, p, t)
+  rloo_rows = jax.eval_shape(lambda *a: rollout.make_rows(
+      *a, k=k, shared_prefix=bool(rloo.exp.config.train.shared_prefix)), *inputs)
+  seq_rows = jax.eval_shape(lambda *a: rollout.make_rows(*a, k=k, shared_prefix=False), *inputs)
+  ppo_score_args = (ppo_state.ref_params, ppo_state.value_params, seq_rows, s((n,), jnp.float32),
+                    s((n,), jnp.bool_))
+  ppo_rows = jax.eval_shape(ppo.score_fn, *ppo_score_args)[0]
   out = {}
   out["rloo"] = dict(
       state_bytes=tree_bytes(rloo_state),
-      train_step=memory_of(exp.step_fn, rloo_state, abstract_rows(n, p, t, ppo_rows=False)),
-      score=memory_of(exp.score_fn, rloo_state.ref_params, rloo_state.adv_state,
-                      dict(tokens=common[0], positions=common[1], mask=common[2]), *common[3:],
-                      s((b, k), jnp.float32), s((b, k), bool)))
+      train_step=memory_of(rloo.step_fn, rloo_state, rloo_rows),
+      score=memory_of(rloo.score_fn, rloo_state.ref_params, rloo_state.adv_state, rloo_rows,
+                      s((b, k), jnp.float32), s((b, k), jnp.bool_)))
   out["ppo"] = dict(
       state_bytes=tree_bytes(ppo_state),
-      train_step=memory_of(pexp.step_fn, ppo_state, abstract_rows(n, p, t, ppo_rows=True)),
-      score=memory_of(pexp.score_fn, ppo_state.ref_params, ppo_state.value_params, *common,
-                      s((n,), jnp.float32), s((n,), bool)))
+      train_step=memory_of(ppo.step_fn, ppo_state, ppo_rows),
+      score=memory_of(ppo.score_fn, *ppo_score_args))
   policy = tree_bytes(rloo_state.params)
   for name, m in out.items():
     m["peak_estimate_bytes"] = m["state_bytes"] + max(m["train_step"]["temp"], m["score"]["temp"])
@@ -100,21 +107,21 @@ def measure_memory(exp, pexp, n, p, t):
   return out
 
 
-def time_iterations(exp, pexp, params, data, iterations: int):
-  rstate = trainer.init_state(exp, jax.tree.map(jnp.copy, params))
-  pstate = ppo.init_state(pexp, jax.tree.map(jnp.copy, params))
+def time_iterations(rloo, ppo, params, data, iterations: int):
+  states = {"rloo": rloo.init_state(jax.tree.map(jnp.copy, params)),
+            "ppo": ppo.init_state(jax.tree.map(jnp.copy, params))}
+  algos = {"rloo": rloo, "ppo": ppo}
   times = {"rloo": [], "ppo": []}
-  for i in range(iterations + 1):  # the first (compiling) iteration is dropped
+  # The first two iterations are dropped: they compile (PPO's second iteration compiles its
+  # rollout and scoring again, for the state as its update step returns it).
+  warmup = 2
+  for i in range(iterations + warmup):
     batch = next(data)
     for name in ("rloo", "ppo") if i % 2 == 0 else ("ppo", "rloo"):
       t0 = time.perf_counter()
-      if name == "rloo":
-        rstate, m = trainer.rl_iteration(exp, rstate, batch)
-        jax.block_until_ready(rstate.params)
-      else:
-        pstate, m = ppo.ppo_iteration(pexp, pstate, batch)
-        jax.block_until_ready(pstate.params)
-      if i:
+      states[name], _ = algos[name].iteration(states[name], batch)
+      jax.block_until_ready(states[name].params)
+      if i >= warmup:
         times[name].append(time.perf_counter() - t0)
   med = {k: statistics.median(v) for k, v in times.items()}
   return dict(rloo_s=med["rloo"], ppo_s=med["ppo"], ppo_over_rloo=round(med["ppo"] / med["rloo"], 3),
@@ -123,17 +130,11 @@ def time_iterations(exp, pexp, params, data, iterations: int):
 
 def gradient_variance(exp, params, batch, repeats: int, ks=(2, 4)):
   """Trace of the covariance of the RLOO gradient estimate for one fixed prompt batch."""
-  c = exp.config
-  p = c.data.max_prompt_len
 
   def grad_fn(params, rows):
-    t = rows["completions"].shape[1]
-
     def f(params):
-      logits = trainer.completion_logits(exp.fns, params, rows["tokens"], rows["positions"],
-                                         rows["mask"], p, t)
-      logp = loss.token_logprobs(logits, rows["completions"], rows["cmask"])
-      return loss.reinforce_loss(logp, rows["cmask"], rows["advantages"])[0]
+      logp = loss.token_logprobs(rows.logits(exp.fns, params), rows.completions_nt, rows.cmask_nt)
+      return loss.reinforce_loss(logp, rows.cmask_nt, rows.advantages_n)[0]
 
     g = jax.grad(f)(params)
     return jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(g)])
@@ -141,22 +142,19 @@ def gradient_variance(exp, params, batch, repeats: int, ks=(2, 4)):
   grad_fn = jax.jit(grad_fn)
   out = {}
   for k in ks:
-    cfg = copy.deepcopy(c)
-    cfg.rloo.k = k
     grads = []
     for r in range(repeats):
-      o, rewards_bk, _, _ = trainer.rollout(exp, params, batch, jax.random.PRNGKey(1000 * k + r), k=k)
+      o, rewards_bk, _, _ = rollout.rollout(exp, params, batch, jax.random.PRNGKey(1000 * k + r),
+                                            k=k)
       b = rewards_bk.shape[0]
-      cm = o.mask_bkt.reshape(b * k, -1)
-      toks, pos, mask = exp.sequences_fn(jnp.asarray(batch["prompt_tokens"]),
-                                         jnp.asarray(batch["prompt_lengths"]),
-                                         o.tokens_bkt.reshape(b * k, -1), cm, k=k)
-      from rloo_jax import advantage
+      rows = rollout.make_rows(jnp.asarray(batch["prompt_tokens"]),
+                               jnp.asarray(batch["prompt_lengths"]),
+                               o.tokens_bkt.reshape(b * k, -1), o.mask_bkt.reshape(b * k, -1),
+                               o.policy_logprobs_bkt.reshape(b * k, -1), k=k, shared_prefix=False)
       adv = advantage.get("rloo")(jnp.asarray(np.asarray(rewards_bk, np.float32)))
       # The estimate of the per-prompt mean gradient: mean over the k samples (the loss's mean
       # over rows, times 1 since rows = prompts * k is fixed per k).
-      rows = dict(tokens=toks, positions=pos, mask=mask, completions=o.tokens_bkt.reshape(b * k, -1),
-                  cmask=cm, advantages=adv.reshape(-1))
+      rows = rows.replace(advantages_n=adv.reshape(-1))
       grads.append(np.asarray(grad_fn(params, rows), np.float64))
     g = np.stack(grads)
     var = float(((g - g.mean(0)) ** 2).sum(1).mean() * repeats / (repeats - 1))
@@ -200,26 +198,26 @@ def main():
   logging.set_verbosity(logging.WARNING)
   c = load_config()
   c.rloo.update(k=args.k, num_prompts=args.num_prompts)
-  c.train.update(num_iterations=args.iterations + 1, num_epochs=2, progress_bar=False)
+  c.train.update(num_iterations=args.iterations + 2, num_epochs=2, progress_bar=False)
   os.makedirs(args.workdir, exist_ok=True)
   if args.sft and not os.path.exists(os.path.join(args.workdir, "sft")):
     import shutil
     shutil.copytree(os.path.join(args.sft, "sft"), os.path.join(args.workdir, "sft"))
   t_start = time.time()
-  pexp = ppo.build(c, args.workdir)
-  exp = pexp.exp
+  rloo = algorithms.make(with_algorithm(c, "rloo"), args.workdir)
+  exp = rloo.exp
+  ppo = algorithms.make(with_algorithm(c, "ppo"), args.workdir, task=exp.task)
   if args.sft:
-    params = trainer.initial_params(exp, log=lambda *a: None)
+    params = policy_init.initial_params(exp, log=lambda *a: None)
   else:
     params = transformer.create(exp.model_config, seed=0)[1]
   n, p, t = c.rloo.num_prompts * c.rloo.k, c.data.max_prompt_len, c.rloo.max_new_tokens
   out = dict(config=dict(model=c.model.to_dict(), num_prompts=c.rloo.num_prompts, k=c.rloo.k,
                          max_new_tokens=t, num_epochs=c.train.num_epochs,
                          policy="sft" if args.sft else "random"))
-  out["memory"] = measure_memory(exp, pexp, n, p, t)
-  data = pipeline.prompt_batches(exp.task.train, exp.tokenizer, global_batch_size=c.rloo.num_prompts,
-                                 max_prompt_len=p, seed=0)
-  out["speed"] = time_iterations(exp, pexp, params, data, args.iterations)
+  out["memory"] = measure_memory(rloo, ppo, n, p, t)
+  data = loop.prompt_batches(exp, seed=0)
+  out["speed"] = time_iterations(rloo, ppo, params, data, args.iterations)
   batch = next(data)
   out["prefix"] = prefix_sharing(exp, params, batch, repeats=5)
   if args.sft:

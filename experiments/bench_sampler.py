@@ -92,11 +92,15 @@ def compile_sampler(fns, params, tokens, lengths, rng, *, mode, **kw):
   static = dict(method=kw['method'], mode=mode)
   if 'batch_sharding' in inspect.signature(sampler.sample).parameters:
     static['batch_sharding'] = None
+  start_static = dict(static)
+  if 'noise_budget_bytes' in inspect.signature(sampler.sample).parameters:
+    start_static['noise_budget_bytes'] = int(
+        inspect.signature(sampler.sample).parameters['noise_budget_bytes'].default)
   sampler._start.lower(fns, params, tokens, lengths, rng, eos, pad, k=kw['k'],
-                       max_new_tokens=kw['max_new_tokens'], **static).compile()
+                       max_new_tokens=kw['max_new_tokens'], **start_static).compile()
   state = jax.eval_shape(
       lambda p, t, l, r: sampler._start(fns, p, t, l, r, eos, pad, k=kw['k'],
-                                        max_new_tokens=kw['max_new_tokens'], **static),
+                                        max_new_tokens=kw['max_new_tokens'], **start_static),
       params, tokens, lengths, rng)
   sampler._decode_loop.lower(fns, params, state, eos, pad, **static).compile()
 

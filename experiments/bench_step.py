@@ -5,9 +5,14 @@ random weights, vocab 256, 8 prompts of 16 tokens per iteration, k = 4, 32 new t
 step per rollout batch, beta = 0.05, and a cheap synthetic reward (the same one TRL gets in
 experiments/bench_trl_rloo.py). For the FLOP/s figure, the FLOPs the iteration executes are counted:
 2 x params per token fed forward, 6 x per token trained, attention added, and the prompt counted
-once per group when it is shared (`--shared_prefix 1`, the default, as in the trainer). With
-`--reuse_rollout_activations 1` (the default, as in the trainer) the update step replays the
-rollout's trunk matmul outputs, so its forward runs no trunk matmul and is not counted.
+once per group when it is shared (`--shared_prefix 1`, the default, as in the trainer).
+
+Besides the timings, the JSON reports what the timed iterations trained on, so a run can be
+checked for sense: the mean reward (the synthetic reward, in [0, 1]), KL, loss and advantage (RLOO's
+leave-one-out advantages sum to zero over each group), and the token counts the trainer's own
+throughput metrics imply: `update_tokens_per_iteration` (prompts * k * (prompt_len + new_tokens)
+rows' tokens, one epoch) and `generated_tokens_per_iteration` (prompts * k * the mean completion
+length).
 
     python experiments/bench_step.py --hidden 64 --layers 2
     python experiments/bench_step.py --hidden 256 --layers 4
@@ -20,13 +25,17 @@ import numpy as np
 
 import jax
 
-from rloo_jax import tasks, trainer
+from rloo_jax import experiment, tasks
+from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.config_utils import base_config
+from rloo_jax.data import pipeline
+from rloo_jax.models import transformer
 
 
 class IdTokenizer:
-  """Token ids <-> one private-use character each: prompts and completions survive a round trip."""
-  pad_id, bos_id, eos_id = 0, 1, 2
+  """Token ids <-> one private-use character each: prompts and completions survive a round trip.
+  No bos token: a bench prompt is exactly its prompt_len random ids, wherever it is batched."""
+  pad_id, bos_id, eos_id = 0, None, 2
 
   def __init__(self, vocab_size=256):
     self.vocab_size = vocab_size
@@ -50,12 +59,10 @@ def random_prompts(num, length, vocab, seed):
   return [{"prompt": "".join(chr(0xE000 + int(i)) for i in row), "answer": ""} for row in ids]
 
 
-def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, shared_prefix=True,
-                              reuse=False):
+def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, shared_prefix=True):
   """Model FLOPs one iteration executes (matmuls and attention), counting generated tokens at full
   length. The scoring forwards (reference, update) feed each [prompt | completion] without its
-  last token; with shared_prefix each prompt is fed once for its k samples; with reuse the
-  update's forward replays the rollout's trunk matmuls (only attention and the head run)."""
+  last token; with shared_prefix each prompt is fed once for its k samples."""
   m = exp.model_config
   head = m.vocab_size * m.hidden_size
   trunk = m.num_params - m.vocab_size * m.hidden_size - (0 if m.tie_embeddings else head)
@@ -80,14 +87,30 @@ def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, share
   # The head runs on the scored positions only.
   trunk_matmuls = 2 * trunk * fed - skipped
   forward = trunk_matmuls + attention + 2 * head * n * new_tokens
-  return {"rollout": rollout, "reference": forward,
-          "update": 3 * forward - (trunk_matmuls if reuse else 0)}
+  return {"rollout": rollout, "reference": forward, "update": 3 * forward}
+
+
+def bench_task(vocab, prompt_len):
+  return tasks.Task("bench", IdTokenizer(vocab), random_prompts(512, prompt_len, vocab, 0), [])
+
+
+def prompt_batches(task, num_prompts, prompt_len):
+  """The bench prompts, `num_prompts` a batch (no bos: every prompt is exactly prompt_len)."""
+  return pipeline.prompt_batches(task.train, task.tokenizer, global_batch_size=num_prompts,
+                                 max_prompt_len=prompt_len, add_bos=False)
+
+
+def build(config, task, workdir):
+  """(RLOO algorithm, initial state) of `config` on the bench task: random initial weights."""
+  algo = RLOO(experiment.build(config, workdir, task=task))
+  return algo, algo.init_state(transformer.create(algo.exp.model_config, seed=0)[1])
 
 
 def default_workload(hidden, layers, **train):
-  """(experiment, initial state, task) of the TRL comparison's workload at its defaults (4 heads,
-  vocab 256, 8 prompts of 16 tokens, k = 4, 32 new tokens, one gradient step), with
-  `config.train` overrides: the set-up the in-process A/B scripts share."""
+  """(RLOO algorithm, initial state, task) of the TRL comparison's workload at its defaults (4
+  heads, vocab 256, 8 prompts of 16 tokens, k = 4, 32 new tokens, one gradient step), with
+  `config.train` overrides: the set-up the in-process A/B scripts share. The experiment is
+  `algo.exp`; `algo.iteration(state, batch)` runs one RL iteration."""
   c = base_config()
   c.task = "bench"
   c.model.update(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=4,
@@ -98,10 +121,9 @@ def default_workload(hidden, layers, **train):
   c.train.update(num_epochs=1, num_minibatches=1, **train)
   c.rewards.fns = [synthetic_reward]
   c.rewards.weights = [1.0]
-  task = tasks.Task("bench", IdTokenizer(256), random_prompts(512, 16, 256, 0), [])
-  exp = trainer.build(c, tempfile.mkdtemp(), task=task)
-  state = trainer.init_state(exp, trainer.transformer.create(exp.model_config, seed=0)[1])
-  return exp, state, task
+  task = bench_task(256, 16)
+  algo, state = build(c, task, tempfile.mkdtemp())
+  return algo, state, task
 
 
 def main():
@@ -119,15 +141,9 @@ def main():
                  help="activation dtype (params, log-probs, KL and loss stay float32)")
   p.add_argument("--shared_prefix", type=int, default=1, choices=(0, 1),
                  help="config.train.shared_prefix: each prompt computed once for its k samples")
-  p.add_argument("--reuse_rollout_activations", type=int, default=None, choices=(0, 1),
-                 help="config.train.reuse_rollout_activations: the update replays the rollout's "
-                      "matmul outputs instead of recomputing its forward (default: on with "
-                      "--shared_prefix 1, which it needs)")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
-  if args.reuse_rollout_activations is None:
-    args.reuse_rollout_activations = args.shared_prefix
 
   c = base_config()
   c.task = "bench"
@@ -138,35 +154,38 @@ def main():
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.kl.beta = 0.05
-  c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix),
-                 reuse_rollout_activations=bool(args.reuse_rollout_activations))
+  c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix))
   c.rewards.fns = [synthetic_reward]
   c.rewards.weights = [1.0]
-  tok = IdTokenizer(args.vocab)
-  task = tasks.Task("bench", tok, random_prompts(512, args.prompt_len, args.vocab, 0), [])
+  task = bench_task(args.vocab, args.prompt_len)
   with tempfile.TemporaryDirectory() as workdir:
-    exp = trainer.build(c, workdir, task=task)
-    state = trainer.init_state(exp, trainer.transformer.create(exp.model_config, seed=0)[1])
-    from rloo_jax.data import pipeline
-    data = pipeline.prompt_batches(task.train, tok, global_batch_size=args.prompts,
-                                   max_prompt_len=args.prompt_len, add_bos=False)
+    algo, state = build(c, task, workdir)
+    exp = algo.exp
+    data = prompt_batches(task, args.prompts, args.prompt_len)
     for _ in range(2):  # compile and warm up
-      state, _ = trainer.rl_iteration(exp, state, next(data))
+      state, _ = algo.iteration(state, next(data))
     rows = []
     for _ in range(args.iterations):
-      state, m = trainer.rl_iteration(exp, state, next(data))
+      state, m = algo.iteration(state, next(data))
       rows.append(m)
   keys = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
   med = {k: float(np.median([r[k] for r in rows])) for k in keys}
+  mean = lambda key: float(np.mean([r[key] for r in rows]))  # noqa: E731
   flops = model_flops_per_iteration(exp, args.prompts, args.prompt_len, args.k, args.new_tokens,
-                                    bool(args.shared_prefix),
-                                    bool(args.reuse_rollout_activations))
+                                    bool(args.shared_prefix))
   total = sum(flops.values())
   out = {
       "framework": "rloo_jax", "jax": jax.__version__, "devices": str(jax.devices()[0].platform),
       "config": vars(args), "params": exp.model_config.num_params,
       "median": {k: round(v, 5) for k, v in med.items()},
-      "mean_completion_length": float(np.mean([r["completion_length"] for r in rows])),
+      "mean_completion_length": mean("completion_length"),
+      "mean_reward": mean("reward_mean"), "mean_kl": mean("kl"), "mean_loss": mean("loss"),
+      "mean_advantage": mean("advantage_mean"),
+      # The tokens the trainer's throughput metrics were computed over, recovered from them.
+      "update_tokens_per_iteration": round(float(np.median(
+          [r["update_tokens_per_s"] * r["update_s"] for r in rows])), 2),
+      "generated_tokens_per_iteration": round(float(np.mean(
+          [r["rollout_tokens_per_s"] * r["rollout_s"] for r in rows])), 2),
       "model_gflop_per_iteration": round(total / 1e9, 3),
       "achieved_gflops": round(total / med["iteration_s"] / 1e9, 2),
       "update_gflops": round(flops["update"] / med["update_s"] / 1e9, 2),

@@ -8,14 +8,14 @@ win rate vs SFT judged by the gold reward, gold-vs-proxy and reward-vs-KL plots.
 
 Prints the table (also <workdir>/rlhf_table.md) and writes gold_vs_proxy.png, reward_vs_kl.png and
 rlhf_summary.json into the workdir. Rerunning with the same workdir reuses finished stages.
-The logic lives in `rloo_jax.rlhf` (importable, tested).
+The logic lives in `rloo_jax.rlhf.pipeline` (importable, tested).
 """
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from rloo_jax import rlhf
+from rloo_jax.rlhf import pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "get_config(arg) file (path[:arg])")
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for every stage's outputs and caches")
@@ -27,7 +27,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-  rlhf.run(_CONFIG.value, _WORKDIR.value)
+  pipeline.run(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

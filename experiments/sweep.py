@@ -5,9 +5,9 @@ A sweep file (configs/sweeps/*.py) defines
     COMMON = {...}                     # dotted overrides applied to every run
     SEEDS = (0, 1, 2)
     def get_sweep() -> list[dict]      # one dict per run: {"name": ..., dotted overrides...}
-A run's `algorithm` override picks the trainer: 'rloo' (default: `rloo_jax.trainer`, any registered
-advantage estimator, RAFT / GRPO / REINFORCE / vanilla included), 'ppo' (`rloo_jax.ppo`) or 'dpo'
-(`rloo_jax.dpo`).
+A run's `algorithm` override (config.algorithm) picks the algorithm `rloo_jax.algorithms.run`
+trains: 'rloo' (the default: any registered advantage estimator, RAFT / GRPO / REINFORCE /
+vanilla included), 'ppo' (`rloo_jax.algorithms.ppo`) or 'dpo' (`rloo_jax.algorithms.dpo`).
 
     python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/table1_arithmetic
     python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/table1_arithmetic \
@@ -79,18 +79,12 @@ def load_sweep(path: str):
 
 
 def run_config(config, workdir: str, *, log=print) -> dict:
-  """Trains `config` in `workdir` with the trainer its `algorithm` names; returns the summary."""
+  """Trains `config` in `workdir` with the algorithm its `algorithm` names; returns the summary."""
   algorithm = config.get("algorithm", "rloo")
-  if algorithm == "rloo":
-    from rloo_jax import trainer
-    return trainer.run(config, workdir, log=log)
-  if algorithm == "ppo":
-    from rloo_jax import ppo
-    return ppo.run(config, workdir, log=log)
-  if algorithm == "dpo":
-    from rloo_jax import dpo
-    return dpo.run(config, workdir, log=log)
-  raise ValueError(f"unknown config.algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"unknown config.algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+  from rloo_jax import algorithms
+  return algorithms.run(config, workdir, log=log)
 
 
 def prepare_shared(base, root: str, sft_from: str, log):
@@ -108,11 +102,10 @@ def prepare_shared(base, root: str, sft_from: str, log):
     shutil.copytree(os.path.join(sft_from, "sft"), os.path.join(shared, "sft"))
     log(f"[sweep] shared SFT policy copied from {sft_from}")
     return shared
-  from rloo_jax import trainer
+  from rloo_jax import experiment, policy_init
   config = copy.deepcopy(base)
   config.seed = 0
-  exp = trainer.build(config, shared)
-  trainer.initial_params(exp, log=log)
+  policy_init.initial_params(experiment.build(config, shared), log=log)
   return shared
 
 
@@ -186,19 +179,20 @@ def main(argv=None):
 
 def validate_all(configs):
   """Every run's config is checked before anything trains (registry names, shapes, sections)."""
-  from rloo_jax import trainer
+  from rloo_jax import experiment
+  from rloo_jax.algorithms import dpo, ppo
   for config in configs:
     algorithm = config.get("algorithm", "rloo")
     if algorithm not in ALGORITHMS:
       raise ValueError(f"unknown config.algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    # What `algorithms.make` checks before it builds, without building (no data, no compile).
     if algorithm == "ppo":
-      from rloo_jax import ppo
       config = ppo.with_defaults(config)
       ppo.validate(config)
-    trainer.validate_config(config)
-    if algorithm == "dpo":
-      from rloo_jax import dpo
-      dpo.validate(dpo.with_defaults(config))
+    elif algorithm == "dpo":
+      config = dpo.with_defaults(config)
+      dpo.validate(config)
+    experiment.validate_config(config)
 
 
 if __name__ == "__main__":

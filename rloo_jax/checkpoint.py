@@ -1,12 +1,12 @@
-"""Orbax checkpoints: the train state (policy, reference, optimizer, rng, step) plus JSON metadata
-(the data iterator's position, metrics) saved together, restored into an abstract sharded target.
+"""Orbax checkpoints of a train state plus JSON metadata (data iterator position, history).
 
-Sharded and multi-process: every process calls `save` and `restore` together (Orbax writes each
-process's shards and coordinates the commit); a checkpoint written on one mesh restores onto any
-other, since the restore target (`trainer.abstract_state`) carries the new mesh's shardings.
+A checkpoint restores straight onto the current mesh, whatever mesh wrote it: the restore target
+(`experiment.abstract_state`) carries the new shardings.
 
-A newest checkpoint that cannot be read (a run killed mid-write, a truncated file) is reported,
-moved aside to `<dir>_corrupt/<step>` (never deleted), and the previous good one is used.
+Restore takes the newest *readable* checkpoint. One whose files cannot be read is moved to
+`<dir>_corrupt/<step>` (an earlier quarantined copy of that step is kept: the new one gets a
+suffix) and the previous one is tried. A readable checkpoint whose tree or shapes differ from
+the target is never moved: that is a config or code mismatch, and the error says so.
 """
 
 from __future__ import annotations
@@ -21,18 +21,52 @@ from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 
+class CheckpointMismatchError(ValueError):
+  """A readable checkpoint holds another state than the one being restored."""
+
+
+def _key(k) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def leaf_specs(tree: Any) -> dict[tuple[str, ...], tuple]:
+  """{path: (shape, dtype)} of a tree of arrays, ShapeDtypeStructs or Orbax array metadata."""
+  return {tuple(_key(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _registry():
+  reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  for name, handler, save, restore in (
+      ("state", ocp.StandardCheckpointHandler, ocp.args.StandardSave, ocp.args.StandardRestore),
+      ("meta", ocp.JsonCheckpointHandler, ocp.args.JsonSave, ocp.args.JsonRestore)):
+    reg.add(name, save, handler)
+    reg.add(name, restore, handler)
+  return reg
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int = 3, save_every: int = 1):
+    if keep < 1:
+      raise ValueError(f"keep = {keep}: at least one checkpoint must be kept "
+                       "(config.train.keep_checkpoints >= 1)")
     self.directory = os.path.abspath(directory)
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every,
-                                             create=True))
+                                             create=True),
+        handler_registry=_registry())
 
-  def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
+  def save(self, step: int, state: Any, meta: dict, *, force: bool = False,
+           wait: bool = False) -> bool:
     saved = self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+    if wait:
+      self.manager.wait_until_finished()
     return bool(saved)
 
   def wait(self):
@@ -40,6 +74,29 @@ class Checkpointer:
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def _check_matches(self, step: int, abstract_state: Any) -> None:
+    """Raises CheckpointMismatchError when step's tree differs from the target's; any other
+    exception means the checkpoint cannot be read."""
+    saved = leaf_specs(self.manager.item_metadata(step)["state"])
+    want = leaf_specs(abstract_state)
+    if saved == want:
+      return
+    missing = sorted(set(want) - set(saved))
+    extra = sorted(set(saved) - set(want))
+    shapes = sorted(k for k in set(want) & set(saved) if want[k] != saved[k])
+    lines = [f"  {'/'.join(k)}: {saved[k]} in the checkpoint, {want[k]} wanted"
+             for k in shapes[:5]]
+    lines += [f"  {'/'.join(k)}: not in the checkpoint" for k in missing[:3]]
+    lines += [f"  {'/'.join(k)}: only in the checkpoint" for k in extra[:3]]
+    raise CheckpointMismatchError(
+        f"checkpoint {step} in {self.directory} holds another model or train state than this "
+        f"config builds ({len(shapes)} shapes differ, {len(missing)} missing, {len(extra)} "
+        f"extra):\n" + "\n".join(lines) + "\nNothing was moved. Restart with the config that "
+        "wrote it, or use a new --workdir.")
 
   def restore(self, abstract_state: Any, step: Optional[int] = None):
     """(step, state, meta) of the newest readable checkpoint, or None when there is none.
@@ -52,9 +109,12 @@ class Checkpointer:
       steps = [s for s in steps if s <= step]
     for s in steps:
       try:
+        self._check_matches(s, abstract_state)
         restored = self.manager.restore(s, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return s, restored["state"], restored["meta"]
+      except CheckpointMismatchError:
+        raise
       except Exception as e:  # pylint: disable=broad-except
         logging.error("checkpoint %d in %s is unreadable (%s: %s); falling back to the previous "
                       "one", s, self.directory, type(e).__name__, e)
@@ -64,18 +124,19 @@ class Checkpointer:
     return None
 
   def _quarantine(self, step: int):
-    """Moves a bad checkpoint out of Orbax's way (so later saves of that step can succeed).
-
-    Process 0 moves it; every process waits for the move before reloading the step list.
-    """
+    """Moves a bad checkpoint out of Orbax's way (so later saves of that step can succeed),
+    keeping any copy quarantined before. Process 0 moves it; every process waits for the move
+    before reloading the step list."""
     src = os.path.join(self.directory, str(step))
     if jax.process_index() == 0 and os.path.exists(src):
-      dst = os.path.join(os.path.dirname(self.directory),
-                         os.path.basename(self.directory) + "_corrupt", str(step))
-      os.makedirs(os.path.dirname(dst), exist_ok=True)
-      if os.path.exists(dst):
-        shutil.rmtree(dst)
+      parent = os.path.join(os.path.dirname(self.directory),
+                            os.path.basename(self.directory) + "_corrupt")
+      dst, n = os.path.join(parent, str(step)), 1
+      while os.path.exists(dst):
+        dst, n = os.path.join(parent, f"{step}.{n}"), n + 1
+      os.makedirs(parent, exist_ok=True)
       shutil.move(src, dst)
+      print(f"[checkpoint] moved the unreadable step {step} to {dst}")
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"rloo_checkpoint_quarantine_{step}")
     self.manager.reload()

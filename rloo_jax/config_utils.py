@@ -36,10 +36,19 @@ def parse_arg(arg: str | None, lazy: bool = False, **spec):
   return out
 
 
+def sequence_length(config, *, with_eos: bool = False) -> int:
+  """Tokens of one [prompt | completion] row (SFT's [prompt | answer] rows too): the context
+  every stage must fit, the one place this sum is written. with_eos: one more, for the rows a
+  reward model or DPO scores, where a completion cut at max_new_tokens gets an eos appended."""
+  return int(config.data.max_prompt_len) + int(config.rloo.max_new_tokens) + int(with_eos)
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every knob of the trainer with the paper's defaults (k = 4, REINFORCE, 2 gradient steps)."""
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # rloo (any estimator of the advantage registry) | ppo | dpo: `rloo_jax.algorithms`.
+  c.algorithm = "rloo"
 
   c.task = "arithmetic"  # arithmetic | summarize | jsonl
   c.data = ml_collections.ConfigDict(dict(
@@ -58,6 +67,8 @@ def base_config() -> ml_collections.ConfigDict:
       # Fraction of demonstrations that are wrong in a systematic way (the arithmetic task drops
       # carries): an imperfect demonstrator, so SFT plateaus and reward-driven RL has headroom.
       demo_error_rate=0.0, log_every=100,
+      # A checkpoint every this many steps (and at the end): a killed SFT stage resumes there.
+      checkpoint_every=250,
       # The SFT policy is cached in <workdir>/sft/<key>; '' keys it on every setting it depends
       # on (a changed config trains a new one). Sweeps set one key to share a single policy.
       cache_key=""))
@@ -84,14 +95,12 @@ def base_config() -> ml_collections.ConfigDict:
       # The reference and policy forwards compute each prompt once for its k samples (equal up to
       # float rounding; minibatches then hold whole groups). False: k separate [prompt | y] rows.
       shared_prefix=True,
-      # The first update step of each rollout batch is taken at the params that sampled it, so
-      # it replays the rollout's prefill/decode matmul outputs instead of recomputing its
-      # forward (same gradient up to float rounding; holds (P + k*(T-1)) *
-      # transformer.activation_width(model) values per prompt until the step, about the
-      # update's own activation memory). Needs shared_prefix and sampler_mode='shared'.
-      reuse_rollout_activations=True,
       log_every=1, eval_every=25, eval_prompts=256, eval_batch_size=128,
-      checkpoint_every=25, keep_checkpoints=3, progress_bar=True))
+      checkpoint_every=25, keep_checkpoints=3, progress_bar=True,
+      # Guards (docs/RELIABILITY.md): this many update steps in a row with a non-finite loss or
+      # gradient (each skipped, the state unchanged) stop the run; so do this many iterations
+      # in a row in which no sample could be scored.
+      max_nonfinite_steps=3, max_unscorable_iterations=3))
   # Device mesh: -1 takes the remaining devices. Logical model axes -> mesh axes.
   c.mesh = ml_collections.ConfigDict(dict(
       data=-1, fsdp=1, tensor=1,

@@ -19,6 +19,7 @@ loss terms l[b, t] and the completion mask m[b, t]:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -28,6 +29,8 @@ Array = jax.Array
 
 AGGREGATIONS = ("sequence_sum", "sequence_mean", "token_mean", "fixed_length")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_TYPES = ("reinforce", "ppo_clip")
+RATIO_LEVELS = ("sequence", "token")
 
 
 def token_logprobs(logits_btv: Array, targets_bt: Array, mask_bt: Optional[Array] = None) -> Array:
@@ -181,3 +184,32 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
   metrics = {"policy_loss": loss, "clip_fraction": clip_fraction, "approx_kl": approx_kl}
   metrics.update(_entropy_metric(logits_btv, mask_bt))
   return loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """The static (hashable) part of the policy loss, resolved from config.loss once."""
+  type: str = "reinforce"
+  clip_eps: float = 0.2
+  clip_eps_high: Optional[float] = None
+  ratio_level: str = "sequence"
+  aggregation: str = "sequence_sum"
+
+  @classmethod
+  def from_config(cls, c) -> "LossSpec":
+    return cls(c.type, float(c.clip_eps), float(c.clip_eps_high) or None, c.ratio_level,
+               c.aggregation)
+
+
+def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Array,
+                advantages_b: Array, logits_btv: Optional[Array] = None):
+  """The configured policy loss of one minibatch: (loss, metrics)."""
+  t = mask_bt.shape[1]
+  if spec.type == "reinforce":
+    return reinforce_loss(logp_bt, mask_bt, advantages_b, aggregation=spec.aggregation,
+                          max_len=t, logits_btv=logits_btv)
+  if spec.type == "ppo_clip":
+    return ppo_clip_loss(logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
+                         clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
+                         aggregation=spec.aggregation, max_len=t, logits_btv=logits_btv)
+  raise ValueError(f"unknown config.loss.type {spec.type!r}; choose one of {LOSS_TYPES}")

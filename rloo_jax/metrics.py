@@ -1,13 +1,12 @@
 """Metric logging: one JSON object per line in `<workdir>/metrics.jsonl` and TensorBoard event
-files in `<workdir>/tensorboard`. Only process 0 writes, so multi-host runs log once. Also the
-win-rate statistic shared by the trainer's held-out evaluation and the RLHF pipeline."""
+files in `<workdir>/tensorboard`. Only process 0 writes, so multi-host runs log once."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import Mapping
+from typing import Mapping, Optional
 
 import jax
 import numpy as np
@@ -20,17 +19,35 @@ def _scalar(value):
 
 class MetricWriter:
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True,
+               resume_step: Optional[int] = None, final_step: Optional[int] = None):
+    """resume_step: the iteration a run resumes from. Rows of later iterations (and the final
+    evaluation when it resumes at `final_step`) are dropped from metrics.jsonl and purged from
+    TensorBoard, since the resumed run writes them again: each step is logged once. None: a
+    fresh run, whose metrics.jsonl starts empty."""
     self.enabled = jax.process_index() == 0
     self._tb = None
     if not self.enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    # Append: a resumed run continues the same log (entries carry their step).
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    path = os.path.join(workdir, "metrics.jsonl")
+    keep = []
+    if resume_step is not None and os.path.exists(path):
+      for row in read_jsonl(path):
+        rerun_final = resume_step == final_step and row["step"] == resume_step and any(
+            k.startswith("eval/") for k in row)
+        if row["step"] <= resume_step and not rerun_final:
+          keep.append(row)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(row) + "\n" for row in keep)
+    os.replace(tmp, path)
+    self._jsonl = open(path, "a", encoding="utf-8")
     if tensorboard:
       from tensorboardX import SummaryWriter  # pure-Python event writer, no TensorFlow
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      # purge_step: events of the re-run steps in earlier files are hidden by TensorBoard.
+      purge = None if resume_step is None else resume_step + 1
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge)
 
   def write(self, step: int, metrics: Mapping[str, object], prefix: str = ""):
     if not self.enabled:
@@ -56,18 +73,3 @@ class MetricWriter:
 def read_jsonl(path: str) -> list[dict]:
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
-
-
-def win_rate_stats(scores_policy, scores_baseline) -> dict:
-  """Win rate of the policy over the baseline on the same prompts, ties counted half; prompts
-  where either is unscorable (NaN) are left out. Also wins / ties / losses / n."""
-  a, b = np.asarray(scores_policy, np.float64), np.asarray(scores_baseline, np.float64)
-  if a.shape != b.shape:
-    raise ValueError(f"win rate needs one score per prompt for both policies, got {a.shape} and "
-                     f"{b.shape}")
-  ok = np.isfinite(a) & np.isfinite(b)
-  a, b = a[ok], b[ok]
-  wins, ties = int((a > b).sum()), int((a == b).sum())
-  n = int(ok.sum())
-  return dict(win_rate=(wins + 0.5 * ties) / n if n else float("nan"), wins=wins, ties=ties,
-              losses=n - wins - ties, n=n)

@@ -6,17 +6,13 @@
 `fns` is the model's `ModelFns` (docs/ARCHITECTURE.md): the sampler only calls `fns.prefill`,
 `fns.init_cache`, `fns.decode` and `fns.forward`, so it is tested with a fake deterministic one.
 
-Modes (same tokens for the same rng in all three, see `_stream_keys`):
+Modes (same tokens for the same rng in all three, see `sampling.stream_keys`):
   'shared'    prefill each prompt once; `init_cache(..., num_streams=k)` lets the k streams of a
               prompt attend to that one prefix (kept once per prompt; a prompt of a few tokens,
               where a second attention product costs more than the copy, is copied into each
               stream's buffer: `transformer.COPY_PREFIX_MAX_LEN`).
   'unshared'  prompts tiled to B*k rows and prefilled k times, one stream per row.
   'recompute' no cache: `fns.forward` over the whole [B*k, P+T] buffer at every step (a baseline).
-
-record_activations=True (mode 'shared') also returns the trunk's matmul outputs for every prompt
-token and every fed completion token (`SampleOutput.activations`), which the update step taken at
-the same params replays instead of recomputing its forward (`Transformer.grouped(saved=...)`).
 
 Runs as two jitted programs: `_start` (prefill + the first token) and `_decode_loop`
 (a `lax.while_loop` over `SamplingState`, donated, so the cache is updated in place and never
@@ -36,6 +32,7 @@ from flax import struct
 from rloo_jax import sampling
 
 MODES = ('shared', 'unshared', 'recompute')
+NOISE_BUDGET_BYTES = sampling.NOISE_BUDGET_BYTES  # sample()'s default noise_budget_bytes
 
 
 @struct.dataclass
@@ -45,14 +42,6 @@ class SampleOutput:
   policy_logprobs_bkt: jax.Array  # float32 [B, K, T]: log p under the untempered policy.
   mask_bkt: jax.Array             # bool [B, K, T]: True up to and including EOS.
   lengths_bk: jax.Array           # int32 [B, K]: number of True entries of mask_bkt.
-  # With record_activations: the model's recorded matmul outputs (`fns.prefill/decode(
-  # record=True)`, a pytree), each [B, P + (T-1)*K, F] in the rows of `Transformer.grouped`: the
-  # prompt left-padded (`left_pad_index`), then completion tokens 0..T-2 (the ones a scoring
-  # forward feeds) token-major, row P + t*K + j for token t of stream j. Rows the loop never
-  # reached (every stream done) hold zeros, or the values of the reused `activations_buffer`:
-  # finite, and masked wherever they are read (their tokens come after every stream's EOS).
-  # Otherwise None.
-  activations: Any = None
 
 
 @struct.dataclass
@@ -77,90 +66,21 @@ class SamplingState:
   lengths_bk: jax.Array           # int32 [B, K]
   cache: Any                      # the model's DecodeCache, or a RecomputeBuffer.
   noise_tbkv: Any = None          # float32 [T, B, K, V] Gumbel noise of every step, or None.
-  activations: Any = None         # SampleOutput.activations being filled, or None.
 
   def output(self) -> SampleOutput:
     return SampleOutput(tokens_bkt=self.tokens_bkt, logprobs_bkt=self.logprobs_bkt,
                         policy_logprobs_bkt=self.policy_logprobs_bkt, mask_bkt=self.mask_bkt,
-                        lengths_bk=self.lengths_bk, activations=self.activations)
-
-
-# ----------------------------------------------------------------------------------------------
-# EOS masking
-
-
-def mask_after_eos(tokens_bk: jax.Array, done_bk: jax.Array, *, eos_id: int, pad_id: int):
-  """One step of EOS masking: streams already done emit pad_id and are masked out.
-
-  Returns (tokens_bk, valid_bk, done_bk): the EOS token itself is valid; done after it.
-  """
-  valid_bk = ~done_bk
-  tokens_bk = jnp.where(valid_bk, tokens_bk, jnp.asarray(pad_id).astype(tokens_bk.dtype))
-  return tokens_bk, valid_bk, done_bk | (valid_bk & (tokens_bk == eos_id))
-
-
-def eos_mask(tokens_xt: jax.Array, eos_id: int) -> jax.Array:
-  """bool [..., T]: True up to and including the first EOS of each row (all True without one)."""
-  eos_before = jnp.cumsum(tokens_xt == eos_id, axis=-1) - (tokens_xt == eos_id)
-  return eos_before == 0
-
-
-# ----------------------------------------------------------------------------------------------
-# Drawing tokens
-
-
-def _stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:
-  """Keys [B, K] from (prompt, stream) indices, so every mode draws the same randomness."""
-  def prompt_keys(b):
-    rng_b = jax.random.fold_in(rng, b)
-    return jax.vmap(lambda j: jax.random.fold_in(rng_b, j))(jnp.arange(k))
-  return jax.vmap(prompt_keys)(jnp.arange(num_prompts))
-
-
-# The Gumbel noise of a whole rollout is drawn up front (in `_start`, outside the decode loop)
-# when it fits in this many bytes. On CPU, jax's threefry runs as a rolled while loop, so drawing
-# the noise inside the loop body cost a nested loop at every token: about half of a small model's
-# decode step. Both ways draw the same bits, hence the same tokens.
-NOISE_BUDGET_BYTES = 64 << 20
-
-
-def _gumbel_bkv(keys_bk, step, vocab: int):
-  """The noise `jax.random.categorical(fold_in(key, step), logits)` adds to logits, per stream."""
-  return jax.vmap(jax.vmap(
-      lambda key: jax.random.gumbel(jax.random.fold_in(key, step), (vocab,))))(keys_bk)
-
-
-def _draw(method, keys_bk, step, logits_bkv, noise_bkv=None):
-  """Sampled tokens and their log-probs under the sampling distribution and the raw policy.
-
-  A sampled token is argmax(processed logits + Gumbel noise), exactly `jax.random.categorical`;
-  `noise_bkv` is the pre-drawn noise of this step, or None to draw it here from the keys.
-  """
-  logits_bkv = logits_bkv.astype(jnp.float32)
-  processed_bkv = method.process(logits_bkv)
-  if method.is_greedy:
-    tokens_bk = jnp.argmax(processed_bkv, axis=-1)
-  else:
-    if noise_bkv is None:
-      noise_bkv = _gumbel_bkv(keys_bk, step, logits_bkv.shape[-1])
-    tokens_bk = jnp.argmax(noise_bkv + processed_bkv, axis=-1)
-  tokens_bk = tokens_bk.astype(jnp.int32)
-
-  def logprob_of(logits):
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, tokens_bk[..., None], axis=-1)[..., 0]
-
-  return tokens_bk, logprob_of(processed_bkv), logprob_of(logits_bkv)
+                        lengths_bk=self.lengths_bk)
 
 
 def _record(state: SamplingState, logits_bkv, *, method, eos_id, pad_id) -> SamplingState:
   """Draws token `state.step` of every stream from logits_bkv and writes it into the state."""
   noise_bkv = None if state.noise_tbkv is None else jax.lax.dynamic_index_in_dim(
       state.noise_tbkv, state.step, axis=0, keepdims=False)
-  tokens_bk, logprobs_bk, policy_logprobs_bk = _draw(method, state.keys_bk, state.step, logits_bkv,
-                                                     noise_bkv)
-  tokens_bk, valid_bk, done_bk = mask_after_eos(tokens_bk, state.done_bk, eos_id=eos_id,
-                                                pad_id=pad_id)
+  tokens_bk, logprobs_bk, policy_logprobs_bk = sampling.draw(method, state.keys_bk, state.step,
+                                                            logits_bkv, noise_bkv)
+  tokens_bk, valid_bk, done_bk = sampling.mask_after_eos(tokens_bk, state.done_bk, eos_id=eos_id,
+                                                         pad_id=pad_id)
   zero = jnp.float32(0)
 
   def write(buf_bkt, value_bk):
@@ -204,42 +124,15 @@ def _prompt_inputs(prompt_tokens_xp, lengths_x):
   return positions_xp, mask_xp
 
 
-def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode,
-             record=False, buffers=None):
-  """Returns (first-step logits [B, K, V], model state for the decode loop); with record
-  (mode 'shared'), also the activations buffers (`SampleOutput.activations`) to fill: `buffers`
-  (a previous rollout's, donated) written over in place, or new zero-filled ones."""
+def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode):
+  """Returns (first-step logits [B, K, V], model state for the decode loop)."""
   num_prompts = prompt_tokens_bp.shape[0]
   if mode == 'shared':
     positions_bp, mask_bp = _prompt_inputs(prompt_tokens_bp, lengths_b)
-    logits_bpv, prefix, *recorded = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp,
-                                                **({'record': True} if record else {}))
+    logits_bpv, prefix = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp)
     first_bv = _last_prompt_logits(logits_bpv, lengths_b)
     first_bkv = jnp.broadcast_to(first_bv[:, None], (num_prompts, k, first_bv.shape[-1]))
-    cache = fns.init_cache(prefix, mask_bp, k, max_new_tokens)
-    if not record:
-      return first_bkv, cache
-    idx_bp1 = left_pad_index(lengths_b, prompt_tokens_bp.shape[1])[:, :, None]
-    prompt = jax.tree.map(lambda y_bpf: jnp.take_along_axis(y_bpf, idx_bp1, axis=1), recorded[0])
-    if buffers is not None:
-      rows = prompt_tokens_bp.shape[1] + (max_new_tokens - 1) * k
-      want = [(num_prompts, rows, y.shape[-1]) for y in jax.tree.leaves(prompt)]
-      got = [tuple(b.shape) for b in jax.tree.leaves(buffers)]
-      if got != want:
-        raise ValueError(f'sample: activations_buffer has shapes {got}; this rollout records '
-                         f'{want}: pass the activations of a rollout with the same batch, prompt '
-                         f'width, k and max_new_tokens, or None')
-      # Only the prompt rows are written here and the loop writes the rest: no pass over the
-      # whole recording to fill it (XLA:CPU fills at a few GB/s).
-      return first_bkv, cache, jax.tree.map(
-          lambda buf, y_bpf: jax.lax.dynamic_update_slice_in_dim(buf, y_bpf, 0, axis=1),
-          buffers, prompt)
-
-    def buffer(y_bpf):
-      rows = jnp.zeros((num_prompts, (max_new_tokens - 1) * k, y_bpf.shape[-1]), y_bpf.dtype)
-      return jnp.concatenate([y_bpf, rows], axis=1)
-
-    return first_bkv, cache, jax.tree.map(buffer, prompt)
+    return first_bkv, fns.init_cache(prefix, mask_bp, k, max_new_tokens)
 
   tokens_np = jnp.repeat(prompt_tokens_bp, k, axis=0)  # row n = b * k + j
   lengths_n = jnp.repeat(lengths_b, k, axis=0)
@@ -268,20 +161,7 @@ def _decode(fns, params, state: SamplingState, *, mode):
   num_prompts, k = state.last_tokens_bk.shape
   positions_bk = state.prompt_lengths_bk + state.step - 1
   if mode == 'shared':
-    if state.activations is None:
-      return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache)
-    logits_bkv, cache, recorded = fns.decode(params, state.last_tokens_bk, positions_bk,
-                                             state.cache, record=True)
-    # Token step - 1 was fed: its K streams' outputs are the K adjacent rows after the prompt's
-    # P and the earlier steps' (one contiguous write each, in place: the state is donated).
-    first = jax.tree.leaves(state.activations)[0]
-    row = (first.shape[1] - (state.tokens_bkt.shape[2] - 1) * k
-           + (state.step - 1) * k).astype(jnp.int32)
-    zero = jnp.zeros((), jnp.int32)
-    return logits_bkv, cache, jax.tree.map(
-        lambda buf_bsf, y_bkf: jax.lax.dynamic_update_slice(
-            buf_bsf, y_bkf.astype(buf_bsf.dtype), (zero, row, zero)),
-        state.activations, recorded)
+    return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache)
   if mode == 'unshared':
     logits_n1v, cache = fns.decode(params, state.last_tokens_bk.reshape(-1, 1),
                                    positions_bk.reshape(-1, 1), state.cache)
@@ -328,7 +208,6 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
   if fields and hasattr(cache, 'replace'):
     cache = cache.replace(**fields)
   return state.replace(
-      activations=jax.tree.map(rows, state.activations),
       keys_bk=rows(state.keys_bk), prompt_lengths_bk=rows(state.prompt_lengths_bk),
       last_tokens_bk=rows(state.last_tokens_bk), done_bk=rows(state.done_bk),
       tokens_bkt=rows(state.tokens_bkt), logprobs_bkt=rows(state.logprobs_bkt),
@@ -343,28 +222,25 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 
 
 # eos_id and pad_id are traced, not static: a new end token must not recompile the sampler.
-# `buffers` (a previous rollout's activations, or None) is donated: the recording is written
-# over it in place.
 @functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
-                                             'batch_sharding', 'noise_budget_bytes',
-                                             'record_activations'),
-                   donate_argnames=('buffers',))
-def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, buffers=None, *,
+                                             'batch_sharding', 'noise_budget_bytes'))
+def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *,
            k, max_new_tokens, method, mode, batch_sharding=None,
-           noise_budget_bytes=NOISE_BUDGET_BYTES, record_activations=False) -> SamplingState:
+           noise_budget_bytes=NOISE_BUDGET_BYTES) -> SamplingState:
   """Prefill, then draw the first token of every stream from the logits at position len - 1."""
   prompt_tokens_bp = _shard_rows(prompt_tokens_bp, 0, batch_sharding)
   prompt_lengths_b = _shard_rows(prompt_lengths_b.astype(jnp.int32), 0, batch_sharding)
   num_prompts = prompt_tokens_bp.shape[0]
-  first_bkv, cache, *activations = _prefill(
+  first_bkv, cache = _prefill(
       fns, params, prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens,
-      mode=mode, record=record_activations, buffers=buffers)
+      mode=mode)
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
-  keys_bk = _stream_keys(rng, num_prompts, k)
+  keys_bk = sampling.stream_keys(rng, num_prompts, k)
   vocab = first_bkv.shape[-1]
   noise_tbkv = None
   if not method.is_greedy and max_new_tokens * num_prompts * k * vocab * 4 <= noise_budget_bytes:
-    noise_tbkv = jax.vmap(lambda t: _gumbel_bkv(keys_bk, t, vocab))(jnp.arange(max_new_tokens))
+    noise_tbkv = jax.vmap(lambda t: sampling.gumbel_bkv(keys_bk, t, vocab))(
+        jnp.arange(max_new_tokens))
   state = SamplingState(
       step=jnp.zeros((), jnp.int32),
       keys_bk=keys_bk,
@@ -376,8 +252,7 @@ def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id,
       policy_logprobs_bkt=jnp.zeros(shape_bkt, jnp.float32),
       mask_bkt=jnp.zeros(shape_bkt, bool),
       lengths_bk=jnp.zeros(shape_bk, jnp.int32),
-      cache=cache, noise_tbkv=noise_tbkv,
-      activations=activations[0] if activations else None)
+      cache=cache, noise_tbkv=noise_tbkv)
   state = _record(state, first_bkv, method=method, eos_id=eos_id, pad_id=pad_id)
   return _shard_state(state, batch_sharding)
 
@@ -393,9 +268,7 @@ def _decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
     return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)
 
   def body(state):
-    logits_bkv, cache, *activations = _decode(fns, params, state, mode=mode)
-    if activations:
-      state = state.replace(activations=activations[0])
+    logits_bkv, cache = _decode(fns, params, state, mode=mode)
     return _shard_state(_record(state.replace(cache=cache), logits_bkv, method=method,
                                 eos_id=eos_id, pad_id=pad_id), batch_sharding)
 
@@ -481,8 +354,7 @@ def _validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, 
 def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_new_tokens: int,
            method: sampling.Method, eos_id: int, pad_id: int, mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
-           noise_budget_bytes: int = NOISE_BUDGET_BYTES,
-           record_activations: bool = False, activations_buffer=None) -> SampleOutput:
+           noise_budget_bytes: int = NOISE_BUDGET_BYTES) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -505,13 +377,6 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       already placed with it; params keep their own (e.g. FSDP/tensor) shardings.
     noise_budget_bytes: the rollout's Gumbel noise (T * B * K * V float32) is drawn before the
       decode loop when it fits in this; otherwise at each step. The tokens are the same.
-    record_activations: also return every trunk matmul output of the rollout
-      (`SampleOutput.activations`, mode 'shared' only: (P + (T-1)*K) * A values per prompt,
-      A = `transformer.activation_width`, L * (q + 2 kv + 2E + 2F) for a Llama block). The
-      tokens are the same.
-    activations_buffer: a previous call's `activations` of the same shapes, donated (unusable
-      after this call): the recording is written over it instead of into new zero-filled
-      buffers. Rows this loop does not reach then keep its (finite, masked) values.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -525,17 +390,11 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
   k, max_new_tokens, eos_id, pad_id = _validate(
       prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens, method=method,
       eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
-  if record_activations and mode != 'shared':
-    raise ValueError(f"sample: record_activations needs mode='shared' (the prompt prefilled once "
-                     f"per row), got mode={mode!r}")
-  if activations_buffer is not None and not record_activations:
-    raise ValueError('sample: activations_buffer is only used with record_activations=True')
   eos_id, pad_id = jnp.int32(eos_id), jnp.int32(pad_id)
   state = _start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
-                 eos_id, pad_id, activations_buffer,
+                 eos_id, pad_id,
                  k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
-                 batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes),
-                 record_activations=bool(record_activations))
+                 batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes))
   state = _decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
                        batch_sharding=batch_sharding)
   return state.output()

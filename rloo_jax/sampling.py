@@ -1,4 +1,4 @@
-"""Sampling methods: greedy, temperature, top-k, top-p.
+"""Sampling methods (greedy, temperature, top-k, top-p) and the sampler's per-step token draw.
 
 Each method is a frozen dataclass, so it is hashable and can be a static argument of `jax.jit`;
 changing its fields recompiles, which is what we want since they change the traced program.
@@ -8,6 +8,9 @@ draws from: scaled by the temperature, with tokens outside the support set to -i
 draws with `jax.random.categorical` on them (argmax for greedy) and scores the drawn token with
 `log_softmax` of the same array, so the sampling log-probs are exactly those of the distribution
 the token came from.
+
+`draw` is that step for a [B, K] block of streams, `mask_after_eos` the EOS bookkeeping after it,
+and `stream_keys` / `gumbel_bkv` the per-stream randomness, the same in every sampler mode.
 """
 
 from __future__ import annotations
@@ -113,4 +116,75 @@ class TopP:
 
 
 Method = Union[Greedy, Temperature, TopK, TopP]
-METHODS = (Greedy, Temperature, TopK, TopP)
+
+
+# ----------------------------------------------------------------------------------------------
+# Drawing tokens (the sampler's per-step draw, EOS masking included)
+
+
+def mask_after_eos(tokens_bk: jax.Array, done_bk: jax.Array, *, eos_id: int, pad_id: int):
+  """One step of EOS masking: streams already done emit pad_id and are masked out.
+
+  Returns (tokens_bk, valid_bk, done_bk): the EOS token itself is valid; done after it.
+  """
+  valid_bk = ~done_bk
+  tokens_bk = jnp.where(valid_bk, tokens_bk, jnp.asarray(pad_id).astype(tokens_bk.dtype))
+  return tokens_bk, valid_bk, done_bk | (valid_bk & (tokens_bk == eos_id))
+
+
+def stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:
+  """Keys [B, K] from (prompt, stream) indices, so every mode draws the same randomness."""
+  def prompt_keys(b):
+    rng_b = jax.random.fold_in(rng, b)
+    return jax.vmap(lambda j: jax.random.fold_in(rng_b, j))(jnp.arange(k))
+  return jax.vmap(prompt_keys)(jnp.arange(num_prompts))
+
+
+# The Gumbel noise of a whole rollout is drawn up front (in the sampler's `_start`, outside the
+# decode loop) when it fits in this many bytes. On CPU, jax's threefry runs as a rolled while
+# loop, so drawing the noise inside the loop body cost a nested loop at every token, a large share
+# of a small model's decode step (measured by experiments/bench_sampler.py; see
+# docs/PERFORMANCE.md). Both ways draw the same bits, hence the same tokens.
+NOISE_BUDGET_BYTES = 64 << 20
+
+
+def gumbel_bkv(keys_bk, step, vocab: int):
+  """The noise `jax.random.categorical(fold_in(key, step), logits)` adds to logits, per stream."""
+  return jax.vmap(jax.vmap(
+      lambda key: jax.random.gumbel(jax.random.fold_in(key, step), (vocab,))))(keys_bk)
+
+
+def draw(method, keys_bk, step, logits_bkv, noise_bkv=None):
+  """Sampled tokens and their log-probs under the sampling distribution and the raw policy.
+
+  A sampled token is argmax(processed logits + Gumbel noise), exactly `jax.random.categorical`;
+  `noise_bkv` is the pre-drawn noise of this step, or None to draw it here from the keys.
+  """
+  logits_bkv = logits_bkv.astype(jnp.float32)
+  processed_bkv = method.process(logits_bkv)
+  if method.is_greedy:
+    tokens_bk = jnp.argmax(processed_bkv, axis=-1)
+  else:
+    if noise_bkv is None:
+      noise_bkv = gumbel_bkv(keys_bk, step, logits_bkv.shape[-1])
+    tokens_bk = jnp.argmax(noise_bkv + processed_bkv, axis=-1)
+  tokens_bk = tokens_bk.astype(jnp.int32)
+
+  def logprob_of(logits):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, tokens_bk[..., None], axis=-1)[..., 0]
+
+  return tokens_bk, logprob_of(processed_bkv), logprob_of(logits_bkv)
+
+
+def from_config(r) -> Method:
+  """The rollout's method from config.rloo (temperature, top_k, top_p); temperature 0 = greedy."""
+  if r.top_k and r.top_p < 1.0:
+    raise ValueError("set at most one of config.rloo.top_k and config.rloo.top_p")
+  if r.top_k:
+    return TopK(int(r.top_k), float(r.temperature))
+  if r.top_p < 1.0:
+    return TopP(float(r.top_p), float(r.temperature))
+  if r.temperature == 0:
+    return Greedy()
+  return Temperature(float(r.temperature))

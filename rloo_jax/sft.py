@@ -13,17 +13,16 @@ import json
 import os
 import time
 
-from absl import logging
 from flax import struct
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 import ml_collections
-import orbax.checkpoint as ocp
 
 from rloo_jax import loss
+from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import pipeline
+from rloo_jax.checkpoint import Checkpointer
+from rloo_jax.optim import NonFiniteError, apply_if_finite, make_optimizer
 
 
 @struct.dataclass
@@ -47,56 +46,74 @@ def sft_loss(fns, params, batch):
 def sft_step(state: SftState, batch, *, fns, tx):
   (value, metrics), grads = jax.value_and_grad(
       functools.partial(sft_loss, fns), has_aux=True)(state.params, batch)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  return SftState(state.step + 1, params, opt_state), dict(metrics, loss=value)
+  params, opt_state, guard = apply_if_finite(tx, grads, state.opt_state, state.params, value)
+  return SftState(state.step + 1, params, opt_state), dict(metrics, loss=value, **guard)
 
 
 def train(config, workdir: str, fns, params, task, *, log=print, shard_batch=None):
-  """Runs (or restores) the SFT stage; returns the fine-tuned params.
+  """Runs, resumes or restores the SFT stage; returns the fine-tuned params.
 
-  `shard_batch` (e.g. `sharding.Layout.shard_batch`) turns this process's rows into the global,
-  batch-sharded array; without it batches are passed as host arrays (one process only).
+  The stage checkpoints every `config.sft.checkpoint_every` steps into its cache directory, so
+  a killed run resumes there; an unreadable checkpoint falls back to the previous one (or to a
+  fresh start) as the RL checkpoints do. `shard_batch` (e.g. `sharding.Layout.shard_batch`)
+  turns this process's rows into the global, batch-sharded array; without it batches are
+  passed as host arrays (one process only).
   """
-  from rloo_jax.trainer import make_optimizer  # the same AdamW + schedule as the RL stage
   c = config.sft
   directory = cache_dir(config, workdir)
-  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=1))
-  if manager.latest_step() == c.steps:
-    params = manager.restore(c.steps, args=ocp.args.StandardRestore(params))
-    manager.close()
-    log(f"[sft] restored the cached SFT policy from {directory}")
-    return params
-  if jax.process_index() == 0:
-    with open(directory + ".json", "w") as f:  # what this cache entry was trained with
-      json.dump(_settings(config), f, indent=1, sort_keys=True)
   tx = make_optimizer(_sft_optim(c), c.steps)
   state = SftState(jnp.zeros((), jnp.int32), params, tx.init(params))
-  step_fn = jax.jit(functools.partial(sft_step, fns=fns, tx=tx), donate_argnums=0)
-  batches = pipeline.sft_batches(task.demonstrations, task.tokenizer,
-                                 global_batch_size=c.batch_size,
-                                 max_seq_len=config.data.max_prompt_len + config.rloo.max_new_tokens,
-                                 seed=config.seed, process_index=jax.process_index(),
-                                 process_count=jax.process_count())
-  start = time.time()
-  for i in range(c.steps):
-    batch = next(batches)
-    batch = {k: batch[k] for k in ("tokens", "token_mask", "loss_mask")}
-    if shard_batch is not None:
-      batch = {k: shard_batch(v) for k, v in batch.items()}
-    state, metrics = step_fn(state, batch)
-    if (i + 1) % c.log_every == 0 or i + 1 == c.steps:
-      m = jax.device_get(metrics)
-      log(f"[sft] step {i + 1}/{c.steps} loss {float(m['loss']):.4f} "
-          f"token_accuracy {float(m['token_accuracy']):.3f} ({time.time() - start:.0f}s)")
-  manager.save(c.steps, args=ocp.args.StandardSave(state.params))
-  manager.wait_until_finished()
-  manager.close()
-  return state.params
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+      state)
+  ckpt = Checkpointer(directory, keep=2)
+  try:
+    restored = ckpt.restore(abstract) if ckpt.latest_step() is not None else None
+    batches = pipeline.sft_batches(task.demonstrations, task.tokenizer,
+                                   global_batch_size=c.batch_size,
+                                   max_seq_len=sequence_length(config),
+                                   seed=config.seed, process_index=jax.process_index(),
+                                   process_count=jax.process_count())
+    if restored is not None:
+      step, state, meta = restored
+      if step == c.steps:
+        log(f"[sft] restored the cached SFT policy from {directory}")
+        return state.params
+      batches.set_state(meta["data"])
+      log(f"[sft] resuming from step {step} in {directory}")
+    elif jax.process_index() == 0:
+      os.makedirs(os.path.dirname(directory), exist_ok=True)
+      with open(directory + ".json", "w") as f:  # what this cache entry was trained with
+        json.dump(_settings(config), f, indent=1, sort_keys=True)
+    step_fn = jax.jit(functools.partial(sft_step, fns=fns, tx=tx), donate_argnums=0)
+    start, skipped = time.time(), 0
+    every = max(int(c.get("checkpoint_every", 0)) or c.steps, 1)
+    for i in range(int(state.step), c.steps):
+      batch = next(batches)
+      batch = {k: batch[k] for k in ("tokens", "token_mask", "loss_mask")}
+      if shard_batch is not None:
+        batch = {k: shard_batch(v) for k, v in batch.items()}
+      state, metrics = step_fn(state, batch)
+      if (i + 1) % c.log_every == 0 or i + 1 == c.steps or (i + 1) % every == 0:
+        m = jax.device_get(metrics)
+        skipped = skipped + 1 if m["nonfinite_steps"] else 0
+        if skipped >= config.train.max_nonfinite_steps:
+          raise NonFiniteError(f"SFT step {i + 1}: {skipped} logged steps in a row had a "
+                               "non-finite loss or gradient; lower config.sft.learning_rate")
+        if (i + 1) % c.log_every == 0 or i + 1 == c.steps:
+          log(f"[sft] step {i + 1}/{c.steps} loss {float(m['loss']):.4f} "
+              f"token_accuracy {float(m['token_accuracy']):.3f} ({time.time() - start:.0f}s)")
+      if (i + 1) % every == 0 or i + 1 == c.steps:
+        ckpt.save(i + 1, state, {"data": batches.get_state()}, force=True)
+    return state.params
+  finally:
+    ckpt.close()
 
 
 def _settings(config) -> dict:
-  sft_config = {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_key", "log_every")}
+  # Settings that do not change the trained policy stay out of its cache key.
+  sft_config = {k: v for k, v in config.sft.to_dict().items()
+                if k not in ("cache_key", "log_every", "checkpoint_every")}
   return dict(task=config.task, seed=config.seed, sft=sft_config,
               model=config.model.to_dict(), data=config.data.to_dict(),
               max_new_tokens=config.rloo.max_new_tokens)

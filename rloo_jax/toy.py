@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Callable
+
 
 import jax
 import jax.numpy as jnp

@@ -9,16 +9,24 @@ Multi-host: start the same command once per process (docs/SHARDING.md), e.g. two
     python -m rloo_jax.train --config=configs/arithmetic.py:smoke --workdir=/tmp/mp \
         --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0 --num_cpu_devices=4
 
-The logic lives in `rloo_jax.trainer` so it can be imported, tested and driven from a notebook.
+The logic lives in `rloo_jax.algorithms` and `rloo_jax.loop` so it can be imported, tested and
+driven from a notebook; `--config.algorithm=ppo|dpo` trains a baseline through the same loop.
 Running again with the same workdir resumes from its newest checkpoint.
 """
+import importlib.util
+import os
+import sys
+
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from rloo_jax import algorithms
+from rloo_jax import checkpoint
+from rloo_jax import loop
 from rloo_jax import sharding
-from rloo_jax import trainer
+from rloo_jax import workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "get_config(arg) file (path[:arg])",
                                           lock_config=True)
@@ -44,8 +52,65 @@ def main(argv):
   # Before any other jax call: the device set is fixed once the backend starts.
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                   _CPU_DEVICES.value)
-  trainer.run(_CONFIG.value, _WORKDIR.value)
+  try:
+    result = algorithms.run(_CONFIG.value, _WORKDIR.value)
+  except USER_ERRORS as e:
+    _fail(e)
+  if result.get("preempted"):
+    print(f"[train] stopped by a signal after iteration {result['iterations']}, checkpoint "
+          "saved: exit 0", flush=True)
+
+
+# Errors that name a setting or a workdir problem and its fix: printed without a traceback
+# (RLOO_JAX_TRACEBACK=1 shows it).
+USER_ERRORS = (ValueError, FileNotFoundError, workdir_lib.WorkdirLockedError,
+               loop.NonFiniteError, loop.UnscorableError, checkpoint.CheckpointMismatchError)
+
+
+def _fail(e: BaseException):
+  if os.environ.get("RLOO_JAX_TRACEBACK"):
+    raise e
+  print(f"rloo_jax.train: error: {e}", file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
+def _load_config(spec: str):
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"--config={spec}: no config file {path!r}")
+  module_spec = importlib.util.spec_from_file_location("rloo_jax_cli_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def check_overrides(argv) -> None:
+  """Unknown `--config.a.b=...` keys, caught before absl parses them (which prints a long
+  traceback): the message names the closest known key."""
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+  if spec is None or not overrides:
+    return
+  flat = workdir_lib.flat_config(_load_config(spec))
+  sections = {k.rsplit(".", 1)[0] for k in flat}
+  for name in overrides:
+    if name in flat or name in sections:
+      continue
+    # A key inside a dict-valued setting (e.g. advantage.options.eps) is the config's to judge.
+    if any(name.startswith(k + ".") for k in flat):
+      continue
+    near = workdir_lib.closest_key(name, flat)
+    hint = f"; did you mean --config.{near}?" if near else ""
+    raise ValueError(f"unknown config key --config.{name} (not in {spec}){hint}")
+
+
+def run():
+  try:
+    check_overrides(sys.argv[1:])
+  except (ValueError, FileNotFoundError) as e:
+    _fail(e)
+  app.run(main)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run()

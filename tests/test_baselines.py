@@ -1,7 +1,6 @@
 """Baselines: PPO (GAE, per-token rewards, clipped value loss, one iteration), DPO (loss by hand,
 gradient sign, one step), and the sweep configs against the registries."""
 import glob
-import importlib.util
 import math
 import os
 import sys
@@ -11,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rloo_jax import advantage, dpo, loss, ppo, trainer
-from rloo_jax.models import transformer
+from conftest import REPO, load_config
+from rloo_jax import advantage, algorithms, loss, models
+from rloo_jax.algorithms import dpo, ppo_math
+from rloo_jax.algorithms.ppo import PPO
+from rloo_jax.optim import make_optimizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "experiments"))
 import sweep  # noqa: E402  (experiments/sweep.py)
 
@@ -27,20 +28,20 @@ def test_gae_by_hand():
   rewards = jnp.array([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
   values = jnp.array([[0.5, 0.6, 0.7], [0.2, 0.4, 9.0]])
   mask = jnp.array([[True, True, True], [True, True, False]])
-  adv, ret = ppo.gae(rewards, values, mask, gamma=1.0, lam=0.9)
+  adv, ret = ppo_math.gae(rewards, values, mask, gamma=1.0, lam=0.9)
   # Row 0: deltas 0.1, 0.1, 0.3 -> A2 = 0.3, A1 = 0.1 + 0.9 * 0.3, A0 = 0.1 + 0.9 * 0.37.
   # Row 1: the value 9.0 sits after the end and must not leak in: deltas 0.2, 0.6.
   np.testing.assert_allclose(adv, [[0.433, 0.37, 0.3], [0.74, 0.6, 0.0]], atol=1e-6)
   np.testing.assert_allclose(ret, [[0.933, 0.97, 1.0], [0.94, 1.0, 0.0]], atol=1e-6)
   # gamma = 0.5, lambda = 1: A_t = sum_l gamma^l delta_{t+l} = discounted return - V_t.
-  adv, _ = ppo.gae(rewards[:1], values[:1], mask[:1], gamma=0.5, lam=1.0)
+  adv, _ = ppo_math.gae(rewards[:1], values[:1], mask[:1], gamma=0.5, lam=1.0)
   np.testing.assert_allclose(adv[0], [0.25 - 0.5, 0.5 - 0.6, 1.0 - 0.7], atol=1e-6)
 
 
 def test_token_rewards_kl_per_token_and_sequence_reward_at_the_last_token():
   kl = jnp.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
   mask = jnp.array([[True, True, False], [True, True, True]])
-  r = ppo.token_rewards(jnp.array([2.0, -1.0]), kl, mask, beta=0.5)
+  r = ppo_math.token_rewards(jnp.array([2.0, -1.0]), kl, mask, beta=0.5)
   np.testing.assert_allclose(r, [[-0.05, -0.1 + 2.0, 0.0], [-0.2, -0.25, -0.3 - 1.0]], atol=1e-6)
 
 
@@ -51,13 +52,13 @@ def test_value_loss_clipping():
   # Token 0 moved 0.5 past the old value: the clipped prediction 0.7 is worse and counts.
   # Token 1 moved 0.1, inside the range: both terms agree.
   v = jnp.array([[1.0, 0.6]])
-  value, metrics = ppo.value_loss(v, old, ret, mask, clip=0.2)
+  value, metrics = ppo_math.value_loss(v, old, ret, mask, clip=0.2)
   np.testing.assert_allclose(value, (0.5 * 0.09 + 0.5 * 0.16) / 2, atol=1e-6)
   np.testing.assert_allclose(metrics["value_clip_fraction"], 0.5)
-  grad = jax.grad(lambda x: ppo.value_loss(x, old, ret, mask, clip=0.2)[0])(v)
+  grad = jax.grad(lambda x: ppo_math.value_loss(x, old, ret, mask, clip=0.2)[0])(v)
   np.testing.assert_allclose(grad[0, 0], 0.0, atol=1e-7)  # clipped branch: no gradient
   np.testing.assert_allclose(grad[0, 1], (0.6 - 1.0) / 2, atol=1e-6)
-  unclipped, _ = ppo.value_loss(v, old, ret, mask, clip=0.0)
+  unclipped, _ = ppo_math.value_loss(v, old, ret, mask, clip=0.0)
   np.testing.assert_allclose(unclipped, (0.0 + 0.5 * 0.16) / 2, atol=1e-6)
 
 
@@ -95,12 +96,8 @@ def test_dpo_loss_by_hand_and_gradient_sign():
 # One tiny PPO iteration and one DPO step
 
 
-def tiny_config(tmp_path):
-  spec = importlib.util.spec_from_file_location("arith_cfg", os.path.join(REPO, "configs",
-                                                                          "arithmetic.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config("smoke")
+def tiny_config():
+  c = load_config()
   c.data.update(num_train=64, num_test=8, max_prompt_len=8)
   c.model.update(hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                  max_seq_len=16)
@@ -113,20 +110,22 @@ def tiny_config(tmp_path):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("baselines")
-  config = tiny_config(tmp)
-  pexp = ppo.build(config, str(tmp))
-  _, params = transformer.create(pexp.exp.model_config, seed=0)
-  return config, pexp, params
+  config = tiny_config()
+  config.algorithm = "ppo"
+  algo = algorithms.make(config, str(tmp))
+  assert isinstance(algo, PPO)
+  _, params = models.create(algo.exp.model_config, seed=0)
+  return config, algo, params
 
 
 def test_one_ppo_iteration(tiny):
-  config, pexp, params = tiny
-  state = ppo.init_state(pexp, jax.tree.map(jnp.copy, params))
+  config, algo, params = tiny
+  state = algo.init_state(jax.tree.map(jnp.copy, params))
   before = jax.tree.map(np.asarray, state.value_params)
   from rloo_jax.data import pipeline
-  batch = next(pipeline.prompt_batches(pexp.exp.task.train, pexp.exp.tokenizer,
+  batch = next(pipeline.prompt_batches(algo.exp.task.train, algo.exp.tokenizer,
                                        global_batch_size=2, max_prompt_len=8, seed=0))
-  state, m = ppo.ppo_iteration(pexp, state, batch)
+  state, m = algo.iteration(state, batch)
   assert int(state.step) == 1
   for key in ("policy_loss", "value_loss", "clip_fraction", "value_clip_fraction", "kl",
               "explained_variance", "reward_mean", "grad_norm", "value_grad_norm"):
@@ -134,21 +133,25 @@ def test_one_ppo_iteration(tiny):
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), state.value_params, before)
   assert any(jax.tree.leaves(changed)), "the critic did not train"
   # The critic shares the policy's backbone shapes (same size) with a scalar head.
-  assert pexp.value_config.head == "scalar"
-  assert pexp.value_config.replace(head="lm") == pexp.exp.model_config
+  assert algo.value_config.head == "scalar"
+  assert algo.value_config.replace(head="lm") == algo.exp.model_config
+  # with_defaults: PPO's advantages come from GAE, over full rows.
+  assert algo.exp.config.advantage.estimator == "vanilla"
+  assert not algo.exp.config.train.shared_prefix
 
 
 def test_one_dpo_step_raises_the_margin(tiny):
-  config, pexp, params = tiny
-  exp = pexp.exp
+  config, algo, params = tiny
+  exp = algo.exp
   pairs = [dict(prompt="1+2=", chosen="3", rejected="4"),
            dict(prompt="5+5=", chosen="10", rejected="1")]
   rows = dpo.pair_rows(pairs, exp.tokenizer, seq_len=12)
   ref = dpo.reference_logprobs(exp.fns, params, rows, batch_size=4)
   c = dpo.with_defaults(config)
   c.optim.update(learning_rate=1e-2, warmup_steps=0)
-  tx = trainer.make_optimizer(c.optim, 10)
-  state = dpo.DPOState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, params), tx.init(params))
+  tx = make_optimizer(c.optim, 10)
+  state = dpo.DPOState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, params),
+                       jax.tree.map(jnp.copy, params), tx.init(params))
   batch = dict(rows, ref_logp=ref)
   state, m = dpo.train_step(state, batch, fns=exp.fns, tx=tx, beta=0.5)
   np.testing.assert_allclose(m["dpo_loss"], math.log(2), atol=1e-5)  # policy == reference

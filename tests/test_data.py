@@ -12,6 +12,7 @@ from rloo_jax import data
 from rloo_jax.data import arithmetic, builder, hh, pipeline, summarize, tldr
 from rloo_jax.data.tokenizer import ByteTokenizer, CharTokenizer, WordTokenizer
 from rloo_jax.rewards import arithmetic_exact_match, load_reward_fn
+from rloo_jax.rewards import summarize_gold
 
 
 @pytest.fixture(scope="module")
@@ -257,32 +258,6 @@ def test_load_reward_fn(tmp_path, monkeypatch):
 
 # --- embedded summarisation task ----------------------------------------------------------------
 
-def test_gold_reward_hand_cases():
-  prompt = "doc: the storm was a river and storm then market tl;dr:"
-  cases = {
-      "storm river market": 1.1,          # all key words, in order
-      "river storm market": 1.0,          # all, out of order
-      "storm river": 2 / 3,               # recall 2/3
-      "storm river market the": 0.9,      # one extra filler word
-      "storm storm river market": 0.9,    # a repeat costs like an extra word
-      "storm river market castle": 0.8,   # a word not in the document costs more
-      "": 0.0,
-  }
-  got = summarize.gold_reward([prompt] * len(cases), list(cases))
-  np.testing.assert_allclose(got, list(cases.values()), atol=1e-6)
-  assert np.isnan(summarize.gold_reward(["not a prompt"], ["storm"])).all()
-  assert np.isnan(summarize.gold_reward(["doc: the a tl;dr:"], ["the"])).all()  # no key words
-
-
-def test_win_rate_and_preferences():
-  assert summarize.win_rate([1.0, 0.5, 0.2, np.nan], [0.5, 0.5, 0.9, 0.0]) == pytest.approx(0.5)
-  rng = np.random.default_rng(0)
-  assert summarize.bradley_terry_prefer([1.0, 0.0], [0.0, 1.0], rng, temperature=0).tolist() == \
-      [True, False]
-  p = summarize.bradley_terry_prefer(np.full(4000, 0.1), np.zeros(4000), rng, temperature=0.1)
-  assert p.mean() == pytest.approx(1 / (1 + np.exp(-1)), abs=0.03)
-
-
 def test_summarize_builder(tmp_path):
   b = summarize.prepare(tmp_path, num_train=300, num_test=50, seed=1)
   train, test = data.load_split(b, "train"), data.load_split(b, "test")
@@ -293,8 +268,8 @@ def test_summarize_builder(tmp_path):
     tok.encode(r["prompt"] + " " + r["answer"])  # the word vocabulary covers the task
     assert r["reference"] == " ".join(summarize.key_words(summarize.parse_prompt(r["prompt"])))
   prompts = [r["prompt"] for r in rows]
-  ideal = summarize.gold_reward(prompts, [r["reference"] for r in rows])
-  sft = summarize.gold_reward(prompts, [r["answer"] for r in rows])
+  ideal = summarize_gold.gold_reward(prompts, [r["reference"] for r in rows])
+  sft = summarize_gold.gold_reward(prompts, [r["answer"] for r in rows])
   np.testing.assert_allclose(ideal, 1.1, atol=1e-6)
   assert 0.2 < sft.mean() < 0.8  # imperfect references leave room for RL
   assert max(len(tok.encode(p)) for p in prompts) <= 18

@@ -1,41 +1,244 @@
-"""experiments/ab_compiled.py runs a variant A/B end to end (tiny model, in a subprocess: a variant
-monkeypatches rloo_jax) and reports that the variant computes the same tokens and gradients."""
+"""The experiments/ scripts run end to end at their smallest settings, and what they print makes
+sense: not only positive timings, but the numbers each script derives (tokens, rewards, losses,
+bias ratios, run lists, per-variant program changes) checked against what they must be."""
 import json
+import math
 import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(REPO, "experiments")
+sys.path.insert(0, EXPERIMENTS)
+import sweep  # noqa: E402  (experiments/sweep.py)
 
 
-def test_ab_compiled_runs_a_variant_and_checks_equal_results():
-  out = subprocess.run(
-      [sys.executable, os.path.join(REPO, "experiments", "ab_compiled.py"),
-       os.path.join(REPO, "experiments", "variants", "unfused_decode_qkv.py"),
-       "--hidden", "32", "--layers", "1", "--pairs", "2"],
-      check=True, capture_output=True, text=True, cwd=REPO).stdout
-  result = json.loads(out.strip().splitlines()[-1])
-  assert result["variant"] == "unfused_decode_qkv.py" and result["pairs"] == 2
-  # Three matmuls or one: the same tokens, and the scoring gradient is untouched.
-  assert result["rollout_tokens_equal"] is True
-  assert result["gradient_max_rel_diff"] == 0.0
-  for program in ("rollout", "forward", "gradient"):
-    assert result[program]["A_s"] > 0 and result[program]["B_s"] > 0
-    assert result[program]["median_pair_ratio_B_over_A"] > 0
-  # The variant reached the decode loop's compiled program, and only it: the scoring forwards
-  # never used the fused projection.
-  assert result["rollout"]["program_changed"] is True
-  assert result["forward"]["program_changed"] is False
-  assert result["gradient"]["program_changed"] is False
+def run_json(script, *args, cwd=REPO):
+  """The last JSON line `experiments/<script> args...` prints."""
+  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, script), *map(str, args)],
+                       check=True, capture_output=True, text=True, cwd=cwd).stdout
+  return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def finite(*xs):
+  return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_step.py
+
+
+BENCH_KEYS = {"framework", "jax", "devices", "config", "params", "median",
+              "mean_completion_length", "mean_reward", "mean_kl", "mean_loss", "mean_advantage",
+              "update_tokens_per_iteration", "generated_tokens_per_iteration",
+              "model_gflop_per_iteration", "achieved_gflops", "update_gflops", "fraction_of_peak"}
+PHASES = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
+
+
+def test_bench_step_reports_a_consistent_iteration():
+  hidden, layers, heads, vocab, prompts, prompt_len, k, new_tokens = 32, 1, 2, 256, 2, 4, 2, 4
+  results = {}
+  for shared in (1, 0):
+    r = run_json("bench_step.py", "--hidden", hidden, "--layers", layers, "--heads", heads,
+                 "--prompts", prompts, "--prompt_len", prompt_len, "--k", k, "--new_tokens",
+                 new_tokens, "--iterations", 2, "--shared_prefix", shared)
+    results[shared] = r
+    assert set(r) == BENCH_KEYS, set(r) ^ BENCH_KEYS
+    assert r["framework"] == "rloo_jax"
+    # The flags keep their names (compare_trl.py / compare_commits.py pass them).
+    assert r["config"] == dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab,
+                               prompts=prompts, prompt_len=prompt_len, k=k,
+                               new_tokens=new_tokens, iterations=2, dtype="float32",
+                               shared_prefix=shared, peak_gflops=390.0)
+    # A Llama with untied head: embedding + head, 4 attention and 3 MLP matrices, 2 norms a
+    # layer, the final norm.
+    e, f = hidden, 4 * hidden
+    assert r["params"] == 2 * vocab * e + layers * (4 * e * e + 3 * e * f + 2 * e) + e
+    med = r["median"]
+    assert set(med) == set(PHASES)
+    assert all(med[p] > 0 for p in PHASES), med
+    # iteration_s is each iteration's sum of phases, so its median bounds each phase's median.
+    assert med["iteration_s"] >= max(med[p] for p in PHASES[:-1])
+    # What was trained on: the synthetic reward is a fraction, RLOO's leave-one-out
+    # advantages sum to zero over each group, and the loss and KL are finite.
+    assert 1 <= r["mean_completion_length"] <= new_tokens
+    assert 0.0 <= r["mean_reward"] <= 1.0
+    assert finite(r["mean_kl"], r["mean_loss"]) and abs(r["mean_kl"]) < 1.0
+    assert abs(r["mean_advantage"]) < 1e-5
+    # The trainer's throughput metrics count every [prompt | completion] row's tokens once per
+    # epoch, and the generated tokens of every sample.
+    assert r["update_tokens_per_iteration"] == pytest.approx(
+        prompts * k * (prompt_len + new_tokens), rel=1e-3)
+    assert r["generated_tokens_per_iteration"] == pytest.approx(
+        prompts * k * r["mean_completion_length"], rel=1e-3)
+    assert r["model_gflop_per_iteration"] > 0 and r["achieved_gflops"] > 0
+    assert r["update_gflops"] > 0
+    assert r["fraction_of_peak"] * 390.0 == pytest.approx(r["achieved_gflops"], abs=0.05)
+  # Sharing the prompt over its k samples feeds fewer tokens, never more.
+  assert results[1]["model_gflop_per_iteration"] <= results[0]["model_gflop_per_iteration"]
+
+
+# ----------------------------------------------------------------------------------------------
+# ab_config.py / ab_compiled.py
 
 
 def test_ab_config_interleaves_iterations_of_both_settings():
-  out = subprocess.run(
-      [sys.executable, os.path.join(REPO, "experiments", "ab_config.py"),
-       "--flag", "reuse_rollout_activations", "--hidden", "32", "--layers", "1", "--pairs", "2"],
-      check=True, capture_output=True, text=True, cwd=REPO).stdout
-  result = json.loads(out.strip().splitlines()[-1])
-  assert result["flag"] == "reuse_rollout_activations" and result["pairs"] == 2
+  result = run_json("ab_config.py", "--flag", "shared_prefix", "--hidden", 32, "--layers", 1,
+                    "--pairs", 2)
+  assert result["flag"] == "shared_prefix" and result["pairs"] == 2
+  assert result["A"] is False and result["B"] is True
   for phase in ("rollout_s", "reference_s", "update_s", "iteration_s"):
     assert result[phase]["A_s"] > 0 and result[phase]["B_s"] > 0
     assert result[phase]["median_pair_ratio_B_over_A"] > 0
+  # Same weights, prompts and random numbers: the first rollout is the same on both sides, and
+  # shared_prefix only changes how the same loss is computed.
+  a, b = result["first_iteration"]["A"], result["first_iteration"]["B"]
+  assert a["reward_mean"] == b["reward_mean"]
+  assert a["completion_length"] == b["completion_length"]
+  assert finite(a["loss"], b["loss"], a["kl"], b["kl"])
+  assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+  assert a["kl"] == pytest.approx(b["kl"], abs=1e-4)
+
+
+# Which compiled programs each variant must reach (and only those), and how far its gradient may
+# move (float rounding; the unfused projection leaves the scoring programs untouched).
+VARIANTS = {
+    "unfused_decode_qkv.py": ({"rollout"}, 0.0),
+    "head_major_attention.py": ({"forward", "gradient"}, 1e-4),
+    "swiglu_vjp.py": ({"gradient"}, 1e-4),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_ab_compiled_runs_a_variant_and_checks_equal_results(variant):
+  result = run_json("ab_compiled.py", os.path.join(EXPERIMENTS, "variants", variant),
+                    "--hidden", 32, "--layers", 1, "--pairs", 2)
+  changed, max_diff = VARIANTS[variant]
+  assert result["variant"] == variant and result["pairs"] == 2
+  # The variant must not change what is computed: the same tokens, the same gradient.
+  assert result["rollout_tokens_equal"] is True
+  assert 0.0 <= result["gradient_max_rel_diff"] <= max_diff
+  for program in ("rollout", "forward", "gradient"):
+    assert result[program]["A_s"] > 0 and result[program]["B_s"] > 0
+    assert result[program]["median_pair_ratio_B_over_A"] > 0
+  # The variant still reaches the model code it patches, and only the programs that run it.
+  assert {p for p in ("rollout", "forward", "gradient")
+          if result[p]["program_changed"]} == changed
+
+
+# ----------------------------------------------------------------------------------------------
+# variance_k.py / bench_sampler.py
+
+
+def test_variance_k_is_unbiased_and_falls_with_k():
+  r = run_json("variance_k.py", "--groups", 20000, "--ks", "2,4")
+  assert r["groups"] == 20000 and set(r["k"]) == {"2", "4"}
+  for k, s in ((int(k), s) for k, s in r["k"].items()):
+    # RLOO: the mean estimate projects onto the exact gradient with scale 1 (unbiased); the
+    # baseline that includes each sample shrinks it to (k - 1) / k.
+    assert s["rloo_scale"] == pytest.approx(1.0, abs=0.02)
+    assert s["expected_mean_baseline_scale"] == pytest.approx((k - 1) / k, abs=1e-4)
+    assert s["mean_baseline_scale"] == pytest.approx((k - 1) / k, abs=0.02)
+    assert s["rloo_max_z"] < 4.5
+    assert s["variance"] > 0 and s["variance_x_k"] == pytest.approx(s["variance"] * k, rel=1e-3)
+  assert r["k"]["4"]["variance"] < r["k"]["2"]["variance"]
+  # Per sample too: k = 4 spends its samples better than k = 2.
+  assert r["k"]["4"]["variance_x_k"] < r["k"]["2"]["variance_x_k"]
+  assert r["variance_ratio_k4_over_k2"] == pytest.approx(
+      r["k"]["4"]["variance"] / r["k"]["2"]["variance"], abs=1e-3)
+
+
+def test_bench_sampler_modes_agree():
+  modes = ["shared", "unshared", "recompute", "copied", "kept"]
+  prompts, k, new_tokens = 2, 2, 4
+  r = run_json("bench_sampler.py", "--prompt_len", 4, "--new_tokens", new_tokens, "--prompts",
+               prompts, "--k", k, "--vocab", 64, "--hidden", 32, "--layers", 1, "--heads", 2,
+               "--kv_heads", 2, "--intermediate", 64, "--repeats", 2, "--modes", ",".join(modes))
+  assert set(r["all_times_s"]) == set(modes) and r["hf_generate_s"] is None
+  for mode, key in (("shared", "shared"), ("unshared", "unshared"), ("recompute", "recompute")):
+    assert r[f"{key}_s"] > 0
+    assert r[f"{key}_tokens_per_s"] == pytest.approx(prompts * k * new_tokens / r[f"{key}_s"],
+                                                     rel=0.01)
+  # Every mode draws stream (b, j)'s tokens from the same keys: the same completions.
+  lengths = r["mean_completion_len"]
+  assert set(lengths) == set(modes) and 1 <= lengths["shared"] <= new_tokens
+  assert len(set(lengths.values())) == 1, lengths
+  # The programs were compiled ahead of the timed calls: the first timed call is no compile.
+  for mode in modes:
+    assert r["all_times_s"][mode][0] < r["compile_s"][mode], (mode, r["all_times_s"], r["compile_s"])
+  assert r["copied_over_kept"] == pytest.approx(r["copied_s"] / r["kept_s"], rel=0.01)
+
+
+# ----------------------------------------------------------------------------------------------
+# sweep.py
+
+
+SWEEPS = sorted(os.path.join(REPO, "configs", "sweeps", f)
+                for f in os.listdir(os.path.join(REPO, "configs", "sweeps")) if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=os.path.basename)
+def test_sweep_dry_run_lists_every_run_and_seed(path, tmp_path, capsys):
+  sweep.main(["--sweep", path, "--root", str(tmp_path), "--dry_run", "--seeds", "0,1"])
+  lines = capsys.readouterr().out.strip().splitlines()
+  _, runs = sweep.load_sweep(path)
+  # Seed-major, every run at every seed, with exactly its overrides.
+  assert lines == [f"{r['name']}/seed{s}: {json.dumps({k: v for k, v in r.items() if k != 'name'})}"
+                   for s in (0, 1) for r in runs]
+  assert not os.listdir(tmp_path)  # a dry run writes nothing
+
+
+def test_sweep_rejects_an_unknown_algorithm():
+  base = sweep.load_config("configs/arithmetic.py:smoke")
+  with pytest.raises(ValueError, match="unknown config.algorithm"):
+    sweep.validate_all([sweep.apply_overrides(base, {"algorithm": "a2c"})])
+
+
+TINY_SWEEP = '''
+CONFIG = "configs/arithmetic.py:smoke"
+SEEDS = (0,)
+COMMON = {"train.num_iterations": 1, "train.eval_every": 0, "train.eval_prompts": 8,
+          "train.eval_batch_size": 8, "sft.steps": 4}
+NOISY = {"rewards.fns": ["rloo_jax.rewards.verifiers:arithmetic_exact_match",
+                         "rloo_jax.rewards.noise:standard_normal"], "rewards.weights": [1.0, 1.0]}
+
+
+def get_sweep():
+  return [dict(name="rloo_k2", **{"rloo.k": 2}),
+          dict(name="ppo", algorithm="ppo", **{"rloo.k": 1}),
+          # A 4-step SFT policy never answers right: noise breaks the ties so pairs exist.
+          dict(name="dpo", algorithm="dpo", **NOISY, **{
+              "dpo.steps": 1, "dpo.batch_size": 4, "dpo.num_pair_prompts": 8,
+              "dpo.samples_per_prompt": 2, "dpo.sample_batch_size": 4, "dpo.eval_every": 0})]
+'''
+
+
+def test_sweep_trains_every_algorithm_from_one_sft_policy_and_resumes(tmp_path):
+  path = tmp_path / "tiny_sweep.py"
+  path.write_text(TINY_SWEEP)
+  root = tmp_path / "root"
+  cmd = [sys.executable, os.path.join(EXPERIMENTS, "sweep.py"), f"--sweep={path}",
+         f"--root={root}", "--quiet"]
+  subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
+  summaries = {}
+  for name in ("rloo_k2", "ppo", "dpo"):
+    workdir = root / name / "seed0"
+    summaries[name] = json.loads((workdir / "summary.json").read_text())
+    info = json.loads((workdir / "run.json").read_text())
+    assert summaries[name]["algorithm"] == info["algorithm"] == (
+        "rloo" if name == "rloo_k2" else name)
+    assert summaries[name]["iterations"] == 1 and summaries[name]["initial_policy"] == "SFT"
+    assert info["name"] == name and info["seed"] == 0 and info["wall_s"] > 0
+    for ev in (summaries[name]["before"], summaries[name]["after"]):
+      assert 0.0 <= ev["greedy_reward/arithmetic_exact_match"] <= 1.0
+      assert 1 <= ev["greedy_length"] <= 5
+  assert summaries["dpo"]["num_pairs"] > 0
+  # One SFT policy for every method: the same held-out evaluation before training.
+  before = {n: (s["before"]["greedy_length"], s["before"]["greedy_reward/arithmetic_exact_match"])
+            for n, s in summaries.items()}
+  assert len(set(before.values())) == 1, before
+  # A finished run is skipped on a rerun.
+  out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout
+  assert out.count("done, skipped") == 3, out

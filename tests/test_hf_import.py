@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rloo_jax import sampler, sampling
 from rloo_jax.models import hf, model_fns
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
@@ -199,8 +200,6 @@ def test_live_parity_with_transformers(family, tmp_path, monkeypatch):
 
 def test_sampler_greedy_matches_transformers_generate():
   """End to end through rloo_jax.sampler (shared prefix, k streams) on the imported weights."""
-  sampler = pytest.importorskip('rloo_jax.sampler')
-  sampling = pytest.importorskip('rloo_jax.sampling')
   path = os.path.join(FIXTURES, 'qwen2')
   _, graphdef, params = hf.load_model(path)
   ref = np.load(os.path.join(path, 'reference.npz'))

@@ -183,15 +183,15 @@ def test_shared_cached_decode_matches_full_recomputation(model, copy_prefix_max_
 
 def test_shared_prefix_attention_forms_agree(monkeypatch):
   """On CPU, k > 1 streams use the multiply-and-sum form; other backends the einsum. Same values."""
-  from rloo_jax.models import transformer
+  from rloo_jax.models import attention
   rng = np.random.default_rng(7)
   b, k, h, g, d, p, t = 2, 3, 2, 2, 8, 5, 4
   f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
   args = (f(b, k, h, g, d), f(b, h, d, p), f(b, h, p, d),
           jnp.asarray(rng.random((b, p)) > 0.3), f(b, k, h, d, t), f(b, k, h, t, d), 2)
-  cpu = transformer._shared_prefix_attention(*args)
-  monkeypatch.setattr(transformer.jax, 'default_backend', lambda: 'gpu')
-  other = transformer._shared_prefix_attention(*args)
+  cpu = attention._shared_prefix_attention(*args)
+  monkeypatch.setattr(attention.jax, 'default_backend', lambda: 'gpu')
+  other = attention._shared_prefix_attention(*args)
   np.testing.assert_allclose(cpu, other, atol=1e-5, rtol=1e-5)
 
 

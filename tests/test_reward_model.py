@@ -1,7 +1,6 @@
 """Reward model (Bradley-Terry training, scorer, save/load, resolve) and the RLHF pipeline smoke."""
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
 import time
@@ -11,26 +10,24 @@ import jax
 import numpy as np
 import pytest
 
-from rloo_jax import rewards, rlhf
+from conftest import load_config
+from rloo_jax import rewards
 from rloo_jax.data import summarize
+from rloo_jax.metrics import read_jsonl
 from rloo_jax.models import transformer
 from rloo_jax.rewards import reward_model as rm
+from rloo_jax.rewards import scorer as rm_scorer
+from rloo_jax.rewards import summarize_gold
+from rloo_jax.rewards.preferences import win_rate_stats
+from rloo_jax import preference_pairs as rlhf_pairs
+from rloo_jax.rlhf import pipeline
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = summarize.make_tokenizer()
 SEQ_LEN = 16
 
 
 def quiet(*args, **kwargs):
   del args, kwargs
-
-
-def load_config(arg="smoke"):
-  spec = importlib.util.spec_from_file_location("sum_cfg", os.path.join(REPO, "configs",
-                                                                        "summarize.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
 
 
 @functools.lru_cache(maxsize=None)  # one init compile for the whole module
@@ -117,10 +114,10 @@ def test_scorer_fixed_shapes_padding_and_unscorable(trained):
   prompts = [p["prompt"] for p in held_out]
   texts = [p["chosen"] for p in held_out]
   all_rows = scorer.raw(prompts, texts)  # 96 rows = 3 chunks of 32
-  size = rm._score._cache_size()
+  size = rm_scorer._score._cache_size()
   few = scorer.raw(prompts[5:8], texts[5:8])  # 3 rows padded to one chunk of 32
   np.testing.assert_allclose(few, all_rows[5:8], rtol=1e-5, atol=1e-6)
-  assert rm._score._cache_size() == size  # no recompile for another batch size
+  assert rm_scorer._score._cache_size() == size  # no recompile for another batch size
   before = scorer.num_unscorable
   out = scorer(prompts[:3] + ["doc: storm tl;dr:"], texts[:3] + ["zebra"])  # out of vocabulary
   assert np.isnan(out[3]) and np.isfinite(out[:3]).all()
@@ -148,7 +145,8 @@ def test_save_load_and_resolve(trained):
   assert not raw.whiten and raw.clip == 0 and raw.batch_size == 32
   np.testing.assert_allclose(raw(prompts, texts), calibrated.raw(prompts, texts), rtol=1e-5,
                              atol=1e-6)
-  assert rewards.resolve("rloo_jax.data.summarize:gold_reward") is summarize.gold_reward
+  assert rewards.resolve("rloo_jax.rewards.summarize_gold:gold_reward") is \
+      summarize_gold.gold_reward
 
 
 def test_bad_inputs_fail_fast_with_clear_messages(tmp_path, trained):
@@ -192,47 +190,46 @@ def test_bad_inputs_fail_fast_with_clear_messages(tmp_path, trained):
                                    r"samples_per_prompt / 2 = 2"),
     ({"rlhf.eval_pair_fraction": 1.0}, r"eval_pair_fraction = 1.0 must be in \(0, 1\)"),
     ({"rlhf.sample_temperature": 0.0}, r"sample_temperature = 0.0 must be > 0"),
-    ({"rlhf.gold_reward": "rloo_jax.data.summarize:no_gold"}, r"has no attribute 'no_gold'"),
+    ({"rlhf.gold_reward": "rloo_jax.rewards.summarize_gold:no_gold"},
+     r"has no attribute 'no_gold'"),
     ({"rloo.max_new_tokens": 12}, r"20\) \+ config\.rloo\.max_new_tokens \(12\) \+ 1 = 33 exceeds "
                                   r"config\.model\.max_seq_len = 32"),
 ])
 def test_pipeline_config_validation(tmp_path, override, message):
-  config = load_config()
+  config = load_config(name="summarize")
   config.update_from_flattened_dict(override)
   start = time.time()
   with pytest.raises((ValueError, FileNotFoundError), match=message):
-    rlhf.run(config, str(tmp_path), log=quiet)
+    pipeline.run(config, str(tmp_path), log=quiet)
   assert time.time() - start < 5 and not os.listdir(tmp_path)  # nothing prepared or compiled
 
 
 def test_missing_rlhf_section_is_named():
-  spec = importlib.util.spec_from_file_location("arith", os.path.join(REPO, "configs",
-                                                                      "arithmetic.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   with pytest.raises(ValueError, match=r"no `rlhf` section .* configs/summarize\.py"):
-    rlhf.validate(module.get_config("smoke"))
+    pipeline.validate(load_config(name="arithmetic"))
 
 
 def test_win_rate_on_hand_made_cases():
-  s = rlhf.win_rate_stats([1.0, 0.5, 0.2, np.nan], [0.5, 0.5, 0.9, 0.0])
+  s = win_rate_stats([1.0, 0.5, 0.2, np.nan], [0.5, 0.5, 0.9, 0.0])
   assert s == dict(win_rate=0.5, wins=1, ties=1, losses=1, n=3)
-  assert rlhf.win_rate_stats([1, 1, 1], [1, 1, 1])["win_rate"] == 0.5  # all ties: half each
-  assert rlhf.win_rate_stats([2, 2, 0, 0], [1, 1, 1, 1])["win_rate"] == 0.5
-  assert rlhf.win_rate_stats([2, 2, 2, 1], [1, 1, 1, 1])["win_rate"] == 0.875
-  assert rlhf.win_rate_stats([0.0], [1.0])["win_rate"] == 0.0
-  assert np.isnan(rlhf.win_rate_stats([np.nan], [1.0])["win_rate"])
+  assert win_rate_stats([1, 1, 1], [1, 1, 1])["win_rate"] == 0.5  # all ties: half each
+  assert win_rate_stats([2, 2, 0, 0], [1, 1, 1, 1])["win_rate"] == 0.5
+  assert win_rate_stats([2, 2, 2, 1], [1, 1, 1, 1])["win_rate"] == 0.875
+  assert win_rate_stats([0.0], [1.0])["win_rate"] == 0.0
+  assert np.isnan(win_rate_stats([np.nan], [1.0])["win_rate"])
   a, b = np.random.default_rng(0).integers(0, 3, (2, 50)).astype(float)
-  assert rlhf.win_rate_stats(a, b)["win_rate"] == summarize.win_rate(a, b)
+  by_hand = (np.sum(a > b) + 0.5 * np.sum(a == b)) / len(a)
+  assert win_rate_stats(a, b)["win_rate"] == pytest.approx(by_hand)
   with pytest.raises(ValueError, match="one score per prompt"):
-    rlhf.win_rate_stats([1.0, 2.0], [1.0])
+    win_rate_stats([1.0, 2.0], [1.0])
 
 
 def test_make_pairs_labels_and_skips_identical_samples():
   prompts = ["doc: storm the river tl;dr:", "doc: the market a tl;dr:", "doc: a storm tl;dr:"]
   samples = [["the", "storm river", "the"], ["market", "market"], ["storm", "a storm"]]
-  pairs, counts = rlhf.make_pairs(prompts, samples, summarize.gold_reward,
-                                  np.random.default_rng(0), bt_temperature=0.0, pairs_per_prompt=2)
+  pairs, counts = rlhf_pairs.make_pairs(prompts, samples, summarize_gold.gold_reward,
+                                        np.random.default_rng(0), bt_temperature=0.0,
+                                        pairs_per_prompt=2)
   assert counts == dict(num_prompts=3, no_distinct_samples=1, unscorable=0)
   assert [p["prompt"] for p in pairs] == [prompts[0], prompts[2]]  # 2 distinct texts: one pair
   assert [(p["chosen"], p["rejected"]) for p in pairs] == [("storm river", "the"),
@@ -240,27 +237,21 @@ def test_make_pairs_labels_and_skips_identical_samples():
   for p in pairs:
     assert p["gold_chosen"] > p["gold_rejected"]  # noiseless labels follow gold
   four = ["storm", "river", "storm river", "the"]
-  pairs, _ = rlhf.make_pairs(prompts[:1], [four], summarize.gold_reward,
-                             np.random.default_rng(1), bt_temperature=0.0, pairs_per_prompt=2)
+  pairs, _ = rlhf_pairs.make_pairs(prompts[:1], [four], summarize_gold.gold_reward,
+                                   np.random.default_rng(1), bt_temperature=0.0,
+                                   pairs_per_prompt=2)
   assert len(pairs) == 2  # disjoint: every sample used once
   assert sorted(t for p in pairs for t in (p["chosen"], p["rejected"])) == sorted(four)
   both = pairs + [dict(p, prompt="other") for p in pairs]
-  train, held_out = rlhf.split_by_prompt(both, 0.5)
+  train, held_out = rlhf_pairs.split_by_prompt(both, 0.5)
   assert {p["prompt"] for p in train} == {prompts[0]} and {p["prompt"] for p in held_out} == {"other"}
-
-
-def test_gold_tap_passes_the_proxy_through_and_records_gold():
-  tap = rlhf.GoldTap(lambda p, c, **f: np.arange(len(c), dtype=np.float32), summarize.gold_reward)
-  prompts = ["doc: storm the tl;dr:"] * 2
-  np.testing.assert_array_equal(tap(prompts, ["storm", "the"], answer=["", ""]), [0.0, 1.0])
-  np.testing.assert_allclose(tap.last["gold"], [1.1, -0.2], atol=1e-6)
 
 
 def test_rlhf_pipeline_smoke(tmp_path):
   """SFT -> pairs -> RM -> RLOO -> evaluation at a tiny size, then a rerun reuses every stage."""
   workdir = str(tmp_path / "rlhf")
-  config = load_config()
-  summary = rlhf.run(config, workdir, log=quiet)
+  config = load_config(name="summarize")
+  summary = pipeline.run(config, workdir, log=quiet)
   for name in ("rlhf_table.md", "rlhf_summary.json", "gold_vs_proxy.png", "reward_vs_kl.png",
                "timings.json", "pairs/pairs.json", "rloo/metrics.jsonl"):
     assert os.path.exists(os.path.join(workdir, name)), name
@@ -270,6 +261,21 @@ def test_rlhf_pipeline_smoke(tmp_path):
   assert [e["step"] for e in summary["evals"]] == [0, 1, 2]
   for h in summary["history"]:
     assert np.isfinite([h["gold_reward"], h["proxy_reward"], h["kl"]]).all()
+  # The RL stage trains on the proxy (the reward model) and logs the hidden gold reward beside
+  # it at weight 0: every rollout row of its metrics carries both, and the history is read
+  # from them.
+  rl_rows = [r for r in read_jsonl(os.path.join(workdir, "rloo", "metrics.jsonl"))
+             if "train/loss" in r]
+  assert [r["step"] for r in rl_rows] == [1, 2]
+  for r, h in zip(rl_rows, summary["history"]):
+    assert np.isfinite([r["train/reward/gold"], r["train/reward/proxy"]]).all(), r
+    assert h["gold_reward"] == r["train/reward/gold"]
+    assert h["proxy_reward"] == r["train/reward_mean"]
+    # The policy's reward is the proxy alone (weight 1; gold has weight 0).
+    assert r["train/reward_mean"] == pytest.approx(r["train/reward/proxy"], abs=1e-5)
+  with open(os.path.join(workdir, "rloo", "summary.json")) as f:
+    rl_summary = json.load(f)
+  assert rl_summary["algorithm"] == "rloo" and rl_summary["reward"] == "gold"
   assert summary["sft"]["win_rate"] == 0.5
   assert 0.0 <= summary["rloo"]["win_rate"] <= 1.0
   assert 0.0 <= summary["rloo_sampled"]["win_rate"] <= 1.0
@@ -284,7 +290,7 @@ def test_rlhf_pipeline_smoke(tmp_path):
   assert scorer.whiten and np.isfinite(scorer(["doc: storm a tl;dr:"], ["storm"])).all()
 
   logs = []
-  again = rlhf.run(config, workdir, log=logs.append)
+  again = pipeline.run(config, workdir, log=logs.append)
   text = "\n".join(map(str, logs))
   assert "restored the cached SFT policy" in text and "reusing" in text
   assert "resumed from iteration 2" in text and "[rloo] iteration" not in text

@@ -4,7 +4,7 @@ Most tests run against a fake deterministic ModelFns: one attention layer with a
 follows the DecodeCache contract of docs/ARCHITECTURE.md (prefix shared by the k streams), so
 cached decoding, prefix sharing and full recomputation can be compared exactly. With
 `scale=0` its logits are the constant `bias`, which makes the support of top-k / top-p known.
-The last tests use a tiny real Transformer when rloo_jax.models is importable.
+The last tests use a tiny real Transformer.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rloo_jax import sampler, sampling
+from rloo_jax import models, sampler, sampling
 # The fake model returns the real cache structures, so a change to the contract breaks it too.
-from rloo_jax.models.transformer import PrefixKV, init_cache
+from rloo_jax.models.cache import COPY_PREFIX_MAX_LEN, PrefixKV, init_cache
 
 EOS, PAD = 1, 0
 
@@ -267,7 +267,8 @@ def test_tokens_after_eos_are_pad_and_masked():
     assert (out.logprobs_bkt[b, j, n:] == 0).all()
   assert 0 < ended < out.lengths_bk.size
   assert len(np.unique(out.lengths_bk)) > 1
-  np.testing.assert_array_equal(sampler.eos_mask(out.tokens_bkt, EOS), out.mask_bkt)
+  is_eos = out.tokens_bkt == EOS  # True up to and including each row's first EOS:
+  np.testing.assert_array_equal(np.cumsum(is_eos, -1) - is_eos == 0, out.mask_bkt)
 
 
 def test_loop_stops_when_all_streams_end():
@@ -279,12 +280,6 @@ def test_loop_stops_when_all_streams_end():
   assert out.tokens_bkt.shape == (3, 3, 6)
   assert (out.tokens_bkt[..., 0] == EOS).all() and (out.tokens_bkt[..., 1:] == PAD).all()
   assert (out.lengths_bk == 1).all()
-
-
-def test_eos_mask():
-  toks = jnp.array([[3, 1, 4, 1], [3, 3, 3, 3], [1, 0, 0, 0]])
-  np.testing.assert_array_equal(sampler.eos_mask(toks, 1),
-                                [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
 
 
 def test_streams_are_independent():
@@ -361,11 +356,10 @@ def test_errors_before_compiling(change, match):
 
 
 # ----------------------------------------------------------------------------------------------
-# With the real transformer, when rloo_jax.models has landed.
+# With the real transformer.
 
 
 def _tiny_transformer(family):
-  models = pytest.importorskip('rloo_jax.models')
   overrides = dict(vocab_size=48, hidden_size=32, num_layers=1, num_heads=4, head_dim=8,
                    intermediate_size=64, max_seq_len=64)
   if family == 'llama':
@@ -387,8 +381,7 @@ def test_real_transformer_cached_equals_uncached(family, other, prefix):
     fns = fns._replace(init_cache=functools.partial(fns.init_cache, copy_prefix_max_len=0))
   tokens, lengths = prompts(lengths=(7, 2, 12), width=12, vocab=48, seed=4)
   if prefix == 'copied':
-    from rloo_jax.models import transformer
-    assert tokens.shape[1] <= transformer.COPY_PREFIX_MAX_LEN  # the default copies these
+    assert tokens.shape[1] <= COPY_PREFIX_MAX_LEN  # the default copies these
   outs = {m: np_out(run(params, tokens, lengths, rng=2, fns=fns, k=3, t=8, mode=m, eos_id=47,
                         method=sampling.Temperature(1.0)))
           for m in ('shared', other)}

@@ -5,7 +5,6 @@ multi-device work runs in subprocesses: one worker (this file, run as a script) 
 mesh and writes what it measured as JSON, which the tests below check. That keeps the compiles to
 one per (mesh, program), the cost that dominates on CPU.
 """
-import importlib.util
 import json
 import os
 import socket
@@ -16,19 +15,12 @@ import time
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO, TESTS, load_config
+
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 2, 4), (2, 2, 2)]
 # Metrics that must agree across meshes (timings and throughputs excluded).
 COMPARED = ("loss", "grad_norm", "kl", "reward_mean", "reward_std", "penalised_reward",
             "advantage_mean", "advantage_std", "completion_length", "entropy", "clip_fraction")
-
-
-def load_config(arg="smoke"):
-  spec = importlib.util.spec_from_file_location("arith_cfg", os.path.join(REPO, "configs",
-                                                                          "arithmetic.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
 
 
 def length_reward(prompts, completions, **fields):
@@ -70,31 +62,32 @@ def _metric_diffs(m, ref):
 
 def mesh_worker(workdir: str) -> dict:
   import jax
-  from rloo_jax import sharding, trainer
+  from rloo_jax import experiment, models, sharding
+  from rloo_jax.algorithms.rloo import RLOO
   from rloo_jax.checkpoint import Checkpointer
   from rloo_jax.data import pipeline
-  from rloo_jax.models import transformer
   assert jax.device_count() == 8, jax.devices()
   t_start = time.time()
-  exp1 = trainer.build(mesh_config(), workdir, devices=jax.devices()[:1])
+  exp1 = experiment.build(mesh_config(), workdir, devices=jax.devices()[:1])
+  algo1 = RLOO(exp1)
   task = exp1.task
-  params0 = jax.device_get(transformer.create(exp1.model_config, seed=3)[1])
+  params0 = jax.device_get(models.create(exp1.model_config, seed=3)[1])
   data = pipeline.prompt_batches(task.train, task.tokenizer, global_batch_size=8,
                                  max_prompt_len=exp1.config.data.max_prompt_len, seed=0)
   batch1, batch2 = next(data), next(data)
 
-  state, ref_m1 = trainer.rl_iteration(exp1, trainer.init_state(exp1, params0), batch1)
+  state, ref_m1 = algo1.iteration(algo1.init_state(params0), batch1)
   ref_s1 = _host(state)
-  state, ref_m2 = trainer.rl_iteration(exp1, state, batch2)
+  state, ref_m2 = algo1.iteration(state, batch2)
   ref_s2 = _host(state)
   out = {"meshes": {}, "restore": {}}
-  exps = {}
+  algos = {}
   ckdir = os.path.join(workdir, "ckpt_2x4x1")
   for mesh in MESHES:
     t0 = time.time()
-    exp = exps[mesh] = trainer.build(mesh_config(mesh), workdir, task=task)
-    state = trainer.init_state(exp, params0)
-    state, m = trainer.rl_iteration(exp, state, batch1)
+    algo = algos[mesh] = RLOO(experiment.build(mesh_config(mesh), workdir, task=task))
+    state = algo.init_state(params0)
+    state, m = algo.iteration(state, batch1)
     emb = state.params["embedding"][...]
     q = state.params["layers"][0]["attn"]["q_kernel"][...]
     out["meshes"][str(mesh)] = dict(
@@ -111,13 +104,13 @@ def mesh_worker(workdir: str) -> dict:
       ckpt.close()
 
   # A checkpoint written on (2, 4, 1) restores onto (8, 1, 1) and onto one device; both continue.
-  for name, exp in (("8x1x1", exps[(8, 1, 1)]), ("1 device", exp1)):
+  for name, algo in (("8x1x1", algos[(8, 1, 1)]), ("1 device", algo1)):
     ckpt = Checkpointer(ckdir)
-    step, state, meta = ckpt.restore(trainer.abstract_state(exp))
+    step, state, meta = ckpt.restore(algo.abstract_state())
     ckpt.close()
     leaf = state.params["layers"][0]["mlp"]["up_kernel"][...]
     restored_diff = _max_diff(_host(state), ref_s1)
-    state, m = trainer.rl_iteration(exp, state, batch2)
+    state, m = algo.iteration(state, batch2)
     out["restore"][name] = dict(
         step=step, meta=meta, restored_diff=restored_diff,
         num_devices=len(leaf.sharding.device_set), spec=str(leaf.sharding.spec),
@@ -132,8 +125,10 @@ def mesh_worker(workdir: str) -> dict:
 
 
 def _env(devices=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep +
-             os.environ.get("PYTHONPATH", ""))
+  # The repo (the mp config's reward is tests.test_sharding:length_reward) and tests/ (that
+  # module's `from conftest import load_config`).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+      [REPO, TESTS] + [p for p in [os.environ.get("PYTHONPATH", "")] if p]))
   if devices:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={devices}").strip()
@@ -233,16 +228,16 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
     assert p.returncode == 0, log[-5000:]
 
   import jax
-  from rloo_jax import trainer
+  from rloo_jax import experiment
   from rloo_jax.checkpoint import Checkpointer
   config = load_config()
   config.rewards.fns = [length_reward]
   states, metas = [], []
   for workdir in (mp_dir, sp_dir):
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
-    exp = trainer.build(config, workdir)  # restores onto this process's one device
+    exp = experiment.build(config, workdir)  # restores onto this process's one device
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-    step, state, meta = ckpt.restore(trainer.abstract_state(exp))
+    step, state, meta = ckpt.restore(experiment.abstract_state(exp))
     ckpt.close()
     assert step == 2 and int(state.step) == 2
     states.append([np.asarray(x) for x in jax.tree.leaves(state)])
@@ -269,34 +264,32 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
     (dict(rules=[("hidden", "fsdp")]), {}, r"unknown logical axis 'hidden'"),
 ])
 def test_bad_mesh_config_fails_before_compiling(tmp_path, mesh, override, message):
-  from rloo_jax import trainer
+  from rloo_jax import algorithms
   config = load_config()
   config.mesh.update(mesh)
   start = time.time()
   with pytest.raises(ValueError, match=message):
-    trainer.run(config, str(tmp_path))
+    algorithms.run(config, str(tmp_path))
   assert time.time() - start < 10
-  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+  assert not os.listdir(tmp_path)  # nothing written to the workdir
 
 
 def test_batch_not_divisible_by_data_parallelism_fails_before_compiling(tmp_path):
   """Checked on a (fake) 8-device layout: batches must split over data x fsdp."""
-  from rloo_jax import sharding, trainer
+  from rloo_jax import experiment, sharding
   config = load_config()  # num_prompts = 4, k = 4
-
-
   layout = sharding.Layout(
       mesh=type("M", (), {"shape": {"data": 8, "fsdp": 1, "tensor": 1}})(),
       rules=sharding.parse_rules(config.mesh.rules))
   with pytest.raises(ValueError, match=r"config\.rloo\.num_prompts = 4 is not divisible by the "
                                        r"batch parallelism 8 \(mesh axes data x fsdp = 8 x 1\)"):
-    trainer.validate_layout(config, layout)
+    experiment.validate_layout(config, layout)
   layout = sharding.Layout(
       mesh=type("M", (), {"shape": {"data": 2, "fsdp": 2, "tensor": 2}})(),
       rules=sharding.parse_rules(config.mesh.rules))
   config.train.num_minibatches = 8  # 16 rows / 8 = minibatches of 2, not divisible by 4
   with pytest.raises(ValueError, match=r"the minibatch .* = 2 is not divisible"):
-    trainer.validate_layout(config, layout)
+    experiment.validate_layout(config, layout)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The trainer end to end on the shrunk default config, checkpoints, resume, validation, masking."""
-import importlib.util
+"""The RLOO loop end to end on the shrunk default config, checkpoints, resume, validation,
+masking, the row layouts, held-out win rates, and PPO / DPO through the same loop."""
 import json
 import os
 import random
@@ -11,22 +11,15 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
-from rloo_jax import trainer
+from conftest import REPO, load_config
+from rloo_jax import algorithms, experiment, loop, models, rollout, sampling
+from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.checkpoint import Checkpointer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(arg="smoke"):
-  spec = importlib.util.spec_from_file_location("arith_cfg", os.path.join(REPO, "configs",
-                                                                          "arithmetic.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+from rloo_jax.data import pipeline
+from rloo_jax.evaluation import Evaluator
 
 
 def quiet(*args, **kwargs):
@@ -37,13 +30,15 @@ def quiet(*args, **kwargs):
 def smoke_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("smoke"))
   config = load_config()
-  summary = trainer.run(config, workdir, log=quiet)
+  summary = algorithms.run(config, workdir, log=quiet)
   return workdir, config, summary
 
 
 def test_smoke_run_end_to_end(smoke_run):
   workdir, config, summary = smoke_run
   assert summary["iterations"] == config.train.num_iterations == 2
+  assert summary["algorithm"] == "rloo" and summary["initial_policy"] == "SFT"
+  assert summary["reward"] == "arithmetic_exact_match"
   rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   train_rows = [r for r in rows if "train/loss" in r]
   assert [r["step"] for r in train_rows] == [1, 2]
@@ -64,13 +59,14 @@ def test_smoke_run_end_to_end(smoke_run):
   assert evals[0]["eval/win_rate_vs_ref"] == 0.5
   assert 0.0 <= evals[-1]["eval/win_rate_vs_ref"] <= 1.0
   assert summary["before"]["win_rate_vs_ref"] == 0.5
-  after = json.load(open(os.path.join(workdir, "summary.json")))["after"]
+  on_disk = json.load(open(os.path.join(workdir, "summary.json")))
+  after = on_disk["after"]
   assert after["win_rate_vs_ref"] == evals[-1]["eval/win_rate_vs_ref"]
   assert after["wins_vs_ref"] + after["ties_vs_ref"] + after["losses_vs_ref"] == after["n_vs_ref"]
   assert "reward/arithmetic_exact_match" in summary["last_metrics"]
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
-  assert json.load(open(os.path.join(workdir, "summary.json")))["iterations"] == 2
+  assert on_disk["iterations"] == 2 and on_disk["algorithm"] == "rloo"
   # The policy moved away from its reference; the reference did not move.
   state = summary["state"]
   diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), state.params, state.ref_params)
@@ -79,14 +75,29 @@ def test_smoke_run_end_to_end(smoke_run):
 
 def test_checkpoint_round_trip_and_resume_is_a_no_op(smoke_run):
   workdir, config, summary = smoke_run
-  exp = trainer.build(config, workdir)
+  exp = experiment.build(config, workdir)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-  step, state, meta = ckpt.restore(trainer.abstract_state(exp))
+  step, state, meta = ckpt.restore(experiment.abstract_state(exp))
   ckpt.close()
   assert step == 2 and int(state.step) == 2
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(summary["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert meta["data"]["step"] == 2 if "step" in meta["data"] else meta["data"]
+  # The data position saved with the last checkpoint: the prompt iterator after 2 batches.
+  data = loop.prompt_batches(exp)
+  assert data.get_state()["step"] == 0
+  next(data), next(data)
+  assert meta["data"] == data.get_state()
+  assert meta["data"]["step"] == 2
+  assert meta["before"] == summary["before"]
+  # Running again in (a copy of) the finished workdir resumes at the end and trains nothing.
+  copy = workdir + "_rerun"
+  shutil.copytree(workdir, copy)
+  logs = []
+  again = algorithms.run(config, copy, log=logs.append)
+  assert any("resumed from iteration 2" in str(l) for l in logs)
+  assert not any("iteration 1:" in str(l) or "iteration 2:" in str(l) for l in logs)
+  assert again["iterations"] == 2 and again["before"] == summary["before"]
+  assert again["after"] == summary["after"]
 
 
 def test_unreadable_newest_checkpoint_falls_back(smoke_run, tmp_path, capsys):
@@ -97,9 +108,9 @@ def test_unreadable_newest_checkpoint_falls_back(smoke_run, tmp_path, capsys):
   for root, _, files in os.walk(newest):
     for name in files:  # truncate every data file of the newest checkpoint
       open(os.path.join(root, name), "wb").close()
-  exp = trainer.build(config, copy)
+  exp = experiment.build(config, copy)
   ckpt = Checkpointer(os.path.join(copy, "checkpoints"))
-  step, state, _ = ckpt.restore(trainer.abstract_state(exp))
+  step, state, _ = ckpt.restore(experiment.abstract_state(exp))
   ckpt.close()
   assert step == 1 and int(state.step) == 1
   assert "step 2" in capsys.readouterr().out
@@ -110,12 +121,12 @@ def test_unreadable_newest_checkpoint_falls_back(smoke_run, tmp_path, capsys):
 
 _RESUME_SCRIPT = """
 import importlib.util, sys
-from rloo_jax import trainer
+from rloo_jax import algorithms
 spec = importlib.util.spec_from_file_location('c', sys.argv[1])
 m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
 c = m.get_config('smoke')
 c.train.num_iterations = int(sys.argv[3])
-trainer.run(c, sys.argv[2], log=lambda *a, **k: None)
+algorithms.run(c, sys.argv[2], log=lambda *a, **k: None)
 """
 
 
@@ -125,7 +136,7 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(tmp_path):
   iterations = 30
   config = load_config()
   config.train.num_iterations = iterations
-  reference = trainer.run(config, str(tmp_path / "uninterrupted"), log=quiet)["state"]
+  reference = algorithms.run(config, str(tmp_path / "uninterrupted"), log=quiet)["state"]
 
   workdir = str(tmp_path / "killed")
   cmd = [sys.executable, "-c", _RESUME_SCRIPT, os.path.join(REPO, "configs", "arithmetic.py"),
@@ -144,9 +155,9 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(tmp_path):
   assert done and done[-1] < iterations
   subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-  exp = trainer.build(config, workdir)
+  exp = experiment.build(config, workdir)
   ckpt = Checkpointer(ckdir)
-  step, resumed, _ = ckpt.restore(trainer.abstract_state(exp))
+  step, resumed, _ = ckpt.restore(experiment.abstract_state(exp))
   ckpt.close()
   assert step == iterations
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)):
@@ -176,9 +187,20 @@ def test_config_validation_messages(tmp_path, override, message):
       {f"{a}.{b}": v for a, d in override.items() for b, v in d.items()})
   start = time.time()
   with pytest.raises((ValueError, FileNotFoundError), match=message):
-    trainer.run(config, str(tmp_path), log=quiet)
+    algorithms.run(config, str(tmp_path), log=quiet)
   assert time.time() - start < 10  # raised before any data preparation or compile
-  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+  # Nothing written: not even the workdir's run_config.json, which would make the corrected
+  # config a mismatch in the same workdir.
+  assert not os.listdir(tmp_path)
+
+
+def test_unknown_algorithm_is_named(tmp_path):
+  config = load_config()
+  config.algorithm = "trpo"
+  with pytest.raises(ValueError, match=r"unknown config\.algorithm 'trpo'; choose one of "
+                                       r"\('rloo', 'ppo', 'dpo'\)"):
+    algorithms.run(config, str(tmp_path), log=quiet)
+  assert not os.listdir(tmp_path)
 
 
 def half_unscorable(prompts, completions, answer=None, **fields):
@@ -186,27 +208,30 @@ def half_unscorable(prompts, completions, answer=None, **fields):
   return [1.0 if i % 2 == 0 else None for i in range(len(completions))]
 
 
+def _first_batch(exp, n=4):
+  return next(pipeline.prompt_batches(exp.task.train, exp.tokenizer, global_batch_size=n,
+                                      max_prompt_len=exp.config.data.max_prompt_len))
+
+
 def test_unscorable_samples_are_masked_and_counted(tmp_path):
   config = load_config()
   with config.unlocked():
     config.rewards.fns = [half_unscorable]
     config.rewards.weights = [1.0]
-  exp = trainer.build(config, str(tmp_path))
-  state = trainer.init_state(exp, trainer.transformer.create(exp.model_config)[1])
-  from rloo_jax.data import pipeline
-  batch = next(pipeline.prompt_batches(exp.task.train, exp.tokenizer, global_batch_size=4,
-                                       max_prompt_len=config.data.max_prompt_len))
-  state, m = trainer.rl_iteration(exp, state, batch)
+  exp = experiment.build(config, str(tmp_path))
+  algo = RLOO(exp)
+  state = algo.init_state(models.create(exp.model_config)[1])
+  batch = _first_batch(exp)
+  state, m = algo.iteration(state, batch)
   assert m["num_unscorable"] == 8 and m["num_nonfinite"] == 8
   # Two usable samples per group, both rewarded 1.0: equal rewards, so the advantages are only
   # the (float-noise) KL differences between the cached sampler and the reference forward.
   assert m["advantage_abs_max"] < 1e-5 and np.isfinite(m["loss"])
   assert m["frac_groups_all_equal"] == 1.0
   config.rewards.nan_policy = "raise"
-  exp = trainer.build(config, str(tmp_path))
+  algo = RLOO(experiment.build(config, str(tmp_path)))
   with pytest.raises(ValueError, match=r"8 reward\(s\) are NaN or inf; set config\.rewards\.nan_policy='mask'"):
-    trainer.rl_iteration(exp, state, batch)
-
+    algo.iteration(state, batch)
 
 
 def test_shared_prefix_equals_tiled_rows(tmp_path):
@@ -215,34 +240,76 @@ def test_shared_prefix_equals_tiled_rows(tmp_path):
   and batch gives the same KL, advantages, loss and gradient norm up to float rounding."""
   config = load_config()
   config.train.num_epochs = 1  # metrics of one step, taken before its update
-  from rloo_jax.data import pipeline
   results = {}
   for shared in (True, False):
-    config.train.update(shared_prefix=shared, reuse_rollout_activations=shared)
-    exp = trainer.build(config, str(tmp_path))
-    state = trainer.init_state(exp, trainer.transformer.create(exp.model_config)[1])
-    batch = next(pipeline.prompt_batches(exp.task.train, exp.tokenizer, global_batch_size=4,
-                                         max_prompt_len=config.data.max_prompt_len))
-    _, results[shared] = trainer.rl_iteration(exp, state, batch)
+    config.train.shared_prefix = shared
+    exp = experiment.build(config, str(tmp_path))
+    algo = RLOO(exp)
+    state = algo.init_state(models.create(exp.model_config)[1])
+    batch = _first_batch(exp)
+    _, results[shared] = algo.iteration(state, batch)
   for key in ("kl", "penalised_reward", "advantage_std", "advantage_abs_max", "loss", "grad_norm",
               "entropy", "reward_mean"):
     np.testing.assert_allclose(results[True][key], results[False][key], rtol=1e-4, atol=1e-6,
                                err_msg=key)
   # Two minibatches of whole groups (2 prompts with their 4 samples each): the epoch's steps run.
   config.train.update(shared_prefix=True, num_minibatches=2)
-  exp = trainer.build(config, str(tmp_path))
-  state = trainer.init_state(exp, trainer.transformer.create(exp.model_config)[1])
-  state, m = trainer.rl_iteration(exp, state, batch)
+  exp = experiment.build(config, str(tmp_path))
+  algo = RLOO(exp)
+  state = algo.init_state(models.create(exp.model_config)[1])
+  state, m = algo.iteration(state, batch)
   assert int(state.opt_state[1][0].count) == 2 and np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
 
-def test_take_groups_keeps_each_prompt_with_its_samples():
-  rows = dict(prompt_tokens=jnp.arange(3)[:, None] * 10, completions=jnp.arange(6)[:, None],
-              advantages=jnp.arange(6) * 1.0)
-  out = trainer._take_groups(rows, jnp.array([2, 0]), 2)
-  np.testing.assert_array_equal(out["prompt_tokens"][:, 0], [20, 0])
-  np.testing.assert_array_equal(out["completions"][:, 0], [4, 5, 0, 1])
-  np.testing.assert_array_equal(out["advantages"], [4.0, 5.0, 0.0, 1.0])
+def test_grouped_rows_take_keeps_each_prompt_with_its_samples():
+  b, k, t = 3, 2, 1
+  n = b * k
+  col = lambda x: jnp.asarray(x)[:, None]
+  rows = rollout.GroupedRows(
+      prompt_tokens_bp=col(jnp.arange(b) * 10), prompt_positions_bp=col(jnp.arange(b) + 100),
+      prompt_mask_bp=col(jnp.arange(b) != 1), completion_positions_nt=col(jnp.arange(n) + 200),
+      completions_nt=col(jnp.arange(n)), cmask_nt=col(jnp.arange(n) % 3 != 0),
+      old_logp_nt=col(-jnp.arange(n) * 1.0), advantages_n=jnp.arange(n) * 1.0)
+  assert rows.num_units == b
+  out = rows.take(jnp.array([2, 0]), k)
+  assert isinstance(out, rollout.GroupedRows) and out.num_units == 2
+  np.testing.assert_array_equal(out.prompt_tokens_bp[:, 0], [20, 0])
+  np.testing.assert_array_equal(out.prompt_positions_bp[:, 0], [102, 100])
+  np.testing.assert_array_equal(out.prompt_mask_bp[:, 0], [True, True])
+  np.testing.assert_array_equal(out.completions_nt[:, 0], [4, 5, 0, 1])
+  np.testing.assert_array_equal(out.completion_positions_nt[:, 0], [204, 205, 200, 201])
+  np.testing.assert_array_equal(out.cmask_nt[:, 0], [True, True, False, True])
+  np.testing.assert_array_equal(out.old_logp_nt[:, 0], [-4.0, -5.0, 0.0, -1.0])
+  np.testing.assert_array_equal(out.advantages_n, [4.0, 5.0, 0.0, 1.0])
+  # Jitted as the update does (k static), the same gather.
+  jitted = jax.jit(lambda r, idx: r.take(idx, k))(rows, jnp.array([2, 0]))
+  for a, b_ in zip(jax.tree.leaves(jitted), jax.tree.leaves(out)):
+    np.testing.assert_array_equal(a, b_)
+
+
+def test_make_rows_layouts_agree_and_sequence_rows_take_single_samples():
+  """Both layouts from one rollout: the same completions at the same positions; SequenceRows
+  rows are [left-padded prompt | completion], and its take() picks single samples."""
+  prompt_bp = jnp.array([[5, 6, 0], [7, 0, 0]], jnp.int32)  # right-padded, lengths 2 and 1
+  lengths_b = jnp.array([2, 1], jnp.int32)
+  comp_nt = jnp.array([[1, 2], [3, 4], [8, 9], [10, 11]], jnp.int32)
+  cmask_nt = jnp.array([[True, True], [True, False], [True, True], [False, False]])
+  logp_nt = -jnp.arange(8, dtype=jnp.float32).reshape(4, 2)
+  g = rollout.make_rows(prompt_bp, lengths_b, comp_nt, cmask_nt, logp_nt, k=2, shared_prefix=True)
+  s = rollout.make_rows(prompt_bp, lengths_b, comp_nt, cmask_nt, logp_nt, k=2,
+                        shared_prefix=False)
+  assert isinstance(g, rollout.GroupedRows) and isinstance(s, rollout.SequenceRows)
+  np.testing.assert_array_equal(g.prompt_tokens_bp, [[0, 5, 6], [0, 0, 7]])
+  np.testing.assert_array_equal(g.prompt_mask_bp, [[False, True, True], [False, False, True]])
+  np.testing.assert_array_equal(g.completion_positions_nt, [[2, 3], [2, 3], [1, 2], [1, 2]])
+  np.testing.assert_array_equal(s.tokens_ns[2], [0, 0, 7, 8, 9])
+  np.testing.assert_array_equal(s.positions_ns[2], [0, 0, 0, 1, 2])
+  np.testing.assert_array_equal(s.mask_ns[1], [False, True, True, True, False])
+  np.testing.assert_array_equal(g.advantages_n, np.zeros(4))
+  assert s.num_units == 4 and g.num_units == 2
+  out = s.take(jnp.array([3, 0]), 2)
+  np.testing.assert_array_equal(out.completions_nt, [[10, 11], [1, 2]])
+  np.testing.assert_array_equal(out.tokens_ns[0], [0, 0, 7, 10, 11])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,42 +336,45 @@ def tiny_eval(tmp_path_factory):
   with config.unlocked():
     config.rewards.fns = [text_score, noise]  # the first function is the judge
     config.rewards.weights = [1.0, 1.0]
-  exp = trainer.build(config, str(tmp_path_factory.mktemp("win_rate")))
-  ref = trainer.transformer.create(exp.model_config, seed=0)[1]
-  other = trainer.transformer.create(exp.model_config, seed=1)[1]
+  exp = experiment.build(config, str(tmp_path_factory.mktemp("win_rate")))
+  ref = models.create(exp.model_config, seed=0)[1]
+  other = models.create(exp.model_config, seed=1)[1]
   return exp, ref, other
+
+
+def evaluator(exp):
+  return Evaluator(exp, [exp.task.test[i] for i in range(12)], batch_size=4,
+                   rng=jax.random.PRNGKey(0))
 
 
 def test_win_rate_of_the_reference_against_itself_is_one_half(tiny_eval, monkeypatch):
   exp, ref, _ = tiny_eval
+  ev = evaluator(exp)
+  assert ev.num_prompts == 12 and ev.rewards.first == "text_score"
   calls = []
-  real = trainer._eval_pass
-  monkeypatch.setattr(trainer, "_eval_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
-  ev = lambda params, ref_params: trainer.evaluate(
-      exp, params, exp.task.test, jax.random.PRNGKey(0), num_prompts=12, batch_size=4,
-      ref_params=ref_params)
+  real = ev.completions
+  monkeypatch.setattr(ev, "completions", lambda *a, **k: calls.append(1) or real(*a, **k))
   # A copy (another object, as the run loops' donated states hand back) hits the same cache.
   out = ev(ref, jax.tree.map(jnp.copy, ref))
   assert out["win_rate_vs_ref"] == 0.5
   assert out["ties_vs_ref"] == out["n_vs_ref"] == 12
   assert out["wins_vs_ref"] == out["losses_vs_ref"] == 0
-  assert len(calls) == 3  # greedy, sampled, and the reference's greedy pass
+  # Sampled completions use common random numbers: the reference's samples tie with themselves.
+  assert out["sampled_win_rate_vs_ref"] == 0.5 and out["sampled_ties_vs_ref"] == 12
+  assert len(calls) == 4  # greedy, sampled, and the reference's greedy and sampled passes
   out = ev(jax.tree.map(jnp.copy, ref), ref)
-  assert out["win_rate_vs_ref"] == 0.5 and len(calls) == 5  # reference scores cached
-  assert "win_rate_vs_ref" not in trainer.evaluate(exp, ref, exp.task.test, jax.random.PRNGKey(0),
-                                                   num_prompts=12, batch_size=4)
+  assert out["win_rate_vs_ref"] == 0.5 and len(calls) == 6  # reference scores cached
+  assert "win_rate_vs_ref" not in ev(ref)
+  assert "sampled_win_rate_vs_ref" not in ev(ref)
 
 
 def test_win_rate_of_another_policy_prompt_by_prompt(tiny_eval):
   exp, ref, other = tiny_eval
-  out = trainer.evaluate(exp, other, exp.task.test, jax.random.PRNGKey(0), num_prompts=12,
-                         batch_size=4, ref_params=ref)
+  out = evaluator(exp)(other, ref)
   # By hand: both policies' greedy completions of the same 12 prompts, judged by text_score.
-  from rloo_jax import sampling
-  from rloo_jax.data import pipeline
   batch = next(pipeline.prompt_batches([exp.task.test[i] for i in range(12)], exp.tokenizer,
                                        global_batch_size=12, max_prompt_len=8, shuffle=False))
-  texts = {name: trainer.rollout(exp, p, batch, jax.random.PRNGKey(0), k=1,
+  texts = {name: rollout.rollout(exp, p, batch, jax.random.PRNGKey(0), k=1,
                                  method=sampling.Greedy())[2] for name, p in
            (("policy", other), ("ref", ref))}
   a = np.array(text_score(None, texts["policy"]))
@@ -315,3 +385,65 @@ def test_win_rate_of_another_policy_prompt_by_prompt(tiny_eval):
                                                                            12 - wins - ties)
   assert out["win_rate_vs_ref"] == pytest.approx((wins + 0.5 * ties) / 12)
   assert out["greedy_reward/text_score"] == pytest.approx(a.mean())
+
+
+# ----------------------------------------------------------------------------------------------
+# PPO and DPO through the same outer loop
+
+
+def length_reward(prompts, completions, **fields):
+  """A reward with spread among an SFT policy's samples (exact match would tie them all)."""
+  del prompts, fields
+  return [float(len(c) % 4) + 0.25 * c.count("1") for c in completions]
+
+
+@pytest.mark.parametrize("name", ["ppo", "dpo"])
+def test_ppo_and_dpo_run_through_the_same_loop(smoke_run, tmp_path, name):
+  smoke_dir, _, rloo_summary = smoke_run
+  workdir = str(tmp_path / name)
+  os.makedirs(workdir)
+  # The SFT fingerprint ignores the algorithm and rewards: reuse the smoke run's policy and data.
+  for sub in ("sft", "data"):
+    shutil.copytree(os.path.join(smoke_dir, sub), os.path.join(workdir, sub))
+  config = load_config()
+  config.algorithm = name
+  if name == "ppo":
+    config.rloo.k = 1  # PPO's usual one sample per prompt
+  else:
+    with config.unlocked():
+      config.rewards.fns = [length_reward]
+      config.dpo = dict(steps=2, num_pair_prompts=8, samples_per_prompt=4, batch_size=2,
+                        sample_batch_size=8)
+  logs = []
+  summary = algorithms.run(config, workdir, log=logs.append)
+  assert any("restored the cached SFT policy" in str(l) for l in logs)
+  on_disk = json.load(open(os.path.join(workdir, "summary.json")))
+  for s in (summary, on_disk):
+    assert s["algorithm"] == name and s["iterations"] == 2 and s["initial_policy"] == "SFT"
+    for when in ("before", "after"):
+      assert np.isfinite(s[when]["greedy_reward"]), (when, s[when])
+      assert 0.0 <= s[when]["win_rate_vs_ref"] <= 1.0
+    assert s["before"]["win_rate_vs_ref"] == 0.5  # the SFT start ties itself
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+  assert [r["step"] for r in rows if "eval/greedy_reward" in r][-1] == 2
+  if name == "ppo":
+    # The same SFT start and held-out evaluation as the RLOO run.
+    assert summary["before"]["greedy_reward"] == rloo_summary["before"]["greedy_reward"]
+    assert summary["reward"] == "arithmetic_exact_match"
+    for key in ("value_loss", "explained_variance", "kl"):
+      assert np.isfinite(summary["last_metrics"][key]), key
+  else:
+    assert summary["reward"] == "length_reward" and summary["num_pairs"] >= 2
+    assert os.path.exists(os.path.join(workdir, "dpo_pairs.json"))
+    assert np.isfinite(summary["last_metrics"]["dpo_loss"])
+  # Its state type round-trips through the loop's checkpoints.
+  algo = algorithms.make(config, workdir)
+  assert algo.name == name
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  step, state, meta = ckpt.restore(algo.abstract_state())
+  ckpt.close()
+  assert step == 2 and int(state.step) == 2 and meta["before"] == summary["before"]
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(summary["state"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

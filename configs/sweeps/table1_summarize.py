@@ -1,10 +1,10 @@
 """Table 1 in miniature on the summarize task (TL;DR-like). The RL methods optimise the gold reward
 directly (configs/summarize.py's trainer default: an oracle stand-in for the learned reward, which
 `experiments/rlhf_pipeline.py` trains); DPO trains on the reward-model issue's preference pairs (SFT
-samples labelled by the gold reward with Bradley-Terry noise, `rloo_jax.rlhf.build_pairs`).
-Evaluation (trainer.evaluate with the SFT policy as ref_params): the held-out greedy win rate against
-the SFT policy (`win_rate_vs_ref`: both policies' greedy summaries of each prompt scored by the gold
-reward, ties half), and the held-out greedy gold reward.
+samples labelled by the gold reward with Bradley-Terry noise, `rloo_jax.preference_pairs.build_pairs`).
+Evaluation (`rloo_jax.evaluation.Evaluator`, the SFT policy as reference): the held-out greedy win
+rate against the SFT policy (`win_rate_vs_ref`: both policies' greedy summaries of each prompt
+scored by the gold reward, ties half), and the held-out greedy gold reward.
 
     python experiments/sweep.py --sweep=configs/sweeps/table1_summarize.py --root=/work/runs/table1_summarize
 """

@@ -4,7 +4,7 @@ import math
 
 import jax.numpy as jnp
 
-from rloo_jax.models import transformer
+from rloo_jax.models import attention, transformer
 
 
 def head_major(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt):
@@ -24,7 +24,7 @@ def head_major(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt):
   causal_pp = jnp.arange(p)[:, None] >= jnp.arange(p)[None, :]
   mask_pp = causal_pp[None, None, None] & prompt_mask_bp.astype(bool)[:, None, None, None, :]
   out_p = jnp.einsum('bhgst,bhtd->bhgsd',
-                     transformer._softmax_f32(s_pp, mask_pp).astype(v_bshd.dtype), v_p)
+                     attention._softmax_f32(s_pp, mask_pp).astype(v_bshd.dtype), v_p)
   scores = jnp.concatenate(
       [jnp.einsum('bhmgtd,bhdp->bhmgtp', q_c, kt_p, preferred_element_type=f32),
        jnp.einsum('bhmgtd,bhmds->bhmgts', q_c, kt_c, preferred_element_type=f32)], -1) * scale
@@ -33,7 +33,7 @@ def head_major(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt):
   causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
   mask_c = causal_ts[None, None, None, None] & mask_bmt.astype(bool)[:, None, :, None, None, :]
   mask = jnp.concatenate([mask_p, jnp.broadcast_to(mask_c, (b, 1, m, 1, t, t))], axis=-1)
-  probs = transformer._softmax_f32(scores, mask).astype(v_bshd.dtype)
+  probs = attention._softmax_f32(scores, mask).astype(v_bshd.dtype)
   out_c = (jnp.einsum('bhmgtp,bhpd->bhmgtd', probs[..., :p], v_p)
            + jnp.einsum('bhmgts,bhmsd->bhmgtd', probs[..., p:], v_c))
   out_c = jnp.transpose(out_c, (0, 4, 2, 1, 3, 5)).reshape(b, t * m, h, g, d)
@@ -41,4 +41,6 @@ def head_major(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt):
 
 
 def apply():
+  # transformer.py imports the kernel by name (Transformer.grouped calls it there): both bindings.
+  attention._grouped_attention = head_major
   transformer._grouped_attention = head_major

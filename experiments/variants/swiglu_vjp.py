@@ -3,7 +3,7 @@ the sigmoid), so the forward is one elementwise pass instead of three."""
 import jax
 import jax.numpy as jnp
 
-from rloo_jax.models import transformer
+from rloo_jax.models import layers
 
 
 @jax.custom_vjp
@@ -28,10 +28,14 @@ swiglu.defvjp(_fwd, _bwd)
 
 
 def apply():
-  def mlp(self, x_bse, dense=transformer._plain_dense):
-    dt = x_bse.dtype
-    up = dense('up', x_bse, transformer._cast(self.up_kernel, dt))
-    gate = dense('gate', x_bse, transformer._cast(self.gate_kernel, dt))
-    return dense('down', swiglu(gate, up), transformer._cast(self.down_kernel, dt))
+  plain = layers.MLP.__call__
 
-  transformer.MLP.__call__ = mlp
+  def mlp(self, x_bse):
+    if self.gpt2:  # GELU with biases: not a SwiGLU
+      return plain(self, x_bse)
+    dt = x_bse.dtype
+    up = layers._dense(x_bse, layers._cast(self.up_kernel, dt))
+    gate = layers._dense(x_bse, layers._cast(self.gate_kernel, dt))
+    return layers._dense(swiglu(gate, up), layers._cast(self.down_kernel, dt))
+
+  layers.MLP.__call__ = mlp

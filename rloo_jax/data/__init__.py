@@ -1,7 +1,8 @@
 """Datasets (tfds builders written as array_record, read without TensorFlow) and grain batching.
 
   arithmetic.prepare(dir, ...)  embedded default task: addition, exact-answer verifier
-  summarize.prepare(dir, ...)   embedded preference task with a hidden gold reward
+  summarize.prepare(dir, ...)   embedded preference task (its hidden gold reward is
+                                rloo_jax.rewards.summarize_gold, not data)
   tldr.prepare_prompts / tldr.prepare_comparisons / hh.prepare   real datasets
   load_split(builder_or_dir, split) -> random-access source of str records
   JsonlSource(path)             a JSONL file of prompts (optional answers)

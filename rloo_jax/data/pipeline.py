@@ -102,7 +102,7 @@ def _read(source, indices: np.ndarray) -> list[Mapping[str, Any]]:
   return [source[int(i)] for i in indices]
 
 
-def _record_fields(records: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+def record_fields(records: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
   """Stacks the records' own fields; `answer` defaults to '' so verifiers can mark it unscorable."""
   keys = dict.fromkeys(k for r in records for k in r)
   keys.setdefault("answer", None)
@@ -269,7 +269,7 @@ def prompt_batches(source, tokenizer, *, global_batch_size: int, max_prompt_len:
   def make(records):
     prompts = [r["prompt"] for r in records]
     tokens, lengths = encode_prompts(prompts, tokenizer, max_prompt_len, add_bos)
-    return dict(prompt_tokens=tokens, prompt_lengths=lengths, **_record_fields(records))
+    return dict(prompt_tokens=tokens, prompt_lengths=lengths, **record_fields(records))
 
   return BatchIterator(source, make, _lengths(source, length), limit=max_prompt_len,
                        limit_name="max_prompt_len", global_batch_size=global_batch_size, seed=seed,
@@ -300,7 +300,7 @@ def sft_batches(source, tokenizer, *, global_batch_size: int, max_seq_len: int, 
   def make(records):
     batch = make_sft_batch([r["prompt"] for r in records], [answer_of(r) for r in records],
                            tokenizer, max_seq_len, add_bos)
-    batch.update(_record_fields(records))
+    batch.update(record_fields(records))
     return batch
 
   return BatchIterator(source, make, _lengths(source, length), limit=max_seq_len,

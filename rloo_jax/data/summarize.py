@@ -7,10 +7,10 @@ appearance, and nothing else:
 
   doc: the storm was over a river and storm then the very market tl;dr:  ->  storm river market
 
-`gold_reward` scores that (recall of key words, a per-word cost for anything beyond them, a bonus
-for document order). It plays the human labeller: the policy never sees it, preference pairs are
-drawn from it with Bradley-Terry noise (`bradley_terry_prefer`), a reward model learns from the
-pairs, and evaluation (`win_rate`) judges with it.
+The hidden gold reward that scores this (recall of key words, a per-word cost for anything beyond
+them, a bonus for document order) is not data: it lives in `rloo_jax.rewards.summarize_gold`
+(`gold_reward`), the labeller's noise and win rates in `rloo_jax.rewards.preferences`. This module
+only generates the task and parses its prompts (`parse_prompt`, `key_words`) for them.
 
 The dataset's `answer` is an *imperfect* reference summary, so a policy fine-tuned on it starts
 below the gold optimum and RL has room to improve; `reference` is the ideal summary. Its flaws are
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -46,11 +46,6 @@ DOC_MARK = "doc:"
 TLDR_MARK = "tl;dr:"
 VOCAB = (DOC_MARK, TLDR_MARK) + TOPIC_WORDS + FILLER_WORDS
 _TOPIC_SET = frozenset(TOPIC_WORDS)
-
-# Gold reward weights (see gold_reward).
-EXTRA_WORD_COST = 0.2
-NOT_IN_DOC_COST = 0.1
-ORDER_BONUS = 0.1
 
 
 def make_tokenizer() -> WordTokenizer:
@@ -72,64 +67,6 @@ def parse_prompt(prompt: str) -> list[str] | None:
 def key_words(doc_words: Sequence[str]) -> list[str]:
   """Distinct topic words in order of first appearance: the ideal summary."""
   return list(dict.fromkeys(w for w in doc_words if w in _TOPIC_SET))
-
-
-def gold_score(doc_words: Sequence[str], summary: str) -> float:
-  """recall(key words) - 0.2 * (words beyond one mention of each key word: fillers, repeats,
-  topic words absent from the document) - 0.1 * (words not in the document at all)
-  + 0.1 if every key word is present and in document order.
-
-  Range [-inf, 1.1]: the ideal summary scores 1.1, an empty one 0, and length beyond the key
-  words always costs, so padding a summary with guesses never pays.
-  """
-  keys = key_words(doc_words)
-  if not keys:
-    return float("nan")
-  words = summary.split()
-  doc = set(doc_words)
-  mentioned = [w for w in dict.fromkeys(words) if w in keys]
-  recall = len(mentioned) / len(keys)
-  extra = len(words) - len(mentioned)
-  not_in_doc = sum(w not in doc for w in words)
-  in_order = len(mentioned) == len(keys) and mentioned == keys
-  return recall - EXTRA_WORD_COST * extra - NOT_IN_DOC_COST * not_in_doc + ORDER_BONUS * in_order
-
-
-def gold_reward(prompts: Sequence[str], completions: Sequence[str], **fields: Any) -> np.ndarray:
-  """The hidden labeller as a reward function: float32 [N]; NaN for prompts it cannot parse."""
-  del fields
-  if len(prompts) != len(completions):
-    raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-  out = np.empty((len(prompts),), np.float32)
-  for i, (p, c) in enumerate(zip(prompts, completions)):
-    doc = parse_prompt(p)
-    out[i] = np.nan if doc is None else gold_score(doc, c)
-  return out
-
-
-def bradley_terry_prefer(gold_a: np.ndarray, gold_b: np.ndarray, rng: np.random.Generator,
-                         temperature: float = 0.1) -> np.ndarray:
-  """Noisy labels: True where a labeller prefers a, with P = sigmoid((gold_a - gold_b) / T).
-
-  T = 0 gives noiseless labels (ties broken by a coin flip).
-  """
-  gold_a, gold_b = np.asarray(gold_a, np.float64), np.asarray(gold_b, np.float64)
-  diff = gold_a - gold_b
-  if temperature <= 0:
-    return np.where(diff == 0, rng.random(diff.shape) < 0.5, diff > 0)
-  p = 1.0 / (1.0 + np.exp(-np.clip(diff / temperature, -60, 60)))
-  return rng.random(diff.shape) < p
-
-
-def win_rate(gold_policy: np.ndarray, gold_baseline: np.ndarray) -> float:
-  """Fraction of prompts where the policy's completion beats the baseline's, ties counted half;
-  pairs where either score is NaN are left out."""
-  a, b = np.asarray(gold_policy, np.float64), np.asarray(gold_baseline, np.float64)
-  ok = ~(np.isnan(a) | np.isnan(b))
-  if not ok.any():
-    return float("nan")
-  a, b = a[ok], b[ok]
-  return float(np.mean((a > b) + 0.5 * (a == b)))
 
 
 @dataclasses.dataclass(eq=False)

@@ -8,11 +8,12 @@ from rloo_jax.models.transformer import (
     TransformerConfig,
     abstract,
     create,
+    from_experiment_config,
     init_cache,
     model_fns,
 )
 
 __all__ = [
     'DecodeCache', 'ModelFns', 'PrefixKV', 'Transformer', 'TransformerConfig', 'abstract',
-    'create', 'init_cache', 'model_fns',
+    'create', 'from_experiment_config', 'init_cache', 'model_fns',
 ]

@@ -6,13 +6,13 @@ with sequence log-probabilities summed over the completion and its eos. The refe
 policy, frozen; its log-probabilities are computed once per pair set (they never change).
 
 Where the pairs come from (`config.dpo.pairs`):
-- 'rlhf': the reward-model issue's preference pairs (SFT samples labelled by the hidden gold reward
-  with Bradley-Terry noise), built and cached by `rloo_jax.rlhf.build_pairs`; needs `config.rlhf`
-  (configs/summarize.py). This is the paper's setting: DPO sees the same preferences the RM does.
+- 'rlhf': the RLHF pipeline's preference pairs (SFT samples labelled by the hidden gold reward
+  with Bradley-Terry noise), built and cached by `rloo_jax.preference_pairs.build_pairs`; needs
+  `config.rlhf` (configs/summarize.py). The paper's setting: DPO sees the RM's preferences.
 - 'reward': `samples_per_prompt` SFT samples per training prompt scored by `config.rewards` (the
   verifier on arithmetic): the best sample is chosen, the worst rejected, ties dropped.
 
-`run(config, workdir)` writes metrics.jsonl and summary.json like the other trainers.
+An iteration of the outer loop is one DPO step on `config.dpo.batch_size` pairs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import copy
 import functools
 import json
 import os
-import time
 from typing import Any, Mapping, Sequence
 
 from flax import struct
@@ -29,11 +28,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
-from rloo_jax import loss, sampling, trainer
+from rloo_jax import loss, rollout, sampling
+from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import pipeline
-from rloo_jax.metrics import MetricWriter
+from rloo_jax.models import transformer
+from rloo_jax.optim import apply_if_finite, make_optimizer, with_learning_rate
+from rloo_jax import preference_pairs
 
 DPO_DEFAULTS = dict(
     beta=0.1,
@@ -101,6 +102,7 @@ def sequence_logprobs(fns, params, tokens_bs, token_mask_bs, loss_mask_bs):
 class DPOState:
   step: jax.Array
   params: Any
+  ref_params: Any  # the frozen SFT policy
   opt_state: Any
 
 
@@ -114,9 +116,9 @@ def train_step(state: DPOState, batch, *, fns, tx, beta: float):
     return dpo_loss(logp[:b], logp[b:], batch["ref_logp"][:b], batch["ref_logp"][b:], beta=beta)
 
   (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  return DPOState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), \
-      dict(metrics, loss=value, grad_norm=optax.global_norm(grads))
+  params, opt_state, guard = apply_if_finite(tx, grads, state.opt_state, state.params, value)
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), \
+      dict(metrics, loss=value, **guard)
 
 
 def pair_rows(pairs: Sequence[Mapping[str, Any]], tokenizer, seq_len: int) -> dict:
@@ -134,10 +136,9 @@ def pair_rows(pairs: Sequence[Mapping[str, Any]], tokenizer, seq_len: int) -> di
 def reward_pairs(exp, params, records, rng, *, k: int, temperature: float, batch_size: int,
                  seed: int) -> tuple[list[dict], dict]:
   """Best vs worst of k SFT samples per prompt under the config's reward; ties are dropped."""
-  from rloo_jax import rlhf  # its batched, cached sampler of k completions per record
-  samples = rlhf.sample_completions(exp, params, records, rng, k=k,
-                                    method=sampling.Temperature(float(temperature)),
-                                    batch_size=batch_size)
+  samples = rollout.sample_records(exp, params, records, rng, k=k,
+                                   method=sampling.Temperature(float(temperature)),
+                                   batch_size=batch_size)
   keep = [i for i, s in enumerate(samples) if s]
   prompts = [records[i]["prompt"] for i in keep for _ in range(k)]
   texts = [t for i in keep for t in samples[i]]
@@ -163,10 +164,7 @@ def reward_pairs(exp, params, records, rng, *, k: int, temperature: float, batch
 def build_pairs(config, exp, sft_params, workdir: str, *, log=print) -> list[dict]:
   d = config.dpo
   if d.pairs == "rlhf":
-    from rloo_jax import rewards as rewards_lib
-    from rloo_jax import rlhf
-    pairs, _ = rlhf.build_pairs(config, exp, sft_params, rewards_lib.resolve(config.rlhf.gold_reward),
-                                workdir, log=log)
+    pairs, _ = preference_pairs.build_pairs(config, exp, sft_params, workdir, log=log)
     return list(pairs["train"])
   path = os.path.join(workdir, "dpo_pairs.json")
   if os.path.exists(path):
@@ -183,14 +181,9 @@ def build_pairs(config, exp, sft_params, workdir: str, *, log=print) -> list[dic
     raise ValueError(f"only {len(pairs)} preference pairs from {n} prompts: the SFT samples of "
                      f"{counts['no_preference']} prompts all scored the same; raise "
                      "config.dpo.samples_per_prompt or num_pair_prompts")
-  with open(path, "w") as f:
-    json.dump(dict(counts=counts, pairs=pairs), f)
+  preference_pairs.json_dump(dict(counts=counts, pairs=pairs), path)
   log(f"[dpo] {len(pairs)} pairs from {n} prompts ({counts['no_preference']} without a preference)")
   return pairs
-
-
-# ----------------------------------------------------------------------------------------------
-# The outer loop
 
 
 def reference_logprobs(fns, ref_params, rows: dict, batch_size: int) -> np.ndarray:
@@ -209,65 +202,79 @@ def reference_logprobs(fns, ref_params, rows: dict, batch_size: int) -> np.ndarr
   return np.concatenate(out)
 
 
-def run(config, workdir: str, *, log=print) -> dict:
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  config = with_defaults(config)
-  validate(config)
-  exp = trainer.build(config, workdir)
-  c, d = config, config.dpo
-  eval_rng = jax.random.PRNGKey(c.seed + 1)
-  sft_params = trainer.initial_params(exp, log=log)
-  # The SFT policy is DPO's frozen reference: every evaluation also reports the win rate against it.
-  evaluate = functools.partial(trainer.evaluate, exp, source=exp.task.test, rng=eval_rng,
-                               num_prompts=c.train.eval_prompts,
-                               batch_size=c.train.eval_batch_size, ref_params=sft_params)
-  before = evaluate(sft_params)
-  log(f"[eval] SFT policy: {json.dumps(before)}")
-  t0 = time.time()
-  pairs = build_pairs(c, exp, sft_params, workdir, log=log)
-  seq_len = c.data.max_prompt_len + c.rloo.max_new_tokens + 1
-  rows = pair_rows(pairs, exp.tokenizer, seq_len)
-  n = len(pairs)
-  ref = reference_logprobs(exp.fns, sft_params, rows, batch_size=min(2 * d.batch_size, 2 * n))
-  pairs_s = time.time() - t0
-  optim = copy.deepcopy(c.optim)
-  if d.learning_rate:
-    optim.learning_rate = d.learning_rate
-  tx = trainer.make_optimizer(optim, d.steps)
-  state = DPOState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, sft_params),
-                   tx.init(sft_params))
-  step_fn = jax.jit(functools.partial(train_step, fns=exp.fns, tx=tx, beta=float(d.beta)),
-                    donate_argnums=0)
-  writer = MetricWriter(workdir)
-  writer.write(0, before, prefix="eval/")
-  bs = min(d.batch_size, n)
-  rng = np.random.default_rng(c.seed)
-  order = rng.permutation(n)
-  pos = 0
-  t0 = time.time()
-  for step in range(1, d.steps + 1):
-    if pos + bs > n:
-      order, pos = rng.permutation(n), 0
-    idx = order[pos:pos + bs]
-    pos += bs
-    rows_idx = np.concatenate([idx, idx + n])
-    batch = {k: v[rows_idx] for k, v in rows.items()}
-    batch["ref_logp"] = ref[rows_idx]
-    state, m = step_fn(state, batch)
-    if step % c.train.log_every == 0 or step == d.steps:
-      writer.write(step, jax.device_get(m), prefix="train/")
-    if d.eval_every and step % d.eval_every == 0 and step != d.steps:
-      writer.write(step, evaluate(state.params), prefix="eval/")
-  jax.block_until_ready(state.params)
-  train_s = time.time() - t0
-  after = evaluate(state.params)
-  writer.write(d.steps, after, prefix="eval/")
-  writer.close()
-  summary = {"algorithm": "dpo", "before": before, "after": after, "iterations": d.steps,
-             "seed": c.seed, "num_pairs": n, "pairs_s": pairs_s, "train_s": train_s,
-             "eval_prompts": min(c.train.eval_prompts, len(exp.task.test))}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  log(trainer.format_summary(summary).replace("RLOO", "DPO "))
-  return dict(summary, params=state.params)
+class PairBatches:
+  """Pair minibatches in shuffled passes; checkpointable like the prompt iterators."""
+
+  def __init__(self, num_pairs: int, batch_size: int, seed: int):
+    self.n, self.bs, self.seed = num_pairs, min(batch_size, num_pairs), seed
+    self.epoch, self.pos = 0, 0
+
+  def _order(self):
+    return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+  def __next__(self) -> np.ndarray:
+    if self.pos + self.bs > self.n:
+      self.epoch, self.pos = self.epoch + 1, 0
+    idx = self._order()[self.pos:self.pos + self.bs]
+    self.pos += self.bs
+    return idx
+
+  def get_state(self) -> dict:
+    return dict(epoch=self.epoch, pos=self.pos)
+
+  def set_state(self, state: Mapping[str, int]) -> None:
+    self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+class DPO:
+  """DPO as an algorithm of the outer loop: one iteration is one step on a pair batch."""
+
+  name = "dpo"
+  label = "DPO"
+
+  def __init__(self, exp):
+    self.exp = exp
+    d = exp.config.dpo
+    self.tx = make_optimizer(with_learning_rate(exp.config.optim, d.learning_rate), d.steps)
+    self.step_fn = jax.jit(functools.partial(train_step, fns=exp.fns, tx=self.tx,
+                                             beta=float(d.beta)), donate_argnums=0)
+    self.eval_every = int(d.eval_every)
+    self.rows = self.ref_logp = None
+    self.num_pairs = 0
+
+  @property
+  def num_iterations(self) -> int:
+    return int(self.exp.config.dpo.steps)
+
+  def init_state(self, params) -> DPOState:
+    return DPOState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, params),
+                    jax.tree.map(jnp.copy, params), self.tx.init(params))
+
+  def abstract_state(self) -> DPOState:
+    _, params = transformer.abstract(self.exp.model_config)
+    return jax.eval_shape(self.init_state, params)
+
+  def prepare(self, state: DPOState) -> None:
+    """The pairs (cached in the workdir) and their frozen reference log-probs."""
+    exp, d = self.exp, self.exp.config.dpo
+    pairs = build_pairs(exp.config, exp, state.ref_params, exp.workdir)
+    self.rows = pair_rows(pairs, exp.tokenizer, sequence_length(exp.config, with_eos=True))
+    self.num_pairs = n = len(pairs)
+    self.ref_logp = reference_logprobs(exp.fns, state.ref_params, self.rows,
+                                       batch_size=min(2 * d.batch_size, 2 * n))
+
+  def batches(self) -> PairBatches:
+    return PairBatches(self.num_pairs, self.exp.config.dpo.batch_size, self.exp.config.seed)
+
+  def iteration(self, state: DPOState, idx: np.ndarray):
+    rows_idx = np.concatenate([idx, idx + self.num_pairs])
+    batch = {k: v[rows_idx] for k, v in self.rows.items()}
+    batch["ref_logp"] = self.ref_logp[rows_idx]
+    state, m = self.step_fn(state, batch)
+    return state, {k: float(v) for k, v in jax.device_get(m).items()}
+
+  def log_line(self, step: int, m: dict) -> str:
+    return f"[dpo] step {step}: loss {m['loss']:.4f} accuracy {m['reward_accuracy']:.3f}"
+
+  def summary_extra(self) -> dict:
+    return {"num_pairs": self.num_pairs}

@@ -1,0 +1,159 @@
+"""RLOO (and every estimator of the `advantage` registry: GRPO, RAFT, REINFORCE with a moving
+baseline, vanilla PG) as an algorithm of the outer loop (`rloo_jax.loop`).
+
+One iteration: rollout -> rewards -> reference log-probs -> KL -> R = r - beta * KL ->
+advantages -> `num_epochs` x `num_minibatches` jitted, donated train steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+
+from rloo_jax import experiment as experiment_lib
+from rloo_jax import rollout, update
+
+
+def mean_step_metrics(step_metrics) -> dict:
+  """The mean of each step metric over an iteration's update steps; `nonfinite_steps` summed
+  and `update_steps` counted, for the loop's non-finite guard."""
+  out = {name: float(np.mean([float(m[name]) for m in step_metrics])) for name in step_metrics[0]}
+  if "nonfinite_steps" in out:
+    out["nonfinite_steps"] = float(sum(float(m["nonfinite_steps"]) for m in step_metrics))
+  out["update_steps"] = float(len(step_metrics))
+  return out
+
+
+def nanmean_or_nan(x) -> float:
+  x = np.asarray(x, np.float64)
+  return float(np.nanmean(x)) if np.isfinite(x).any() else float("nan")
+
+
+def timed_updates(algo, state, rows, rng, timings: dict):
+  """The epochs x minibatches of an on-policy algorithm's update, timed into
+  timings['update_s']; the state's iteration counter advanced. Returns (state, step metrics)."""
+  c = algo.exp.config.train
+  t0 = time.perf_counter()
+  state, step_metrics = update.minibatch_updates(
+      algo.step_fn, algo.take_fn, state, rows, rng, num_epochs=c.num_epochs,
+      num_minibatches=c.num_minibatches)
+  jax.block_until_ready(state.params)
+  timings["update_s"] = time.perf_counter() - t0
+  return state.replace(step=state.step + 1), mean_step_metrics(step_metrics)
+
+
+def rollout_rows(algo, batch, out):
+  """The rollout's rows (`algo.rows_fn`, i.e. `rollout.make_rows`) from this process's data
+  batch and the global sample output, every array split over the batch axes."""
+  layout = algo.exp.layout
+  n = out.tokens_bkt.shape[0] * out.tokens_bkt.shape[1]
+  return algo.rows_fn(layout.shard_batch(batch["prompt_tokens"]),
+                      layout.shard_batch(batch["prompt_lengths"]),
+                      layout.reshard_batch(out.tokens_bkt.reshape(n, -1)),
+                      layout.reshard_batch(out.mask_bkt.reshape(n, -1)),
+                      layout.reshard_batch(out.policy_logprobs_bkt.reshape(n, -1)))
+
+
+def rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite: int, parts: dict,
+                    timings: dict) -> dict:
+  """What every on-policy algorithm reports of its rollout: rewards (each function's own mean,
+  before weighting, over the samples it could score), lengths, unscorable counts, speed."""
+  r = rewards_bk[usable_bk]
+  lengths = exp.layout.gather(out.lengths_bk)
+  m = {f"reward/{name}": nanmean_or_nan(v) for name, v in parts.items()}
+  m.update(reward_mean=float(r.mean()) if r.size else float("nan"),
+           reward_std=float(r.std()) if r.size else float("nan"),
+           completion_length=float(lengths.mean()),
+           num_unscorable=float((~usable_bk).sum()), num_nonfinite=float(num_nonfinite),
+           rollout_tokens_per_s=int(lengths.sum()) / max(timings["rollout_s"], 1e-9),
+           **timings)
+  return m
+
+
+class RLOO:
+  """The algorithm object the loop drives: state, jitted programs and one iteration."""
+
+  name = "rloo"
+  label = "RLOO"
+
+  def __init__(self, exp: experiment_lib.Experiment):
+    self.exp = exp
+    c = exp.config
+    layout, state_sh = exp.layout, exp.state_shardings
+    rows_sh, rep = layout.batch_sharding, layout.replicated
+    compute_sh = exp.compute_shardings
+    self.k = int(c.rloo.k)
+    step = functools.partial(update.train_step, fns=exp.fns, tx=exp.tx, spec=exp.loss_spec,
+                             compute_shardings=compute_sh,
+                             param_shardings=compute_sh and state_sh.params)
+    self.step_fn = jax.jit(step, in_shardings=(state_sh, rows_sh),
+                           out_shardings=(state_sh, rep), donate_argnums=0)
+    self.score_fn = jax.jit(functools.partial(
+        update.score_rollout, fns=exp.fns, beta=float(c.kl.beta),
+        kl_estimator=c.kl.estimator, kl_reduction=c.kl.reduction,
+        estimator=c.advantage.estimator,
+        options=tuple(sorted(dict(c.advantage.options).items())),
+        compute_shardings=compute_sh),
+        in_shardings=(state_sh.ref_params, state_sh.adv_state, rows_sh, rows_sh, rows_sh),
+        out_shardings=(rows_sh, state_sh.adv_state))
+    self.rows_fn = jax.jit(functools.partial(rollout.make_rows, k=self.k,
+                                             shared_prefix=bool(c.train.shared_prefix)),
+                           in_shardings=(rows_sh,) * 5, out_shardings=rows_sh)
+    self.take_fn = jax.jit(lambda rows, idx: rows.take(idx, self.k), out_shardings=rows_sh)
+
+  @property
+  def num_iterations(self) -> int:
+    return int(self.exp.config.train.num_iterations)
+
+  def abstract_state(self):
+    return experiment_lib.abstract_state(self.exp)
+
+  def init_state(self, params):
+    return experiment_lib.init_state(self.exp, params)
+
+  def iteration(self, state, batch: dict):
+    """rollout -> rewards -> reference -> advantages -> epochs x minibatches: (state, metrics)."""
+    exp, c, k = self.exp, self.exp.config, self.k
+    layout = exp.layout
+    rng = jax.random.fold_in(state.rng, int(state.step))
+    out, rewards_bk, usable_bk, num_nonfinite, parts, timings = rollout.timed_rollout(
+        exp, state.params, batch, rng, k=k)
+
+    t0 = time.perf_counter()
+    b = rewards_bk.shape[0]  # the global batch
+    n = b * k
+    rows = rollout_rows(self, batch, out)
+    scored, adv_state = self.score_fn(state.ref_params, state.adv_state, rows,
+                                      layout.put_global_batch(rewards_bk.astype(np.float32)),
+                                      layout.put_global_batch(usable_bk))
+    jax.block_until_ready(scored["advantages_bk"])
+    timings["reference_s"] = time.perf_counter() - t0
+    state = state.replace(adv_state=adv_state)
+
+    rows = rows.replace(advantages_n=scored["advantages_bk"].reshape(-1))
+    state, m = timed_updates(self, state, rows, rng, timings)
+
+    all_equal = np.array([np.ptp(row[u]) == 0 if u.sum() >= 2 else True
+                          for row, u in zip(rewards_bk, usable_bk)])
+    adv = layout.gather(scored["advantages_bk"])
+    m.update(rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite, parts, timings))
+    m.update(
+        kl=float(layout.gather(scored["kl_bk"]).mean()),
+        penalised_reward=float(layout.gather(scored["penalised_bk"])[usable_bk].mean())
+        if usable_bk.any() else 0.0,
+        advantage_mean=float(adv.mean()), advantage_std=float(adv.std()),
+        advantage_abs_max=float(np.abs(adv).max()),
+        frac_groups_all_equal=float(all_equal.mean()),
+        # Tokens of the n [prompt | completion] rows trained on, however the prompt is shared.
+        update_tokens_per_s=(c.train.num_epochs * n * (batch["prompt_tokens"].shape[1]
+                                                       + out.tokens_bkt.shape[2]))
+        / max(timings["update_s"], 1e-9))
+    m["iteration_s"] = sum(timings.values())
+    return state, m
+
+  def log_line(self, step: int, m: dict) -> str:
+    return (f"[{self.name}] iteration {step}: reward {m['reward_mean']:.3f} kl {m['kl']:.3f} "
+            f"({m['iteration_s']:.2f}s)")

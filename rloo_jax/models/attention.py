@@ -1,0 +1,204 @@
+"""Attention: the `Attention` module's projections, and the attention kernels that combine them
+(full causal, grouped prompt + completions, and the two cached-decode forms).
+
+Every kernel computes its scores and softmax in float32, whatever the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rloo_jax.models.config import TransformerConfig, dtype_of
+from rloo_jax.models.layers import _cast, _dense, _param, _project, _rope
+
+# Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
+# finite distribution instead of NaNs that would leak into gradients through a masked mean.
+_MASKED = -1e30
+
+
+class Attention(nnx.Module):
+  """Projections only; the attention pattern (full, prefill, cached decode) is chosen by the caller."""
+
+  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    c = config
+    pdt = dtype_of(c.param_dtype)
+    self.config = c
+    init = nnx.initializers.normal(0.02)
+    e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    self.q_kernel = _param(rngs, init, (e, hq, d), ('embed', 'q_heads', 'head_dim'), pdt)
+    self.k_kernel = _param(rngs, init, (e, hkv, d), ('embed', 'kv_heads', 'head_dim'), pdt)
+    self.v_kernel = _param(rngs, init, (e, hkv, d), ('embed', 'kv_heads', 'head_dim'), pdt)
+    self.o_kernel = _param(rngs, init, (hq, d, e), ('q_heads', 'head_dim', 'embed'), pdt)
+    if c.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.q_bias = _param(rngs, zeros, (hq, d), ('q_heads', 'head_dim'), pdt)
+      self.k_bias = _param(rngs, zeros, (hkv, d), ('kv_heads', 'head_dim'), pdt)
+      self.v_bias = _param(rngs, zeros, (hkv, d), ('kv_heads', 'head_dim'), pdt)
+    if c.is_gpt2:
+      self.o_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
+
+  def qkv(self, x_bse: jax.Array, rotary, fused: bool = False):
+    """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D].
+
+    `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2).
+    fused: one matmul against the three kernels concatenated per kv head (see `_fused_qkv`)
+    instead of three. Same values; faster for the few rows of a decode step.
+    """
+    c = self.config
+    dt = x_bse.dtype
+    if fused:
+      q, k, v = self._fused_qkv(x_bse)
+    else:
+      q = _project(x_bse, _cast(self.q_kernel, dt))
+      k = _project(x_bse, _cast(self.k_kernel, dt))
+      v = _project(x_bse, _cast(self.v_kernel, dt))
+    if c.qkv_bias:
+      q = q + _cast(self.q_bias, dt)
+      k = k + _cast(self.k_bias, dt)
+      v = v + _cast(self.v_bias, dt)
+    if not c.is_gpt2:
+      q = _rope(q, rotary)
+      k = _rope(k, rotary)
+    # HF's repeat_kv gives kv head h to query heads h*G..h*G+G-1, i.e. a plain reshape.
+    b, s = q.shape[:2]
+    q_bshgd = q.reshape(b, s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+    return q_bshgd, k, v
+
+  def _fused_qkv(self, x_bse: jax.Array):
+    """q [B,S,H,D], k and v [B,S,Hkv,D] from one [E, Hkv*(G+2)*D] matmul.
+
+    The kernels are concatenated per kv head, [E, Hkv, G + 2, D] (the G query heads of a group,
+    then its key and value head), so a kernel split over heads (tensor parallelism) stays split
+    over the merged axis without any exchange. Inside the sampler's decode loop the weights are
+    loop-invariant and XLA hoists the concatenation out of the loop: three decode-step matmuls
+    of a few rows become one, a faster rollout (measured by experiments/bench_sampler.py with
+    experiments/variants/unfused_decode_qkv.py; see docs/PERFORMANCE.md).
+    """
+    c = self.config
+    dt = x_bse.dtype
+    e, hkv, d = c.hidden_size, c.num_kv_heads, c.head_dim
+    g = c.num_heads // hkv
+    kernel = jnp.concatenate([_cast(self.q_kernel, dt).reshape(e, hkv, g, d),
+                              _cast(self.k_kernel, dt).reshape(e, hkv, 1, d),
+                              _cast(self.v_kernel, dt).reshape(e, hkv, 1, d)], axis=2)
+    y = _dense(x_bse, kernel.reshape(e, hkv * (g + 2) * d))
+    b, s = y.shape[:2]
+    y = y.reshape(b, s, hkv, g + 2, d)
+    return y[:, :, :, :g].reshape(b, s, hkv * g, d), y[:, :, :, g], y[:, :, :, g + 1]
+
+  def out(self, o_bshgd: jax.Array) -> jax.Array:
+    c = self.config
+    b, s = o_bshgd.shape[:2]
+    o_bsf = o_bshgd.reshape(b, s, c.num_heads * c.head_dim)
+    kernel = _cast(self.o_kernel, o_bsf.dtype)
+    y = _dense(o_bsf, kernel.reshape(-1, kernel.shape[-1]))
+    if c.is_gpt2:
+      y = y + _cast(self.o_bias, y.dtype)
+    return y
+
+
+def _softmax_f32(scores: jax.Array, mask: jax.Array) -> jax.Array:
+  return jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1)
+
+
+def _full_attention(q_bshgd, k_bthd, v_bthd, mask_bt):
+  """Causal in index order, keys masked by mask_bt, so padding may sit anywhere in a row."""
+  s, t = q_bshgd.shape[1], k_bthd.shape[1]
+  scale = 1.0 / math.sqrt(q_bshgd.shape[-1])
+  scores = jnp.einsum('bshgd,bthd->bhgst', q_bshgd, k_bthd,
+                      preferred_element_type=jnp.float32) * scale
+  causal_st = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
+  mask = causal_st[None, None, None] & mask_bt.astype(bool)[:, None, None, None, :]
+  probs = _softmax_f32(scores, mask).astype(v_bthd.dtype)
+  return jnp.einsum('bhgst,bthd->bshgd', probs, v_bthd)
+
+
+def _decode_mask(prefix_mask_bp, k: int, t: int, index):
+  """[B, K, 1, 1, P + T] keys a decode query sees: the prompt's valid columns, then the
+  stream's own slots 0..index."""
+  b, p = prefix_mask_bp.shape
+  mask_p = jnp.broadcast_to(prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
+  mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
+  return jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
+
+
+def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_bp,
+                             k_bkhdt, v_bkhtd, index):
+  """K streams per row attend to the row's single prefix cache and to their own keys 0..index.
+
+  The prefix is contracted against all K queries at once instead of being tiled per stream, so
+  its memory traffic is paid once per row; both score blocks share one float32 softmax.
+  """
+  scale = 1.0 / math.sqrt(q_bkhgd.shape[-1])
+  f32 = jnp.float32
+  # With K > 1 streams the prefix products are written as broadcast-multiply-and-sum rather than
+  # einsum: as a dot they are batched over (b, h) with only K*G rows each, which XLA:CPU runs far
+  # below its GEMM speed, while the reduction streams the prefix once (faster for long prompts,
+  # measured by experiments/bench_sampler.py; see docs/PERFORMANCE.md).
+  # With K = 1 (the unshared layout) XLA turns that form into a pathological loop: keep the dot.
+  # CPU only: on GPU/TPU the dot runs on the matrix units, and the broadcast product would be
+  # K*G*D times the prefix if a backend did not fuse it into the sum.
+  reduce_form = q_bkhgd.shape[1] > 1 and jax.default_backend() == 'cpu'
+  if reduce_form:
+    scores_p = jnp.sum(q_bkhgd.astype(f32)[..., None] * prefix_k_bhdp.astype(f32)[:, None, :, None],
+                       axis=4)
+  else:
+    scores_p = jnp.einsum('bkhgd,bhdp->bkhgp', q_bkhgd, prefix_k_bhdp, preferred_element_type=f32)
+  scores_t = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt, preferred_element_type=f32)
+  p, t = scores_p.shape[-1], scores_t.shape[-1]
+  scores = jnp.concatenate([scores_p, scores_t], axis=-1) * scale
+  probs = _softmax_f32(scores, _decode_mask(prefix_mask_bp, q_bkhgd.shape[1], t, index))
+  probs = probs.astype(v_bkhtd.dtype)
+  if reduce_form:
+    out = jnp.sum(probs[..., :p, None].astype(f32) * prefix_v_bhpd.astype(f32)[:, None, :, None],
+                  axis=4).astype(v_bkhtd.dtype)
+  else:
+    out = jnp.einsum('bkhgp,bhpd->bkhgd', probs[..., :p], prefix_v_bhpd)
+  return out + jnp.einsum('bkhgt,bkhtd->bkhgd', probs[..., p:], v_bkhtd)
+
+
+def _stream_attention(q_bkhgd, prefix_mask_bp, k_bkhdt, v_bkhtd, index, copied: int):
+  """Decode attention over each stream's own buffer, whose first `copied` slots hold the prompt
+  (masked by prefix_mask_bp) and whose next slots hold its tokens 0..index."""
+  scale = 1.0 / math.sqrt(q_bkhgd.shape[-1])
+  scores = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt,
+                      preferred_element_type=jnp.float32) * scale
+  mask = _decode_mask(prefix_mask_bp, q_bkhgd.shape[1], k_bkhdt.shape[-1] - copied, index)
+  probs = _softmax_f32(scores, mask).astype(v_bkhtd.dtype)
+  return jnp.einsum('bkhgt,bkhtd->bkhgd', probs, v_bkhtd)
+
+
+def _grouped_attention(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt: int):
+  """Attention over rows laid out per prompt as [prompt (P) | T tokens x M completions], the
+  completions token-major (row P + i*M + j: token i of completion j).
+
+  The prompt's queries attend causally within the prompt; each completion's queries attend to the
+  prompt's keys (computed once, never tiled M times) and causally to their own completion. Both
+  score blocks of a completion query share one float32 softmax.
+  """
+  p = num_prompt
+  b, _, h, g, d = q_bshgd.shape
+  m, t = mask_bmt.shape[1:]
+  qp, kp, vp = q_bshgd[:, :p], k_bshd[:, :p], v_bshd[:, :p]
+  out_p = _full_attention(qp, kp, vp, prompt_mask_bp)
+  qc = q_bshgd[:, p:].reshape(b, t, m, h, g, d)
+  kc = k_bshd[:, p:].reshape(b, t, m, h, d)
+  vc = v_bshd[:, p:].reshape(b, t, m, h, d)
+  scale = 1.0 / math.sqrt(d)
+  f32 = jnp.float32
+  scores_p = jnp.einsum('btmhgd,bphd->bmhgtp', qc, kp, preferred_element_type=f32)
+  scores_c = jnp.einsum('btmhgd,bsmhd->bmhgts', qc, kc, preferred_element_type=f32)
+  scores = jnp.concatenate([scores_p, scores_c], axis=-1) * scale
+  mask_p = jnp.broadcast_to(prompt_mask_bp.astype(bool)[:, None, None, None, None, :],
+                            (b, m, 1, 1, t, p))
+  causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  mask_c = causal_ts[None, None, None, None] & mask_bmt.astype(bool)[:, :, None, None, None, :]
+  mask = jnp.concatenate([mask_p, mask_c], axis=-1)
+  probs = _softmax_f32(scores, mask).astype(v_bshd.dtype)
+  out_c = (jnp.einsum('bmhgtp,bphd->btmhgd', probs[..., :p], vp)
+           + jnp.einsum('bmhgts,bsmhd->btmhgd', probs[..., p:], vc))
+  return jnp.concatenate([out_p, out_c.reshape(b, t * m, h, g, d)], axis=1)

@@ -1,0 +1,123 @@
+"""The transformer's building blocks other than attention: parameter creation, norms, rotary
+position embedding, the matmul helpers, and the MLP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rloo_jax.models.config import TransformerConfig, dtype_of
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
+  # Draw flat, then reshape: XLA's compile time for rank-3 threefry draws is several times that of
+  # rank-1 ones (seconds per tensor on a small CPU), and the values are just as random.
+  def flat_init(key, shape, dtype):
+    return init(key, (math.prod(shape),), dtype).reshape(shape)
+
+  # eager_sharding=False: the logical names are metadata for the sharding module to map onto a
+  # mesh; creating a model outside any mesh (tests, HF import) must still work.
+  return nnx.Param(nnx.with_partitioning(flat_init, axes, eager_sharding=False)(
+      rngs.params(), shape, dtype))
+
+
+def _cast(param: nnx.Param, dtype) -> jax.Array:
+  return jnp.asarray(param[...], dtype)
+
+
+class Norm(nnx.Module):
+  """RMSNorm (llama/qwen2) or LayerNorm with bias (gpt2), statistics in float32 as in HF."""
+
+  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    pdt = dtype_of(config.param_dtype)
+    self.eps = config.norm_eps
+    self.layer_norm = config.is_gpt2
+    self.scale = _param(rngs, nnx.initializers.ones, (config.hidden_size,), ('norm',), pdt)
+    if self.layer_norm:
+      self.bias = _param(rngs, nnx.initializers.zeros, (config.hidden_size,), ('norm',), pdt)
+
+  def __call__(self, x_bse: jax.Array) -> jax.Array:
+    x = x_bse.astype(jnp.float32)
+    if self.layer_norm:
+      x = x - x.mean(-1, keepdims=True)
+      y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
+      return (y * self.scale[...] + self.bias[...]).astype(x_bse.dtype)
+    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
+    # HF casts back to the activation dtype before the weight multiply; matching it keeps bf16 parity.
+    return self.scale[...].astype(x_bse.dtype) * y.astype(x_bse.dtype)
+
+
+def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: int):
+  """cos / sin [B, S, 1, D/2] of every position's rotary angles, computed once per forward.
+
+  Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array.
+  Computed from the positions directly, XLA fused cos and sin into every consumer (q and k of
+  every layer) and recomputed them per element, i.e. per head: a visible share of a CPU decode
+  step and of the update. (XLA evaluates the table only at the gathered rows.)
+  """
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_sf = jnp.arange(max_seq_len, dtype=jnp.float32)[:, None] * inv_freq
+  take = lambda table: jnp.take(table, positions_bs, axis=0, mode='clip')[:, :, None, :]
+  return take(jnp.cos(angles_sf)), take(jnp.sin(angles_sf))
+
+
+def _rope(x_bshd: jax.Array, rotary) -> jax.Array:
+  """HF-layout rotary embedding (rotate_half over the two halves of head_dim)."""
+  cos, sin = rotary
+  d = x_bshd.shape[-1]
+  x = x_bshd.astype(jnp.float32)
+  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_bshd.dtype)
+
+
+def _dense(x_bse: jax.Array, kernel_ef: jax.Array, preferred_element_type=None) -> jax.Array:
+  """x @ kernel as one 2-D matmul over the flattened rows, [B*S, E] x [E, F] -> [B, S, F].
+
+  Why not einsum('bse,ef->bsf'): its weight gradient contracts over two axes (b and s), which
+  XLA:CPU does not hand to its fast GEMM kernel.
+  """
+  b, s, e = x_bse.shape
+  y = jnp.matmul(x_bse.reshape(b * s, e), kernel_ef, preferred_element_type=preferred_element_type)
+  return y.reshape(b, s, kernel_ef.shape[-1])
+
+
+def _project(x_bse: jax.Array, kernel_ehd: jax.Array) -> jax.Array:
+  """x @ kernel, [B, S, E] x [E, H, D] -> [B, S, H, D], as one 2-D matmul (see `_dense`)."""
+  _, h, d = kernel_ehd.shape
+  y = _dense(x_bse, kernel_ehd.reshape(kernel_ehd.shape[0], h * d))
+  return y.reshape(*y.shape[:2], h, d)
+
+
+class MLP(nnx.Module):
+  """SwiGLU (llama/qwen2) or GELU-tanh with biases (gpt2 'gelu_new')."""
+
+  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    c = config
+    pdt = dtype_of(c.param_dtype)
+    self.gpt2 = c.is_gpt2
+    init = nnx.initializers.normal(0.02)
+    e, f = c.hidden_size, c.intermediate_size
+    self.up_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
+    self.down_kernel = _param(rngs, init, (f, e), ('mlp', 'embed'), pdt)
+    if self.gpt2:
+      self.up_bias = _param(rngs, nnx.initializers.zeros, (f,), ('mlp',), pdt)
+      self.down_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
+    else:
+      self.gate_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
+
+  def __call__(self, x_bse: jax.Array) -> jax.Array:
+    dt = x_bse.dtype
+    up = _dense(x_bse, _cast(self.up_kernel, dt))
+    if self.gpt2:
+      h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=True)
+    else:
+      gate = _dense(x_bse, _cast(self.gate_kernel, dt))
+      h = jax.nn.silu(gate) * up
+    y = _dense(h, _cast(self.down_kernel, dt))
+    if self.gpt2:
+      y = y + _cast(self.down_bias, dt)
+    return y

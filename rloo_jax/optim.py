@@ -1,0 +1,67 @@
+"""The optimizer recipe shared by every stage that trains (RL, SFT, reward models, DPO, critic).
+
+AdamW after global-norm clipping, with a linear warm-up into a constant or cosine schedule. One
+recipe in one place, so the stages cannot drift apart and no stage imports another to reach it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+SCHEDULES = ("constant", "cosine")
+
+
+class NonFiniteError(FloatingPointError):
+  """Training produced non-finite losses, gradients or parameters, past the configured limit."""
+
+
+def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+  """`c` holds learning_rate, warmup_steps, schedule, weight_decay, b1, b2 and max_grad_norm
+  (config.optim, or a stage's own section); `total_steps` sizes the cosine decay."""
+  warmup = max(int(c.warmup_steps), 0)
+  if c.schedule == "constant":
+    after = optax.constant_schedule(c.learning_rate)
+  elif c.schedule == "cosine":
+    after = optax.cosine_decay_schedule(c.learning_rate, max(total_steps - warmup, 1))
+  else:
+    raise ValueError(f"unknown schedule {c.schedule!r}; choose one of {SCHEDULES} "
+                     "(config.optim.schedule)")
+  schedule = optax.join_schedules(
+      [optax.linear_schedule(0.0, c.learning_rate, max(warmup, 1)), after], [warmup]) \
+      if warmup else after
+  return optax.chain(
+      optax.clip_by_global_norm(c.max_grad_norm) if c.max_grad_norm > 0 else optax.identity(),
+      optax.adamw(schedule, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
+
+
+def with_learning_rate(c: ml_collections.ConfigDict, learning_rate: float
+                       ) -> ml_collections.ConfigDict:
+  """A copy of the optimizer section with another learning rate (0 keeps the original)."""
+  out = ml_collections.ConfigDict(c.to_dict())
+  if learning_rate:
+    out.learning_rate = float(learning_rate)
+  return out
+
+
+def apply_if_finite(tx: optax.GradientTransformation, grads, opt_state, params, loss):
+  """One optimizer update, skipped when the loss or the gradient is not finite.
+
+  Returns (params, opt_state, metrics): on a non-finite step the params and the optimizer state
+  come back unchanged (Adam's moments are not poisoned) and `nonfinite_steps` is 1. Every train
+  step (RL, PPO, DPO, SFT, reward model) goes through here, so the loop's guard sees one count.
+  Checked on the loss too, not only the gradient as `optax.apply_if_finite` does: a NaN reward
+  reaches the loss through the advantages even where a masked gradient stays finite.
+  """
+  grad_norm = optax.tree.norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  # Zeroed (not NaN) gradients through the update keep every intermediate finite; the selects
+  # below then restore the old state exactly.
+  safe = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
+  updates, new_opt_state = tx.update(safe, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  metrics = dict(grad_norm=grad_norm, nonfinite_steps=(~ok).astype(jnp.float32))
+  return keep(new_params, params), keep(new_opt_state, opt_state), metrics

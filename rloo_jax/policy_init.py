@@ -1,0 +1,32 @@
+"""The starting policy (and so the RL reference): a local Hugging Face checkpoint, or the task's
+own small model trained from scratch by the SFT stage (`rloo_jax.sft`, cached in the workdir)."""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+
+from rloo_jax import sft
+from rloo_jax.models import hf, transformer
+
+
+def create_params(exp, seed: int = 0):
+  """A freshly initialised policy, created directly sharded (never whole on one device)."""
+  mcfg = exp.model_config
+  return jax.jit(lambda: nnx.split(transformer.Transformer(mcfg, rngs=nnx.Rngs(seed)))[1],
+                 out_shardings=exp.state_shardings.params)()
+
+
+def initial_params(exp, *, log=print):
+  """config.model.init_from's weights, or SFT from scratch on the task's demonstrations."""
+  config = exp.config
+  if config.model.init_from:
+    _, params = hf.load_checkpoint(config.model.init_from, dtype=config.model.dtype)
+    return params
+  return sft.train(config, exp.workdir, exp.fns, create_params(exp, seed=config.seed), exp.task,
+                   log=log, shard_batch=exp.layout.shard_batch)
+
+
+def is_cached(config, workdir: str) -> bool:
+  """True when `initial_params` will load rather than train (nothing to time)."""
+  return bool(config.model.init_from) or sft.is_cached(config, workdir)

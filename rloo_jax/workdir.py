@@ -1,0 +1,168 @@
+"""What a workdir knows about the run that owns it: the resolved config and library versions it
+started with (`run_config.json`), and a lock that keeps a second live run out.
+
+A restart whose config differs from the saved one stops with an error listing the differing
+keys, before anything is read, moved or written, unless every difference is in `RESUMABLE_KEYS`
+(settings that only say how long to run or how often to log, evaluate and save).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import socket
+from importlib import metadata
+from typing import Any, Callable, Mapping
+
+import jax
+from flax import traverse_util
+
+CONFIG_FILE = "run_config.json"
+LOCK_FILE = "run.lock"
+
+# May change on resume: how long the run is and how often it logs, evaluates and saves.
+RESUMABLE_KEYS = (
+    "train.num_iterations", "train.eval_every", "train.log_every", "train.checkpoint_every",
+    "train.keep_checkpoints", "train.progress_bar", "train.max_nonfinite_steps",
+    "train.max_unscorable_iterations", "train.wandb_project", "dpo.steps", "dpo.eval_every",
+    "sft.log_every", "sft.checkpoint_every",
+)
+_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "ml_collections",
+             "rloo_jax")
+
+
+class ConfigMismatchError(ValueError):
+  """The workdir's run was started with another config."""
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another live process is running in this workdir."""
+
+
+def versions() -> dict[str, str]:
+  out = {}
+  for name in _PACKAGES:
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = "not installed"
+  return out
+
+
+def flat_config(config) -> dict[str, Any]:
+  """The config as {'section.key': JSON value}; callables and other objects by their repr."""
+  tree = json.loads(json.dumps(config.to_dict(), default=repr))
+  flat = traverse_util.flatten_dict(tree, sep=".", keep_empty_nodes=True)
+  return {k: {} if v is traverse_util.empty_node else v for k, v in flat.items()}
+
+
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+  """The keys whose values differ (or exist on one side only), RESUMABLE_KEYS excluded."""
+  keys = sorted(set(saved) | set(current))
+  return [k for k in keys if k not in RESUMABLE_KEYS and saved.get(k, "<absent>")
+          != current.get(k, "<absent>")]
+
+
+def check_config(workdir: str, config, *, log: Callable[[str], None] = print) -> None:
+  """Saves the config and versions at the first start; on a restart, raises
+  ConfigMismatchError naming every differing key unless they may change on resume."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  current = flat_config(config)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      saved_file = json.load(f)
+    saved = saved_file["config"]
+    diff = config_differences(saved, current)
+    if diff:
+      shown = "\n".join(f"  config.{k}: {json.dumps(saved.get(k, '<absent>'))} in the workdir, "
+                        f"{json.dumps(current.get(k, '<absent>'))} now" for k in diff[:20])
+      more = f"\n  ... and {len(diff) - 20} more" if len(diff) > 20 else ""
+      raise ConfigMismatchError(
+          f"{workdir} holds a run started with another config ({path}); differing keys:\n"
+          f"{shown}{more}\nNothing was changed. Use a new --workdir for the new config, or "
+          f"restart with the saved values. Keys that may change on resume: "
+          f"{', '.join(RESUMABLE_KEYS)}.")
+    if saved_file.get("versions") != versions():
+      log(f"[workdir] note: library versions differ from the run's start "
+          f"({saved_file.get('versions')} then, {versions()} now)")
+    changed = {k for k in set(saved) | set(current) if saved.get(k) != current.get(k)}
+    if not changed:
+      return
+    log(f"[workdir] resumable settings changed: {', '.join(sorted(changed))}")
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump({"config": current, "versions": versions()}, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def closest_key(name: str, keys) -> str | None:
+  """The known key most like `name` (for an unknown-key error), or None."""
+  match = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.5)
+  return match[0] if match else None
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+class Lock:
+  """An exclusive claim on a workdir for one live process (one per process index of a
+  multi-process run). A lock left by a dead process is taken over with a message."""
+
+  def __init__(self, workdir: str, *, log: Callable[[str], None] = print):
+    self.path = os.path.join(workdir, f"{LOCK_FILE}.{jax.process_index()}")
+    self.log = log
+    self.held = False
+
+  def acquire(self) -> "Lock":
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(2):
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+      except FileExistsError:
+        try:
+          with open(self.path, encoding="utf-8") as f:
+            other = json.load(f)
+        except (OSError, ValueError):
+          other = {}
+        pid = int(other.get("pid", -1))
+        if pid == me["pid"]:
+          return self  # held by this process already (an outer call releases it)
+        same_host = other.get("host") == me["host"]
+        if pid > 0 and (not same_host or _alive(pid)):
+          raise WorkdirLockedError(
+              f"{os.path.dirname(self.path)} is in use by another run (pid {pid} on "
+              f"{other.get('host')}, lock {self.path}); wait for it to finish or use another "
+              f"--workdir. If that run is gone, delete the lock file.") from None
+        self.log(f"[workdir] taking over the stale lock of pid {pid} ({self.path})")
+        os.remove(self.path)
+        continue
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(me, f)
+      self.held = True
+      return self
+    raise WorkdirLockedError(f"could not take the lock {self.path}")
+
+  def release(self) -> None:
+    if self.held:
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
+      self.held = False
+
+  def __enter__(self):
+    return self.acquire()
+
+  def __exit__(self, *exc):
+    self.release()

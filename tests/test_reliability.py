@@ -1,0 +1,359 @@
+"""Nothing lost: the workdir's config, checkpoints, non-finite guards, preemption, locks, and the
+bad inputs that must fail before any compile. Each test is a row of docs/RELIABILITY.md."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import REPO, load_config
+from rloo_jax import algorithms, experiment, loop, optim, workdir as workdir_lib
+from rloo_jax.checkpoint import Checkpointer, CheckpointMismatchError
+
+quiet = lambda *a, **k: None
+
+
+def smoke(**overrides):
+  c = load_config("smoke")
+  with c.unlocked():
+    for key, value in overrides.items():
+      section, name = key.split(".")
+      c[section][name] = value
+  return c
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+  """One finished smoke run (2 iterations, a checkpoint each) to restart in many ways."""
+  wd = str(tmp_path_factory.mktemp("finished"))
+  summary = algorithms.run(smoke(), wd, log=quiet)
+  return wd, summary
+
+
+def _copy(src, dst):
+  shutil.copytree(src, dst)
+  for name in os.listdir(dst):  # a copy is a new run's workdir: no live lock in it
+    if name.startswith(workdir_lib.LOCK_FILE):
+      os.remove(os.path.join(dst, name))
+  return str(dst)
+
+
+def _listing(wd):
+  return sorted(os.path.relpath(os.path.join(r, f), wd) for r, _, fs in os.walk(wd) for f in fs)
+
+
+# ----------------------------------------------------------------------------------------------
+# A workdir that knows its config
+
+
+@pytest.mark.parametrize("override,key", [({"model.hidden_size": 64}, "model.hidden_size"),
+                                          ({"rloo.k": 2}, "rloo.k"),
+                                          ({"advantage.estimator": "grpo"},
+                                           "advantage.estimator")])
+def test_changed_config_on_resume_is_refused_and_nothing_moves(finished, tmp_path, override,
+                                                               key):
+  wd = _copy(finished[0], tmp_path / "wd")
+  before = _listing(wd)
+  with pytest.raises(workdir_lib.ConfigMismatchError, match=rf"config\.{key}: .* in the workdir"):
+    algorithms.run(smoke(**override), wd, log=quiet)
+  assert _listing(wd) == before  # nothing moved, nothing written
+  assert not os.path.exists(os.path.join(wd, "checkpoints_corrupt"))
+
+
+def test_resumable_setting_changes_continue_the_run(finished, tmp_path):
+  wd = _copy(finished[0], tmp_path / "wd")
+  logs = []
+  out = algorithms.run(smoke(**{"train.num_iterations": 3}), wd, log=logs.append)
+  assert out["iterations"] == 3
+  assert any("resumed from iteration 2" in line for line in logs)
+  steps = [r["step"] for r in map(json.loads, open(os.path.join(wd, "metrics.jsonl")))
+           if any(k.startswith("train/") for k in r)]
+  assert steps == [1, 2, 3]  # each step once after the resume
+
+
+def test_run_config_records_versions(finished):
+  saved = json.load(open(os.path.join(finished[0], workdir_lib.CONFIG_FILE)))
+  assert saved["config"]["rloo.k"] == 4 and saved["versions"]["jax"] == jax.__version__
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: quarantine only what cannot be read, keep earlier quarantined copies
+
+
+def _tree(n):
+  return {"w": jnp.arange(n, dtype=jnp.float32), "step": jnp.zeros((), jnp.int32)}
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def test_unreadable_checkpoints_are_quarantined_and_earlier_copies_kept(tmp_path):
+  d = str(tmp_path / "checkpoints")
+  for attempt in range(2):
+    ck = Checkpointer(d, keep=3)
+    ck.save(1, _tree(3), {"i": 1}, force=True)
+    ck.save(2, _tree(3), {"i": 2}, force=True)
+    ck.close()
+    shutil.rmtree(os.path.join(d, "2", "state"))  # step 2 unreadable
+    ck = Checkpointer(d, keep=3)
+    step, state, meta = ck.restore(_abstract(_tree(3)))
+    ck.close()
+    assert step == 1 and meta == {"i": 1}
+    # the next attempt overwrites step 2 again: the first quarantined copy survives
+    shutil.rmtree(os.path.join(d, "1"))
+  assert sorted(os.listdir(str(tmp_path / "checkpoints_corrupt"))) == ["2", "2.1"]
+
+
+def test_a_readable_checkpoint_of_another_shape_is_an_error_not_corruption(tmp_path):
+  d = str(tmp_path / "checkpoints")
+  ck = Checkpointer(d)
+  ck.save(1, _tree(3), {}, force=True)
+  ck.close()
+  ck = Checkpointer(d)
+  with pytest.raises(CheckpointMismatchError, match=r"w: \(\(3,\), 'float32'\) in the checkpoint, "
+                                                    r"\(\(5,\), 'float32'\) wanted"):
+    ck.restore(_abstract(_tree(5)))
+  ck.close()
+  assert os.path.isdir(os.path.join(d, "1")) and not os.path.exists(d + "_corrupt")
+
+
+def test_keep_checkpoints_zero_is_refused():
+  with pytest.raises(ValueError, match=r"config.train.keep_checkpoints = 0 must be >= 1"):
+    experiment.validate_config(smoke(**{"train.keep_checkpoints": 0}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite guard
+
+
+def test_a_non_finite_step_leaves_params_and_adam_state_unchanged():
+  tx = optax.adam(1e-2)
+  params = {"w": jnp.ones(3)}
+  opt_state = tx.init(params)
+  p1, s1, m = optim.apply_if_finite(tx, {"w": jnp.ones(3)}, opt_state, params, jnp.float32(1.0))
+  assert float(m["nonfinite_steps"]) == 0 and not np.array_equal(p1["w"], params["w"])
+  for grads, value in (({"w": jnp.array([1.0, jnp.nan, 0.0])}, jnp.float32(1.0)),
+                       ({"w": jnp.ones(3)}, jnp.float32(jnp.inf))):
+    p2, s2, m = optim.apply_if_finite(tx, grads, s1, p1, value)
+    assert float(m["nonfinite_steps"]) == 1
+    np.testing.assert_array_equal(p2["w"], p1["w"])
+    for a, b in zip(jax.tree.leaves(s2), jax.tree.leaves(s1)):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_exploding_learning_rate_stops_with_an_error_and_keeps_finite_checkpoints(tmp_path):
+  wd = str(tmp_path / "wd")
+  c = smoke(**{"optim.learning_rate": 1e38, "optim.max_grad_norm": 0.0,
+               "train.num_iterations": 8, "train.max_nonfinite_steps": 2})
+  with pytest.raises(optim.NonFiniteError, match=r"non-finite|not saved"):
+    algorithms.run(c, wd, log=quiet)
+  exp = experiment.build(c, wd)
+  ck = Checkpointer(os.path.join(wd, "checkpoints"))
+  steps = ck.all_steps()
+  assert steps, "the last finite checkpoint must survive"
+  for s in steps:
+    _, state, _ = ck.restore(experiment.abstract_state(exp), step=s)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+  ck.close()
+
+
+def test_all_unscorable_rewards_stop_the_run_naming_the_reward(tmp_path):
+  rewards = tmp_path / "nan_reward.py"
+  rewards.write_text("import numpy as np\n"
+                     "def never(prompts, completions, **fields):\n"
+                     "  return np.full(len(completions), np.nan)\n")
+  c = smoke(**{"train.num_iterations": 6, "train.max_unscorable_iterations": 2})
+  sys.path.insert(0, str(tmp_path))
+  try:
+    c.rewards.fns = ["nan_reward:never"]
+    with pytest.raises(loop.UnscorableError, match=r"last 2 iterations.*\['never'\]"):
+      algorithms.run(c, str(tmp_path / "wd"), log=quiet)
+  finally:
+    sys.path.remove(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Preemption and exceptions
+
+_TRAIN = textwrap.dedent("""
+  import sys
+  sys.path.insert(0, {tests!r})
+  from conftest import load_config
+  from rloo_jax import algorithms, train
+  c = load_config("smoke")
+  c.train.update(num_iterations=6, checkpoint_every=100, eval_every=0)
+  out = algorithms.run(c, sys.argv[1], log=lambda s: print(s, flush=True))
+  print("PREEMPTED" if out["preempted"] else "FINISHED", out["iterations"], flush=True)
+""")
+
+
+def test_sigterm_finishes_the_iteration_saves_and_resumes_bit_identical(tmp_path):
+  script = tmp_path / "train.py"
+  script.write_text(_TRAIN.format(tests=os.path.join(REPO, "tests")))
+  reference = algorithms.run(_sigterm_config(), str(tmp_path / "uninterrupted"),
+                             log=quiet)["state"]
+  wd = str(tmp_path / "preempted")
+  proc = subprocess.Popen([sys.executable, str(script), wd], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, cwd=REPO)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if "iteration 2:" in line:  # mid-run: checkpoints are only due at the end
+      proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=300) == 0, "".join(lines)
+  out = "".join(lines)
+  assert "SIGTERM: stopped after iteration" in out and "PREEMPTED" in out
+  stopped = int(out.split("PREEMPTED")[1].split()[0])
+  assert 2 <= stopped < 6
+  ck = Checkpointer(os.path.join(wd, "checkpoints"))
+  assert ck.all_steps() == [stopped]  # saved at the stop, no iteration lost
+  ck.close()
+  resumed = algorithms.run(_sigterm_config(), wd, log=quiet)
+  assert resumed["iterations"] == 6
+  for a, b in zip(jax.tree.leaves(reference.params), jax.tree.leaves(resumed["state"].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _sigterm_config():
+  c = load_config("smoke")
+  c.train.update(num_iterations=6, checkpoint_every=100, eval_every=0)
+  return c
+
+
+def test_an_exception_mid_run_keeps_the_saves_and_leaves_no_temp_dir(tmp_path):
+  reward = tmp_path / "flaky_reward.py"
+  # Fails on the third rollout (4 prompts x k = 4 completions), after two saved iterations.
+  reward.write_text("import numpy as np\ncalls = [0]\n"
+                    "def flaky(prompts, completions, **fields):\n"
+                    "  calls[0] += len(set(prompts)) == 4 and len(completions) == 16\n"
+                    "  if calls[0] == 3:\n"
+                    "    raise RuntimeError('reward server went away')\n"
+                    "  return np.zeros(len(completions))\n")
+  c = smoke(**{"train.num_iterations": 5, "train.eval_every": 0})
+  c.rewards.fns = ["flaky_reward:flaky"]
+  sys.path.insert(0, str(tmp_path))
+  wd = str(tmp_path / "wd")
+  try:
+    with pytest.raises(RuntimeError, match="reward server went away"):
+      algorithms.run(c, wd, log=quiet)
+  finally:
+    sys.path.remove(str(tmp_path))
+  names = _listing(wd)
+  assert not [n for n in names if "orbax-checkpoint-tmp" in n], names
+  ck = Checkpointer(os.path.join(wd, "checkpoints"))
+  assert ck.all_steps() == [1, 2], "the iterations before the failure were saved"
+  ck.close()
+  assert not [n for n in os.listdir(wd) if n.startswith(workdir_lib.LOCK_FILE)]
+
+
+# ----------------------------------------------------------------------------------------------
+# SFT checkpoints
+
+
+def test_sft_resumes_from_its_checkpoint_and_falls_back_past_a_corrupt_one(tmp_path):
+  c = smoke(**{"sft.checkpoint_every": 5, "train.num_iterations": 0})
+  from rloo_jax import policy_init, sft
+  wd = str(tmp_path / "wd")
+  exp = experiment.build(c, wd)
+  full = policy_init.initial_params(exp, log=quiet)
+  cache = sft.cache_dir(c, wd)
+  assert sorted(int(s) for s in os.listdir(cache) if s.isdigit()) == [15, 20]
+  shutil.rmtree(os.path.join(cache, "20"))  # killed before the last save
+  shutil.rmtree(os.path.join(cache, "15", "state"))  # and the one before is corrupt
+  # keep only 15 (corrupt): the stage must fall back to a fresh start, not crash
+  logs = []
+  again = policy_init.initial_params(exp, log=logs.append)
+  assert not any("resuming" in line for line in logs)
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  shutil.rmtree(os.path.join(cache, "20"))  # now 15 is a good checkpoint: resume from it
+  logs = []
+  resumed = policy_init.initial_params(exp, log=logs.append)
+  assert any("resuming from step 15" in line for line in logs)
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------------------------
+# A lock in the workdir
+
+
+def test_a_second_live_run_is_refused_and_a_stale_lock_taken_over(tmp_path):
+  wd = str(tmp_path)
+  sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    path = os.path.join(wd, f"{workdir_lib.LOCK_FILE}.0")
+    with open(path, "w") as f:
+      json.dump({"pid": sleeper.pid, "host": os.uname().nodename}, f)
+    with pytest.raises(workdir_lib.WorkdirLockedError, match=rf"pid {sleeper.pid}"):
+      workdir_lib.Lock(wd).acquire()
+  finally:
+    sleeper.kill()
+    sleeper.wait()
+  logs = []
+  lock = workdir_lib.Lock(wd, log=logs.append).acquire()
+  assert any("stale lock" in line for line in logs)
+  assert json.load(open(path))["pid"] == os.getpid()
+  lock.release()
+  assert not os.path.exists(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs fail before any compile, naming the setting
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"kl.beta": -0.1}, r"config.kl.beta = -0.1 must be >= 0"),
+    ({"train.checkpoint_every": 0}, r"config.train.checkpoint_every = 0 must be >= 1"),
+    ({"train.log_every": 0}, r"config.train.log_every = 0 must be >= 1"),
+    ({"train.num_minibatches": 0}, r"config.train.num_minibatches = 0 must be >= 1"),
+    ({"train.keep_checkpoints": 0}, r"config.train.keep_checkpoints = 0 must be >= 1"),
+])
+def test_bad_settings_fail_before_anything_runs(tmp_path, override, message):
+  wd = str(tmp_path / "wd")
+  t0 = time.time()
+  with pytest.raises(ValueError, match=message):
+    algorithms.run(smoke(**override), wd, log=quiet)
+  assert not os.path.exists(os.path.join(wd, "sft")) and time.time() - t0 < 30
+
+
+def test_init_from_without_config_json_names_the_setting(tmp_path):
+  (tmp_path / "ckpt").mkdir()
+  with pytest.raises(FileNotFoundError, match=r"config.model.init_from=.* has no config.json"):
+    experiment.validate_config(smoke(**{"model.init_from": str(tmp_path / "ckpt")}))
+
+
+def test_a_reward_of_the_wrong_length_fails_before_sft(tmp_path):
+  reward = tmp_path / "short_reward.py"
+  reward.write_text("def short(prompts, completions, **fields):\n  return [0.0]\n")
+  sys.path.insert(0, str(tmp_path))
+  c = smoke()
+  c.rewards.fns = ["short_reward:short"]
+  wd = str(tmp_path / "wd")
+  try:
+    with pytest.raises(ValueError, match=r"reward function short .*dry run.*expected \(2,\)"):
+      algorithms.run(c, wd, log=quiet)
+  finally:
+    sys.path.remove(str(tmp_path))
+  assert not os.path.exists(os.path.join(wd, "sft"))
+
+
+def test_unknown_config_key_names_the_closest_one_without_a_traceback(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "rloo_jax.train",
+                        "--config=configs/arithmetic.py:smoke", f"--workdir={tmp_path}",
+                        "--config.rloo.kk=2"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 1
+  assert "unknown config key --config.rloo.kk" in out.stderr
+  assert "did you mean --config.rloo.k?" in out.stderr
+  assert "Traceback" not in out.stderr

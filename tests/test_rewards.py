@@ -1,0 +1,157 @@
+"""Rewards: the weighted RewardSet, metric names, the summarize gold labeller and preferences."""
+
+import ml_collections
+import numpy as np
+import pytest
+
+from rloo_jax import rewards
+from rloo_jax.rewards import preferences, summarize_gold
+from rloo_jax.rewards.reward_set import RewardSet, reward_name
+
+PROMPTS = ["p0", "p1", "p2"]
+COMPLETIONS = ["a", "bb", "ccc"]
+
+
+def const(*values, name="const"):
+  def fn(prompts, completions, **fields):
+    del prompts, fields
+    assert len(completions) == len(values)
+    return np.array(values, np.float32)
+  fn.__name__ = name
+  return fn
+
+
+def length(prompts, completions, **fields):
+  del prompts, fields
+  return np.array([len(c) for c in completions], np.float32)
+
+
+def test_weighted_sum_matches_hand_computed():
+  rs = RewardSet([length, const(1.0, -2.0, 0.5)], [2.0, -0.5], ["length", "const"])
+  total, parts = rs(PROMPTS, COMPLETIONS, {})
+  # 2 * [1, 2, 3] - 0.5 * [1, -2, 0.5]
+  np.testing.assert_allclose(total, [1.5, 5.0, 5.75])
+  assert total.dtype == np.float64
+  np.testing.assert_array_equal(parts["length"], [1, 2, 3])
+  np.testing.assert_array_equal(parts["const"], [1.0, -2.0, 0.5])
+  assert rs.first == "length"
+
+
+def test_fields_reach_every_function():
+  seen = []
+
+  def needs_answer(prompts, completions, *, answer, **fields):
+    seen.append((list(prompts), list(answer), fields))
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+  rs = RewardSet([needs_answer], [1.0], ["needs_answer"])
+  total, _ = rs(PROMPTS, COMPLETIONS, {"answer": ["a", "x", "ccc"], "stop": None})
+  np.testing.assert_array_equal(total, [1.0, 0.0, 1.0])
+  assert seen == [(PROMPTS, ["a", "x", "ccc"], {"stop": None})]
+
+
+def test_weight_zero_is_monitored_only_and_its_nan_masks_nothing():
+  rs = RewardSet([length, const(np.nan, 7.0, None)], [1.0, 0.0], ["length", "monitor"])
+  total, parts = rs(PROMPTS, COMPLETIONS, {})
+  np.testing.assert_array_equal(total, [1.0, 2.0, 3.0])  # no NaN from the monitored function
+  assert np.isnan(parts["monitor"][0]) and parts["monitor"][1] == 7.0
+  assert np.isnan(parts["monitor"][2])  # None reads as NaN (unscorable)
+
+
+def test_nan_in_a_weighted_function_makes_the_total_nan():
+  rs = RewardSet([length, const(0.0, np.nan, None)], [1.0, 0.1], ["length", "sometimes"])
+  total, parts = rs(PROMPTS, COMPLETIONS, {})
+  assert total[0] == 1.0 and np.isnan(total[1]) and np.isnan(total[2])
+  np.testing.assert_array_equal(parts["length"], [1.0, 2.0, 3.0])
+
+
+def test_wrong_length_output_names_the_function_and_the_shape():
+  def short(prompts, completions, **fields):
+    del prompts, completions, fields
+    return np.zeros(2, np.float32)
+
+  rs = RewardSet([length, short], [1.0, 1.0], ["length", "short"])
+  with pytest.raises(ValueError, match=r"reward function short returned shape \(2,\); "
+                                       r"expected \(3,\)"):
+    rs(PROMPTS, COMPLETIONS, {})
+  scalar = RewardSet([lambda p, c, **f: 1.0], [1.0], ["scalar"])
+  with pytest.raises(ValueError, match=r"reward function scalar returned shape \(\); "
+                                       r"expected \(3,\)"):
+    scalar(PROMPTS, COMPLETIONS, {})
+
+
+def test_mismatched_lengths_and_duplicate_names_raise():
+  with pytest.raises(ValueError, match="2 entries but config.rewards.weights has 1"):
+    RewardSet([length, length], [1.0], ["a", "b"])
+  with pytest.raises(ValueError, match="share a name"):
+    RewardSet([length, const(1.0, 1.0, 1.0)], [1.0, 1.0], ["x", "x"])
+  with pytest.raises(ValueError, match="config.rewards.fns is empty"):
+    RewardSet([], [], [])
+
+
+def test_from_config_resolves_names_and_checks_weights():
+  c = ml_collections.ConfigDict(dict(
+      fns=["rloo_jax.rewards.verifiers:arithmetic_exact_match", length], weights=[1, 0.5]))
+  rs = RewardSet.from_config(c)
+  assert rs.names == ["arithmetic_exact_match", "length"]
+  assert rs.fns[0] is rewards.arithmetic_exact_match and rs.fns[1] is length
+  assert rs.weights == [1.0, 0.5] and all(isinstance(w, float) for w in rs.weights)
+  c.weights = [1.0]
+  with pytest.raises(ValueError, match="2 entries but config.rewards.weights has 1"):
+    RewardSet.from_config(c)
+  c = ml_collections.ConfigDict(dict(  # one metric name for two entries
+      fns=["rloo_jax.rewards.verifiers:arithmetic_exact_match",
+           "rloo_jax.rewards:arithmetic_exact_match"], weights=[1.0, 1.0]))
+  with pytest.raises(ValueError, match="share a name"):
+    RewardSet.from_config(c)
+
+
+def test_reward_name():
+  assert reward_name("rloo_jax.rewards.verifiers:arithmetic_exact_match") == \
+      "arithmetic_exact_match"
+  assert reward_name("path/to/my_rewards.py:brevity") == "brevity"
+  assert reward_name("reward_model:/x") == "reward_model"
+  assert reward_name("reward_model:/runs/rm?whiten=false&clip=3") == "reward_model"
+  assert reward_name(length) == "length"
+  assert reward_name(const(1.0, name="custom")) == "custom"
+
+
+def test_package_reexports():
+  assert rewards.REWARD_MODEL_PREFIX == "reward_model:"
+  assert rewards.resolve(length) is length
+  assert rewards.resolve("rloo_jax.rewards.summarize_gold:gold_reward") is \
+      summarize_gold.gold_reward
+  assert rewards.RewardSet is RewardSet and rewards.reward_name is reward_name
+  assert callable(rewards.load_reward_fn)
+
+
+# --- the summarize task's hidden labeller ---------------------------------------------------------
+
+def test_gold_reward_hand_cases():
+  prompt = "doc: the storm was a river and storm then market tl;dr:"
+  cases = {
+      "storm river market": 1.1,          # all key words, in order
+      "river storm market": 1.0,          # all, out of order
+      "storm river": 2 / 3,               # recall 2/3
+      "storm river market the": 0.9,      # one extra filler word
+      "storm storm river market": 0.9,    # a repeat costs like an extra word
+      "storm river market castle": 0.8,   # a word not in the document costs more
+      "": 0.0,
+  }
+  got = summarize_gold.gold_reward([prompt] * len(cases), list(cases))
+  np.testing.assert_allclose(got, list(cases.values()), atol=1e-6)
+  assert np.isnan(summarize_gold.gold_reward(["not a prompt"], ["storm"])).all()
+  assert np.isnan(summarize_gold.gold_reward(["doc: the a tl;dr:"], ["the"])).all()  # no keys
+  with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+    summarize_gold.gold_reward([prompt, prompt], ["storm"])
+
+
+def test_win_rate_and_preferences():
+  assert preferences.win_rate_stats([1.0, 0.5, 0.2, np.nan], [0.5, 0.5, 0.9, 0.0]) == \
+      dict(win_rate=0.5, wins=1, ties=1, losses=1, n=3)
+  assert np.isnan(preferences.win_rate_stats([np.nan], [1.0])["win_rate"])
+  rng = np.random.default_rng(0)
+  assert preferences.bradley_terry_prefer([1.0, 0.0], [0.0, 1.0], rng,
+                                          temperature=0).tolist() == [True, False]
+  p = preferences.bradley_terry_prefer(np.full(4000, 0.1), np.zeros(4000), rng, temperature=0.1)
+  assert p.mean() == pytest.approx(1 / (1 + np.exp(-1)), abs=0.03)
