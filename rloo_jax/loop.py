@@ -103,7 +103,8 @@ class _Preemption:
 
   def __exit__(self, *exc):
     for s, handler in self._previous.items():
-      signal.signal(s, handler)
+      # None: a handler installed outside Python, which cannot be put back; the default is.
+      signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 def run(algo, workdir: str, *, log: Callable[[str], None] = print, initial_params=None,

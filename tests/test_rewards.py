@@ -1,5 +1,7 @@
 """Rewards: the weighted RewardSet, metric names, the summarize gold labeller and preferences."""
 
+import sys
+
 import ml_collections
 import numpy as np
 import pytest
@@ -155,3 +157,21 @@ def test_win_rate_and_preferences():
                                           temperature=0).tolist() == [True, False]
   p = preferences.bradley_terry_prefer(np.full(4000, 0.1), np.zeros(4000), rng, temperature=0.1)
   assert p.mean() == pytest.approx(1 / (1 + np.exp(-1)), abs=0.03)
+
+
+def test_a_reward_function_by_file_path_is_loaded_once_and_keeps_its_state(tmp_path):
+  path = tmp_path / "my_reward.py"
+  path.write_text("import numpy as np\ncalls = []\n"
+                  "def length(prompts, completions, *, answer=None, **fields):\n"
+                  "  calls.append(len(completions))\n"
+                  "  return np.array([len(c) for c in completions], np.float32)\n")
+  fn = rewards.resolve(f"{path}:length")
+  np.testing.assert_array_equal(fn(["p", "q"], ["ab", "c"]), [2.0, 1.0])
+  again = rewards.resolve(f"{path}:length")
+  assert again is fn  # one module per file: a second resolve shares its state
+  again(["p"], ["abc"])
+  assert sys.modules[fn.__module__].calls == [2, 1]
+  with pytest.raises(ValueError, match=r"no file .*missing\.py"):
+    rewards.resolve(f"{tmp_path}/missing.py:length")
+  with pytest.raises(ValueError, match=r"has no attribute 'nope'"):
+    rewards.resolve(f"{path}:nope")

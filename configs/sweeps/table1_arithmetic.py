@@ -13,8 +13,9 @@ COMMON = {
     "train.num_iterations": 30, "train.eval_every": 10, "train.eval_prompts": 128,
     "train.eval_batch_size": 128, "train.checkpoint_every": 30, "train.keep_checkpoints": 1,
     "train.progress_bar": False, "rloo.num_prompts": 32,
-    # The learning rates these tables were measured with (configs/arithmetic.py's defaults then).
-    "sft.learning_rate": 3e-3, "optim.learning_rate": 3e-4,
+    # The SFT budget and learning rates these tables were measured with (configs/arithmetic.py's
+    # defaults then).
+    "sft.learning_rate": 3e-3, "sft.steps": 1500, "optim.learning_rate": 3e-4,
 }
 SINGLE = {"rloo.k": 1, "rloo.num_prompts": 128}
 

@@ -1,7 +1,8 @@
 """Reward functions `fn(prompts, completions, **fields) -> float array [N]` (NaN = unscorable).
 
 `resolve(spec)` turns a config entry into such a callable: a callable passes through, a
-'package.module:function' string is imported, and 'reward_model:<dir>' loads a trained reward model
+'package.module:function' string is imported, 'path/to/file.py:function' is loaded from that
+file (once per path), and 'reward_model:<dir>' loads a trained reward model
 (`rloo_jax.rewards.scorer`) as a jit-compiled scorer. Options follow the directory as a query
 string, overriding what was saved with it:
 

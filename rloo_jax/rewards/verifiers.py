@@ -6,7 +6,11 @@ does not use, which is why every reward takes `**fields`.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import os
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -46,16 +50,40 @@ def arithmetic_exact_match(prompts: Sequence[str], completions: Sequence[str], *
   return out
 
 
+def _load_file(spec: str, path: str):
+  """The module of a reward file, loaded once per absolute path (its state is shared by every
+  resolve of it, as an imported module's is)."""
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.isfile(path):
+    raise ValueError(f"reward function {spec!r}: no file {path}")
+  name = "rloo_jax_reward_file_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+  if name not in sys.modules:
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+      module_spec.loader.exec_module(module)
+    except BaseException:
+      del sys.modules[name]
+      raise
+  return sys.modules[name]
+
+
 def load_reward_fn(spec: str) -> Callable[..., Any]:
-  """Resolves `'package.module:function'` (the attribute may be dotted: `module:Class.method`)."""
+  """Resolves `'package.module:function'` or `'path/to/file.py:function'` (the attribute may be
+  dotted: `module:Class.method`)."""
   if not isinstance(spec, str) or spec.count(":") != 1:
-    raise ValueError(f"reward function {spec!r}: expected 'package.module:function'")
+    raise ValueError(f"reward function {spec!r}: expected 'package.module:function' or "
+                     "'path/to/file.py:function'")
   module_name, attr_path = spec.split(":")
   if not module_name or not attr_path or any(not p for p in attr_path.split(".")):
     raise ValueError(f"reward function {spec!r}: expected 'package.module:function' with both "
                      "parts non-empty")
   try:
-    obj = importlib.import_module(module_name)
+    if module_name.endswith(".py") or os.sep in module_name:
+      obj = _load_file(spec, module_name)
+    else:
+      obj = importlib.import_module(module_name)
   except ModuleNotFoundError as e:
     # Distinguish "the named module does not exist" from "it exists but imports something missing".
     if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
