@@ -25,12 +25,18 @@ setup(
         "absl-py",
         "tokenizers>=0.20",
         "safetensors>=0.4",
+        # config.model.init_from / load_policy given a hub id 'org/name' (snapshot_download).
+        "huggingface_hub>=0.23",
         "tensorboardX>=2.6",
         "tqdm",
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest>=8", "nbclient>=0.10", "nbformat>=5.10", "ipykernel"],
+        # wandb: the optional Weights & Biases writer is tested offline (WANDB_MODE=offline).
+        "test": ["pytest>=8", "nbclient>=0.10", "nbformat>=5.10", "ipykernel", "wandb"],
+        # The viewer of the event files every run writes: tensorboard --logdir <workdir>/tensorboard
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
         # Live parity checks against transformers and the TRL / HF-generate benchmarks. torch 2.13.0
         # is pinned so pip takes the CPU wheel rather than a multi-GB CUDA build.
         "hf": ["torch==2.13.0", "transformers>=4.50"],

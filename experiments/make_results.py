@@ -84,8 +84,8 @@ def mean_curve(runs, key):
 
 
 def table1(runs: dict, metric: str = "greedy_reward") -> list[str]:
-  lines = [f"| method | seeds | SFT start | after RL (mean ± std over seeds) | gain | mean train "
-           f"reward, last 5 iters | wall s / run |", "|---|---|---|---|---|---|---|"]
+  lines = ["| method | seeds | SFT start | after RL (mean ± std over seeds) | gain | mean train "
+           "reward, last 5 iters | wall s / run |", "|---|---|---|---|---|---|---|"]
   for name in ORDER + sorted(set(runs) - set(ORDER)):
     if name not in runs:
       lines.append(f"| {LABELS.get(name, name)} | - | - | not run | - | - | - |")

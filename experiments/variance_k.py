@@ -41,7 +41,6 @@ def main():
         "mean_baseline_scale": round(shrunk["scale"], 4),
         "expected_mean_baseline_scale": round((k - 1) / k, 4),
     }
-  ks = sorted(out["k"])
   out["variance_ratio_k4_over_k2"] = round(out["k"][4]["variance"] / out["k"][2]["variance"], 4) \
       if 2 in out["k"] and 4 in out["k"] else None
   out["seconds"] = round(time.time() - start, 1)

@@ -100,7 +100,9 @@ def base_config() -> ml_collections.ConfigDict:
       # Guards (docs/RELIABILITY.md): this many update steps in a row with a non-finite loss or
       # gradient (each skipped, the state unchanged) stop the run; so do this many iterations
       # in a row in which no sample could be scored.
-      max_nonfinite_steps=3, max_unscorable_iterations=3))
+      max_nonfinite_steps=3, max_unscorable_iterations=3,
+      # Also log to this Weights & Biases project ('' = off; needs `pip install wandb`).
+      wandb_project=""))
   # Device mesh: -1 takes the remaining devices. Logical model axes -> mesh axes.
   c.mesh = ml_collections.ConfigDict(dict(
       data=-1, fsdp=1, tensor=1,

@@ -11,6 +11,7 @@ import functools
 import os
 from typing import Any, Optional
 
+from absl import logging
 from flax import struct
 import jax
 import jax.numpy as jnp
@@ -128,13 +129,14 @@ def validate_config(config) -> None:
                      f"shorten one or raise the context")
   sampling.from_config(r)  # raises on bad temperature / top_k / top_p
   init = config.model.init_from
-  if init and not os.path.isdir(init):
-    raise FileNotFoundError(f"config.model.init_from={init!r} is not a directory; point it at "
-                            "a local Hugging Face checkpoint (config.json + model.safetensors)")
-  if init and not os.path.isfile(os.path.join(init, "config.json")):
-    raise FileNotFoundError(f"config.model.init_from={init!r} has no config.json; point it at "
-                            "a Hugging Face checkpoint directory (config.json + "
-                            "model.safetensors, as save_pretrained writes it)")
+  # A hub id is fetched (or found in the hub cache) here, before anything is built; a local
+  # directory passes through. Raises FileNotFoundError naming config.model.init_from.
+  local = hf.resolve_path(init, what="config.model.init_from") if init else ""
+  if init and not os.path.isfile(os.path.join(local, "config.json")):
+    raise FileNotFoundError(f"config.model.init_from={init!r} has no config.json"
+                            f"{'' if local == init else f' (in {local})'}; point it at a "
+                            "Hugging Face checkpoint directory (config.json + "
+                            "model.safetensors, as save_pretrained writes it) or hub id")
 
 
 def validate_layout(config, layout: sharding_lib.Layout) -> None:
@@ -183,6 +185,20 @@ def _make_task(config, data_dir: str):
   return task if task is not None else tasks.make(config, data_dir)
 
 
+# Architecture settings of config.model that a checkpoint's own config.json decides.
+_ARCHITECTURE_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "intermediate_size", "max_seq_len")
+
+
+def _warn_overridden(model_cfg, mcfg) -> None:
+  """Says which config.model settings the checkpoint of config.model.init_from overrides."""
+  ignored = [f"config.model.{k}={model_cfg[k]!r} (the checkpoint has {getattr(mcfg, k)!r})"
+             for k in _ARCHITECTURE_KEYS if k in model_cfg and model_cfg[k] != getattr(mcfg, k)]
+  if ignored:
+    logging.warning("config.model.init_from=%s sets the architecture; ignored: %s",
+                    model_cfg.init_from, "; ".join(ignored))
+
+
 def build(config, workdir: str, task=None, *, devices=None, rewards: Optional[RewardSet] = None,
           eval_rewards: Optional[RewardSet] = None) -> Experiment:
   """Validates the config and the mesh, prepares the task and compiles nothing.
@@ -199,6 +215,7 @@ def build(config, workdir: str, task=None, *, devices=None, rewards: Optional[Re
   dry_run_rewards(rewards, task)
   if config.model.init_from:
     mcfg, graphdef, _ = hf.load_model(config.model.init_from, dtype=config.model.dtype)
+    _warn_overridden(config.model, mcfg)
   else:
     mcfg = model_config_lib.from_experiment_config(config.model,
                                                   task.tokenizer.vocab_size)

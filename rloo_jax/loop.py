@@ -152,12 +152,17 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     if hasattr(algo, "prepare"):
       algo.prepare(state)
     data = algo.batches() if hasattr(algo, "batches") else prompt_batches(exp)
+    if getattr(data, "num_dropped", 0):
+      log(f"[data] {data.num_dropped} of {data.num_records} training prompts are longer than "
+          f"config.data.max_prompt_len={c.data.max_prompt_len} tokens and are left out "
+          "(config.data.overlong='error' refuses them instead)")
     if meta is not None:
       data.set_state(meta["data"])
     start = int(state.step)
     # Rows of iterations after the checkpoint are dropped: the resumed run writes them again.
     writer = MetricWriter(workdir, resume_step=start if restored is not None else None,
-                          final_step=total)
+                          final_step=total, wandb_project=t.get("wandb_project", ""),
+                          wandb_config=workdir_lib.flat_config(c))
     if before is None:
       before = evaluator(policy(state), reference(state))
       log(f"[eval] initial policy: {json.dumps(before)}")
@@ -218,6 +223,8 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
   log(evaluation.format_summary(summary, label=algo.label))
+  log(f"\n[{algo.name}] wrote {workdir}: summary.json, metrics.jsonl (train/ and eval/ rows), "
+      f"tensorboard/, checkpoints/ (newest: {int(state.step)}), {workdir_lib.CONFIG_FILE}")
   return dict(summary, state=state, last_metrics=metrics, preempted=False)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from rloo_jax.data import arithmetic, jsonl, summarize
 from rloo_jax.data.builder import load_split
+from rloo_jax.data.tokenizer import ByteTokenizer
 
 
 @dataclasses.dataclass
@@ -61,6 +62,9 @@ def _arithmetic(config, data_dir: str) -> Task:
 
 
 def _jsonl(config, data_dir: str) -> Task:
+  """Your own prompts (docs/YOUR_TASK.md). With config.model.init_from, the checkpoint's
+  tokenizer; without, a byte-level tokenizer (any UTF-8 text, no vocabulary to build or ship)
+  and the same pipeline as arithmetic: SFT from scratch on the training records' answers, then RL."""
   del data_dir
   d = config.data
   for key in ("jsonl_train", "jsonl_test"):
@@ -69,13 +73,21 @@ def _jsonl(config, data_dir: str) -> Task:
                        "{\"prompt\": ..., \"answer\": ...} lines")
     if not os.path.exists(d[key]):
       raise FileNotFoundError(f"config.data.{key}={d[key]!r} does not exist")
-  if not config.model.init_from:
-    raise ValueError("task=jsonl needs a tokenizer and a starting policy: set "
-                     "config.model.init_from to a local Hugging Face checkpoint directory")
-  from rloo_jax.models import hf  # the HF tokenizer is only needed for this task
-  tokenizer = hf.load_tokenizer(config.model.init_from)
   train = jsonl.JsonlSource(d.jsonl_train)
-  return Task("jsonl", tokenizer, train, jsonl.JsonlSource(d.jsonl_test), demonstrations=train)
+  test = jsonl.JsonlSource(d.jsonl_test)
+  # Only records with an answer can be imitated; the rest are still RL prompts (their rewards
+  # need no answer), so a file may mix both.
+  demos = [r for r in (train[i] for i in range(len(train))) if r["answer"]]
+  if config.model.init_from:
+    from rloo_jax.models import hf  # the HF tokenizer is only needed with a checkpoint
+    return Task("jsonl", hf.load_tokenizer(config.model.init_from), train, test,
+                demonstrations=demos or None)
+  if not demos:
+    raise ValueError(f"task=jsonl without config.model.init_from trains its policy from scratch "
+                     f"by SFT on the training records' answers, but no record of "
+                     f"{d.jsonl_train} has a non-empty 'answer'; add answers to some records "
+                     "or set config.model.init_from to a local Hugging Face checkpoint directory")
+  return Task("jsonl", ByteTokenizer(), train, test, demonstrations=demos)
 
 
 def _summarize(config, data_dir: str) -> Task:

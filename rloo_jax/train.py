@@ -28,6 +28,26 @@ from rloo_jax import loop
 from rloo_jax import sharding
 from rloo_jax import workdir as workdir_lib
 
+class _CommaList(flags.ArgumentParser):
+  """List settings from the command line as comma-separated values, e.g.
+  `--config.rewards.fns=my_reward.py:score,rloo_jax.rewards.verifiers:arithmetic_exact_match`
+  and `--config.rewards.weights=1,0` (ml_collections refuses list overrides otherwise). All
+  numbers -> floats; anything else stays a list of strings."""
+
+  def parse(self, argument):
+    if isinstance(argument, (list, tuple)):
+      return list(argument)
+    items = [item.strip() for item in str(argument).split(",") if item.strip()]
+    try:
+      return [float(item) for item in items]
+    except ValueError:
+      return items
+
+  def flag_type(self):
+    return "comma-separated list"
+
+
+config_flags.register_flag_parser_for_type(list, _CommaList())
 _CONFIG = config_flags.DEFINE_config_file("config", None, "get_config(arg) file (path[:arg])",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, logs and data")

@@ -2,14 +2,13 @@
 
 import gzip
 import json
-import os
 import sys
 
 import numpy as np
 import pytest
 
 from rloo_jax import data
-from rloo_jax.data import arithmetic, builder, hh, pipeline, summarize, tldr
+from rloo_jax.data import arithmetic, builder, hh, summarize, tldr
 from rloo_jax.data.tokenizer import ByteTokenizer, CharTokenizer, WordTokenizer
 from rloo_jax.rewards import arithmetic_exact_match, load_reward_fn
 from rloo_jax.rewards import summarize_gold

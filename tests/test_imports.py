@@ -3,7 +3,6 @@ imports alike), no oversized files, and no trace of the removed activation-repla
 import ast
 import os
 
-import pytest
 
 from conftest import REPO
 

@@ -262,7 +262,7 @@ def test_shared_prefix_equals_tiled_rows(tmp_path):
 
 
 def test_grouped_rows_take_keeps_each_prompt_with_its_samples():
-  b, k, t = 3, 2, 1
+  b, k = 3, 2
   n = b * k
   col = lambda x: jnp.asarray(x)[:, None]
   rows = rollout.GroupedRows(

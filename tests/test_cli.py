@@ -1,0 +1,83 @@
+"""The command line: list settings as comma-separated values, the prompts a run leaves out, what
+init_from overrides, and the paths a run reports."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import ml_collections
+
+from conftest import REPO
+from rloo_jax import experiment
+from rloo_jax.models import config as model_config
+
+
+def test_rewards_from_the_command_line_and_dropped_prompts_reported(tmp_path):
+  reward = tmp_path / "const_reward.py"
+  reward.write_text("import numpy as np\n"
+                    "def const(prompts, completions, **fields):\n"
+                    "  return np.full(len(completions), 0.25)\n")
+  wd = tmp_path / "wd"
+  out = subprocess.run(
+      [sys.executable, "-m", "rloo_jax.train", "--config=configs/arithmetic.py:smoke",
+       f"--workdir={wd}", "--config.train.num_iterations=1", "--config.data.max_prompt_len=6",
+       f"--config.rewards.fns={reward}:const,rloo_jax.rewards.verifiers:arithmetic_exact_match",
+       "--config.rewards.weights=1,0"],
+      cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  # 2-digit + 2-digit problems are 7 tokens with bos: left out, and said so at the start.
+  line = next(l for l in out.stdout.splitlines() if l.startswith("[data]"))
+  assert "of 256 training prompts are longer than config.data.max_prompt_len=6" in line
+  assert int(line.split()[1]) > 0
+  rows = [json.loads(l) for l in open(wd / "metrics.jsonl")]
+  train = [r for r in rows if "train/reward_mean" in r]
+  assert train[0]["train/reward/const"] == 0.25 and train[0]["train/reward_mean"] == 0.25
+  assert "train/reward/arithmetic_exact_match" in train[0]  # weight 0: monitored only
+  summary = json.load(open(wd / "summary.json"))
+  assert summary["reward"] == "const" and summary["before"]["greedy_reward"] == 0.25
+  assert f"wrote {wd}: summary.json, metrics.jsonl" in out.stdout
+
+
+def test_init_from_names_the_settings_it_overrides(caplog):
+  m = ml_collections.ConfigDict(dict(init_from="/ckpt", family="llama", hidden_size=128,
+                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                     intermediate_size=384, max_seq_len=32))
+  ckpt = model_config.TransformerConfig.llama(vocab_size=99, hidden_size=64, num_layers=2,
+                                              num_heads=4, num_kv_heads=2, head_dim=16,
+                                              intermediate_size=384, max_seq_len=2048)
+  with caplog.at_level(logging.WARNING):
+    experiment._warn_overridden(m, ckpt)
+  text = caplog.text
+  assert "config.model.hidden_size=128 (the checkpoint has 64)" in text
+  assert "config.model.head_dim=32 (the checkpoint has 16)" in text
+  assert "max_seq_len=32 (the checkpoint has 2048)" in text
+  assert "num_layers" not in text  # equal settings are not mentioned
+
+
+def test_weights_and_biases_gets_the_same_rows_offline(tmp_path, monkeypatch):
+  import wandb
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  from rloo_jax.metrics import MetricWriter, read_jsonl
+  logged = []
+  real_init = wandb.init
+
+  def init(**kwargs):
+    run = real_init(**kwargs)
+    original = run.log
+    run.log = lambda data, step=None: (logged.append((step, dict(data))), original(data, step=step))
+    return run
+
+  monkeypatch.setattr(wandb, "init", init)
+  w = MetricWriter(str(tmp_path), tensorboard=False, wandb_project="rloo-test",
+                   wandb_config={"rloo.k": 4})
+  w.write(1, {"reward_mean": 0.5, "kl": float("nan")}, prefix="train/")
+  w.write(1, {"greedy_reward": 0.75}, prefix="eval/")
+  w.close()
+  rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert rows == [{"step": 1, "train/reward_mean": 0.5, "train/kl": None},
+                  {"step": 1, "eval/greedy_reward": 0.75}]
+  # The same rows, non-finite values left out (as in TensorBoard).
+  assert logged == [(1, {"train/reward_mean": 0.5}), (1, {"eval/greedy_reward": 0.75})]
+  assert os.path.isdir(tmp_path / "wandb")  # the offline run is kept in the workdir
