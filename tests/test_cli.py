@@ -81,3 +81,12 @@ def test_weights_and_biases_gets_the_same_rows_offline(tmp_path, monkeypatch):
   # The same rows, non-finite values left out (as in TensorBoard).
   assert logged == [(1, {"train/reward_mean": 0.5}), (1, {"eval/greedy_reward": 0.75})]
   assert os.path.isdir(tmp_path / "wandb")  # the offline run is kept in the workdir
+
+
+def test_local_datasets_say_generating_not_downloading(tmp_path, capsys):
+  from rloo_jax.data import arithmetic
+  arithmetic.prepare(str(tmp_path), num_train=8, num_test=4)
+  first = capsys.readouterr().out
+  assert first.startswith("[data] generating arithmetic") and "Downloading" not in first
+  arithmetic.prepare(str(tmp_path), num_train=8, num_test=4)  # prepared: silent
+  assert capsys.readouterr().out == ""

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import io
 import logging as std_logging
 import os
 from typing import Any, Iterable, Mapping
@@ -119,14 +120,22 @@ def prepare(builder_cls: type[TextBuilder], data_dir: str | os.PathLike, *,
   """Builds (once; later calls reuse the cache) and returns the prepared builder.
 
   tfds's progress bars are off unless `progress`: the embedded tasks build in well under a second
-  and the bars would interleave with the trainer's console output.
+  and the bars would interleave with the trainer's console output. tfds's own "Downloading and
+  preparing dataset ... Unknown size" lines are replaced by one line that says what happens:
+  these datasets are generated locally, nothing is downloaded.
   """
   from tensorflow_datasets.core.utils import tqdm_utils
   builder = builder_cls(data_dir=os.fspath(data_dir), **options)
+  if os.path.exists(os.path.join(builder.data_dir, "dataset_info.json")):
+    builder.download_and_prepare()  # a no-op on a prepared dataset: it only loads its info
+    return builder
+  print(f"[data] generating {builder.name} ({builder.builder_config.name}) in {builder.data_dir}",
+        flush=True)
   was_active = tqdm_utils._active  # pylint: disable=protected-access
   tfds.display_progress_bar(progress)
   try:
-    builder.download_and_prepare()
+    with contextlib.redirect_stdout(io.StringIO()):
+      builder.download_and_prepare()
   finally:
     tfds.display_progress_bar(was_active)
   return builder
