@@ -63,6 +63,17 @@ class Evaluator:
   def num_prompts(self) -> int:
     return len(self.records)
 
+  def num_dropped(self) -> tuple[int, int]:
+    """(held-out prompts longer than config.data.max_prompt_len, all of them): the overlong
+    ones are left out of every evaluation (or refused, with config.data.overlong='error')."""
+    c = self.exp.config
+    batches = pipeline.prompt_batches(self.records, self.exp.tokenizer,
+                                      global_batch_size=self.batch_size,
+                                      max_prompt_len=c.data.max_prompt_len, shuffle=False,
+                                      num_epochs=1, drop_remainder=False,
+                                      overlong=c.data.overlong)
+    return batches.num_dropped, len(self.records)
+
   def completions(self, params, method, k: int = 1):
     """k completions per record (texts, in record order), the weighted reward [N*k], lengths
     [N*k] and each function's scores {name: [N*k]}, for this process's rows of every batch."""

@@ -152,10 +152,13 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     if hasattr(algo, "prepare"):
       algo.prepare(state)
     data = algo.batches() if hasattr(algo, "batches") else prompt_batches(exp)
-    if getattr(data, "num_dropped", 0):
-      log(f"[data] {data.num_dropped} of {data.num_records} training prompts are longer than "
-          f"config.data.max_prompt_len={c.data.max_prompt_len} tokens and are left out "
-          "(config.data.overlong='error' refuses them instead)")
+    for what, n, total in (("training", getattr(data, "num_dropped", 0),
+                            getattr(data, "num_records", 0)),
+                           ("held-out", *evaluator.num_dropped())):
+      if n:
+        log(f"[data] {n} of {total} {what} prompts are longer than config.data.max_prompt_len="
+            f"{c.data.max_prompt_len} tokens and are left out (config.data.overlong='error' "
+            "refuses them instead)")
     if meta is not None:
       data.set_state(meta["data"])
     start = int(state.step)

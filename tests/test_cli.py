@@ -27,9 +27,12 @@ def test_rewards_from_the_command_line_and_dropped_prompts_reported(tmp_path):
       cwd=REPO, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   # 2-digit + 2-digit problems are 7 tokens with bos: left out, and said so at the start.
-  line = next(l for l in out.stdout.splitlines() if l.startswith("[data]"))
+  line = next(l for l in out.stdout.splitlines() if "training prompts are longer" in l)
+  assert line.startswith("[data] ")
   assert "of 256 training prompts are longer than config.data.max_prompt_len=6" in line
   assert int(line.split()[1]) > 0
+  held_out = next(l for l in out.stdout.splitlines() if "held-out prompts are longer" in l)
+  assert held_out.startswith("[data] ") and " of 16 held-out prompts" in held_out
   rows = [json.loads(l) for l in open(wd / "metrics.jsonl")]
   train = [r for r in rows if "train/reward_mean" in r]
   assert train[0]["train/reward/const"] == 0.25 and train[0]["train/reward_mean"] == 0.25
