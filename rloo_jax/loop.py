@@ -152,11 +152,11 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     if hasattr(algo, "prepare"):
       algo.prepare(state)
     data = algo.batches() if hasattr(algo, "batches") else prompt_batches(exp)
-    for what, n, total in (("training", getattr(data, "num_dropped", 0),
-                            getattr(data, "num_records", 0)),
-                           ("held-out", *evaluator.num_dropped())):
+    for what, n, of in (("training", getattr(data, "num_dropped", 0),
+                         getattr(data, "num_records", 0)),
+                        ("held-out", *evaluator.num_dropped())):
       if n:
-        log(f"[data] {n} of {total} {what} prompts are longer than config.data.max_prompt_len="
+        log(f"[data] {n} of {of} {what} prompts are longer than config.data.max_prompt_len="
             f"{c.data.max_prompt_len} tokens and are left out (config.data.overlong='error' "
             "refuses them instead)")
     if meta is not None:

@@ -39,6 +39,7 @@ def test_rewards_from_the_command_line_and_dropped_prompts_reported(tmp_path):
   assert "train/reward/arithmetic_exact_match" in train[0]  # weight 0: monitored only
   summary = json.load(open(wd / "summary.json"))
   assert summary["reward"] == "const" and summary["before"]["greedy_reward"] == 0.25
+  assert summary["iterations"] == 1 and len(train) == 1
   assert f"wrote {wd}: summary.json, metrics.jsonl" in out.stdout
 
 
