@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import statistics
@@ -33,17 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import advantage, algorithms, loop, loss, policy_init, rollout, sampler
+from rloo_jax import advantage, algorithms, config_utils, loop, loss, policy_init, rollout, sampler
 from rloo_jax.models import transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config():
-  spec = importlib.util.spec_from_file_location("c", os.path.join(REPO, "configs", "arithmetic.py"))
-  m = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(m)
-  return m.get_config(None)
+  return config_utils.load_config_file(os.path.join(REPO, "configs", "arithmetic.py"))
 
 
 def with_algorithm(config, name: str):

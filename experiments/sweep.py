@@ -47,8 +47,10 @@ def load_module(path: str, name: str = "sweep_module"):
 
 
 def load_config(spec: str):
+  from rloo_jax import config_utils  # like every rloo_jax import here: after the cache env is set
   path, _, arg = spec.partition(":")
-  return load_module(path, "config_module").get_config(arg or None)
+  return config_utils.load_config_file(path if os.path.isabs(path) else os.path.join(REPO, path),
+                                       arg)
 
 
 def apply_overrides(config, overrides: dict):

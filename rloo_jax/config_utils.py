@@ -8,6 +8,10 @@ Config files in configs/ call `base_config()` and override what their task needs
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+import os
+
 import ml_collections
 
 
@@ -34,6 +38,31 @@ def parse_arg(arg: str | None, lazy: bool = False, **spec):
     else:
       out[name] = type(default)(value)
   return out
+
+
+def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file, as `--config=path[:arg]` loads it: the one loader the
+  command line, the sweep runner, the tests and the notebook share."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no config file {path!r}")
+  name = "rloo_jax_config_" + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def with_section_defaults(config, section: str, defaults) -> ml_collections.ConfigDict:
+  """A copy of the config whose `config.<section>` holds every field of `defaults` (the
+  config's own values win): an algorithm's optional section, completed once."""
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    if section not in c:
+      c[section] = ml_collections.ConfigDict()
+    for name, value in defaults.items():
+      if name not in c[section]:
+        c[section][name] = value
+  return c
 
 
 def sequence_length(config, *, with_eos: bool = False) -> int:

@@ -81,28 +81,27 @@ def _check_at_least(config, minimum, *names: str) -> None:
       continue
     value = config[section][key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-      what = {0: "must be >= 0", 1: "must be >= 1"}.get(minimum, f"must be >= {minimum}")
-      raise ValueError(f"config.{name} = {value!r} {what}; set --config.{name}=<a value "
-                       f"{what[5:]}>")
+      raise ValueError(f"config.{name} = {value!r} must be >= {minimum}; set "
+                       f"--config.{name}=<a value >= {minimum}>")
 
 
 def validate_config(config) -> None:
   """The config's own consistency; raises ValueError naming the setting and a fix."""
   r, t = config.rloo, config.train
+  # Before the checks below divide or compare by them.
+  _check_at_least(config, 1, "rloo.k", "rloo.num_prompts", "rloo.max_new_tokens",
+                  "train.num_minibatches")
   est = advantage.spec(config.advantage.estimator)  # raises naming the registry
   if r.k < est.min_k:
     raise ValueError(f"config.rloo.k = {r.k}, but estimator {est.name!r} needs k >= {est.min_k} "
                      f"(a leave-one-out baseline needs another sample); set config.rloo.k >= "
                      f"{est.min_k}")
-  if r.k < 1 or r.num_prompts < 1 or r.max_new_tokens < 1:
-    raise ValueError("config.rloo.k, num_prompts and max_new_tokens must be >= 1")
   _check_choice("config.loss.type", config.loss.type, loss.LOSS_TYPES)
   _check_choice("config.loss.aggregation", config.loss.aggregation, loss.AGGREGATIONS)
   _check_choice("config.loss.ratio_level", config.loss.ratio_level, loss.RATIO_LEVELS)
   _check_choice("config.kl.estimator", config.kl.estimator, loss.KL_ESTIMATORS)
   _check_choice("config.kl.reduction", config.kl.reduction, ("sum", "mean"))
   _check_choice("config.rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask"))
-  _check_at_least(config, 1, "train.num_minibatches")
   n = r.num_prompts * r.k
   if n % t.num_minibatches:
     raise ValueError(f"the rollout batch (config.rloo.num_prompts * config.rloo.k = {n}) is not "
@@ -114,7 +113,7 @@ def validate_config(config) -> None:
                      f"config.train.num_minibatches = {t.num_minibatches}; choose "
                      f"num_minibatches dividing {r.num_prompts}, or set "
                      f"config.train.shared_prefix=False to minibatch single samples")
-  _check_at_least(config, 1, "train.num_epochs", "train.num_minibatches", "train.log_every",
+  _check_at_least(config, 1, "train.num_epochs", "train.log_every",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.eval_batch_size",
                   "train.eval_prompts", "train.max_nonfinite_steps",
                   "train.max_unscorable_iterations", "sft.batch_size")

@@ -163,9 +163,10 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
       data.set_state(meta["data"])
     start = int(state.step)
     # Rows of iterations after the checkpoint are dropped: the resumed run writes them again.
+    wandb_project = t.get("wandb_project", "")
     writer = MetricWriter(workdir, resume_step=start if restored is not None else None,
-                          final_step=total, wandb_project=t.get("wandb_project", ""),
-                          wandb_config=workdir_lib.flat_config(c))
+                          final_step=total, wandb_project=wandb_project,
+                          wandb_config=workdir_lib.flat_config(c) if wandb_project else None)
     if before is None:
       before = evaluator(policy(state), reference(state))
       log(f"[eval] initial policy: {json.dumps(before)}")

@@ -13,7 +13,6 @@ The logic lives in `rloo_jax.algorithms` and `rloo_jax.loop` so it can be import
 driven from a notebook; `--config.algorithm=ppo|dpo` trains a baseline through the same loop.
 Running again with the same workdir resumes from its newest checkpoint.
 """
-import importlib.util
 import os
 import sys
 
@@ -24,6 +23,7 @@ from ml_collections import config_flags
 
 from rloo_jax import algorithms
 from rloo_jax import checkpoint
+from rloo_jax import config_utils
 from rloo_jax import loop
 from rloo_jax import sharding
 from rloo_jax import workdir as workdir_lib
@@ -94,16 +94,6 @@ def _fail(e: BaseException):
   sys.exit(1)
 
 
-def _load_config(spec: str):
-  path, _, arg = spec.partition(":")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"--config={spec}: no config file {path!r}")
-  module_spec = importlib.util.spec_from_file_location("rloo_jax_cli_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None)
-
-
 def check_overrides(argv) -> None:
   """Unknown `--config.a.b=...` keys, caught before absl parses them (which prints a long
   traceback): the message names the closest known key."""
@@ -111,7 +101,11 @@ def check_overrides(argv) -> None:
   overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
   if spec is None or not overrides:
     return
-  flat = workdir_lib.flat_config(_load_config(spec))
+  path, _, arg = spec.partition(":")
+  try:
+    flat = workdir_lib.flat_config(config_utils.load_config_file(path, arg))
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f"--config={spec}: {e}") from None
   sections = {k.rsplit(".", 1)[0] for k in flat}
   for name in overrides:
     if name in flat or name in sections:

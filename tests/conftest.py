@@ -8,7 +8,6 @@ again by a child process: compile time dominates this suite on a 2-core CPU.
 (pytest puts this directory on sys.path; subprocesses get it through PYTHONPATH or by running a
 script from here).
 """
-import importlib.util
 import os
 import tempfile
 
@@ -17,14 +16,12 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "rloo_jax_test_xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+from rloo_jax import config_utils  # noqa: E402  (after the environment above: it imports jax)
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 
 
 def load_config(arg="smoke", name="arithmetic"):
   """`get_config(arg)` of configs/<name>.py (the shrunk smoke config by default)."""
-  spec = importlib.util.spec_from_file_location(f"{name}_cfg",
-                                                os.path.join(REPO, "configs", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return config_utils.load_config_file(os.path.join(REPO, "configs", f"{name}.py"), arg)

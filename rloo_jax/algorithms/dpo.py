@@ -17,7 +17,6 @@ An iteration of the outer loop is one DPO step on `config.dpo.batch_size` pairs.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rloo_jax import loss, rollout, sampling
+from rloo_jax import config_utils, loss, rollout, sampling
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import pipeline
 from rloo_jax.models import transformer
@@ -51,14 +50,8 @@ DPO_DEFAULTS = dict(
 
 
 def with_defaults(config) -> ml_collections.ConfigDict:
-  c = copy.deepcopy(config)
-  with c.unlocked():
-    if "dpo" not in c:
-      c.dpo = ml_collections.ConfigDict()
-    for name, value in DPO_DEFAULTS.items():
-      if name not in c.dpo:
-        c.dpo[name] = value
-  return c
+  """A copy of the config with a complete `config.dpo` section (missing fields get defaults)."""
+  return config_utils.with_section_defaults(config, "dpo", DPO_DEFAULTS)
 
 
 def validate(config) -> None:
@@ -142,8 +135,8 @@ def reward_pairs(exp, params, records, rng, *, k: int, temperature: float, batch
   keep = [i for i, s in enumerate(samples) if s]
   prompts = [records[i]["prompt"] for i in keep for _ in range(k)]
   texts = [t for i in keep for t in samples[i]]
-  fields = {name: np.asarray([records[i][name] for i in keep for _ in range(k)], object)
-            for name in records[0] if name not in ("prompt", "index")}
+  # The fields a rollout passes: the same stacking, repeated for the k samples of each prompt.
+  fields = rollout.reward_fields(pipeline.record_fields([records[i] for i in keep]), k)
   scores, _ = exp.rewards(prompts, texts, fields)
   scores = np.asarray(scores, np.float64).reshape(len(keep), k)
   order = np.random.default_rng(seed)

@@ -23,7 +23,6 @@ two algorithms differ only where the algorithms differ. The math is in `algorith
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 from typing import Any
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rloo_jax import loss, rollout
+from rloo_jax import config_utils, loss, rollout
 from rloo_jax.algorithms import ppo_math
 from rloo_jax.algorithms.rloo import rollout_metrics, rollout_rows, timed_updates
 from rloo_jax.models import transformer
@@ -54,13 +53,8 @@ PPO_DEFAULTS = dict(
 
 def with_defaults(config) -> ml_collections.ConfigDict:
   """A copy of the config with a complete `config.ppo` section (missing fields get defaults)."""
-  c = copy.deepcopy(config)
+  c = config_utils.with_section_defaults(config, "ppo", PPO_DEFAULTS)
   with c.unlocked():
-    if "ppo" not in c:
-      c.ppo = ml_collections.ConfigDict()
-    for name, value in PPO_DEFAULTS.items():
-      if name not in c.ppo:
-        c.ppo[name] = value
     # PPO's advantages come from GAE; the RLOO estimator is unused, and a group estimator's
     # k >= 2 check must not reject PPO's usual one sample per prompt. PPO scores full rows.
     c.advantage.estimator = "vanilla"
