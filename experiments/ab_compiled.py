@@ -61,10 +61,11 @@ def workload(hidden, layers):
   spec = loss.LossSpec()
 
   def loss_fn(params):
-    logits = rows.logits(exp.fns, params)
-    logp = loss.token_logprobs(logits, rows.completions_nt, rows.cmask_nt)
+    # The trainer's log-probs: chunked from the hidden states, with the entropy metric.
+    logp, entropy = rollout.logprobs(rows, exp.fns, params,
+                                     chunk_size=int(c.train.logprob_chunk_size), with_entropy=True)
     return loss.policy_loss(spec, logp, rows.old_logp_nt, rows.cmask_nt, rows.advantages_n,
-                            logits)[0]
+                            entropy)[0]
 
   programs = {"rollout": lambda *a: rollout_fn(*a).tokens_bkt, "forward": loss_fn,
               "gradient": jax.grad(loss_fn)}

@@ -16,6 +16,7 @@ same first iteration up to float rounding.
 
     python experiments/ab_config.py --flag shared_prefix
     python experiments/ab_config.py --flag shared_prefix --hidden 64 --layers 2
+    python experiments/ab_config.py --flag model.remat --a none --b full --hidden 256 --layers 4
 """
 import argparse
 import json
@@ -32,21 +33,29 @@ FIRST_ITERATION = ("reward_mean", "kl", "loss", "completion_length")
 
 
 def side(hidden, layers, flag, value):
-  """[algorithm, state, batches] of bench_step's workload with config.train.<flag> = value."""
-  algo, state, task = bench_step.default_workload(hidden, layers, **{flag: value})
+  """[algorithm, state, batches] of bench_step's workload with config.<flag> = value (a
+  `config.train` field, or `model.<field>`)."""
+  if flag.startswith("model."):
+    algo, state, task = bench_step.default_workload(hidden, layers, model={flag[6:]: value})
+  else:
+    algo, state, task = bench_step.default_workload(hidden, layers, **{flag: value})
   return [algo, state, bench_step.prompt_batches(task, 8, 16)]
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--flag", default="shared_prefix",
-                 help="a boolean config.train field: A = False, B = True")
+                 help="a config.train field, or model.<field>")
+  p.add_argument("--a", default="false", help="side A's value (default false)")
+  p.add_argument("--b", default="true", help="side B's value (default true)")
   p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--pairs", type=int, default=24)
   args = p.parse_args()
-  sides = {"A": side(args.hidden, args.layers, args.flag, False),
-           "B": side(args.hidden, args.layers, args.flag, True)}
+  value = lambda text: {"true": True, "false": False}.get(text.lower(), text)  # noqa: E731
+  a, b = value(args.a), value(args.b)
+  sides = {"A": side(args.hidden, args.layers, args.flag, a),
+           "B": side(args.hidden, args.layers, args.flag, b)}
 
   def iterate(name):
     algo, state, data = sides[name]
@@ -62,7 +71,7 @@ def main():
   for i in range(args.pairs):
     for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
       rows[name].append(iterate(name))
-  result = {"flag": args.flag, "A": False, "B": True, "hidden": args.hidden,
+  result = {"flag": args.flag, "A": a, "B": b, "hidden": args.hidden,
             "layers": args.layers, "pairs": args.pairs, "first_iteration": first}
   for k in PHASES:
     a = np.array([m[k] for m in rows["A"]])

@@ -96,13 +96,13 @@ def compile_sampler(fns, params, tokens, lengths, rng, *, mode, **kw):
   if 'noise_budget_bytes' in inspect.signature(sampler.sample).parameters:
     start_static['noise_budget_bytes'] = int(
         inspect.signature(sampler.sample).parameters['noise_budget_bytes'].default)
-  sampler._start.lower(fns, params, tokens, lengths, rng, eos, pad, k=kw['k'],
-                       max_new_tokens=kw['max_new_tokens'], **start_static).compile()
+  sampler.start.lower(fns, params, tokens, lengths, rng, eos, pad, k=kw['k'],
+                      max_new_tokens=kw['max_new_tokens'], **start_static).compile()
   state = jax.eval_shape(
-      lambda p, t, l, r: sampler._start(fns, p, t, l, r, eos, pad, k=kw['k'],
-                                        max_new_tokens=kw['max_new_tokens'], **start_static),
+      lambda p, t, l, r: sampler.start(fns, p, t, l, r, eos, pad, k=kw['k'],
+                                       max_new_tokens=kw['max_new_tokens'], **start_static),
       params, tokens, lengths, rng)
-  sampler._decode_loop.lower(fns, params, state, eos, pad, **static).compile()
+  sampler.decode_loop.lower(fns, params, state, eos, pad, **static).compile()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@ r"""Seconds per RLOO iteration, split into rollout, reward, reference and update
 Prints one JSON line. The workload follows issue 4's comparison with TRL: a Llama-shaped policy with
 random weights, vocab 256, 8 prompts of 16 tokens per iteration, k = 4, 32 new tokens, one gradient
 step per rollout batch, beta = 0.05, and a cheap synthetic reward (the same one TRL gets in
-experiments/bench_trl_rloo.py). For the FLOP/s figure, the FLOPs the iteration executes are counted:
-2 x params per token fed forward, 6 x per token trained, attention added, and the prompt counted
-once per group when it is shared (`--shared_prefix 1`, the default, as in the trainer).
+experiments/bench_trl_rloo.py). For the FLOP/s figure, the model FLOPs the iteration executes are
+counted (`rloo_jax.plan.flops`, the memory planner's count): 2 x params per token fed forward, 6 x
+per token trained, attention added, and the prompt counted once per group when it is shared
+(`--shared_prefix 1`, the default, as in the trainer); rematerialisation is not counted.
 
 Besides the timings, the JSON reports what the timed iterations trained on, so a run can be
 checked for sense: the mean reward (the synthetic reward, in [0, 1]), KL, loss and advantage (RLOO's
@@ -16,9 +17,15 @@ length).
 
     python experiments/bench_step.py --hidden 64 --layers 2
     python experiments/bench_step.py --hidden 256 --layers 4
+    python experiments/bench_step.py --hidden 896 --layers 24 --heads 14 --vocab 151936 \
+        --prompts 4 --prompt_len 64 --new_tokens 64 --iterations 2   # Qwen2.5-0.5B-shaped
+
+`peak_rss_gb` is the process's peak resident memory in GiB. The reference is stored in bfloat16
+(`--ref_dtype`, as runs at this scale store it) and the layers are rematerialised (`--remat`).
 """
 import argparse
 import json
+import resource
 import tempfile
 
 import numpy as np
@@ -30,6 +37,7 @@ from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.config_utils import base_config
 from rloo_jax.data import pipeline
 from rloo_jax.models import transformer
+from rloo_jax.plan.flops import model_flops_per_iteration
 
 
 class IdTokenizer:
@@ -59,37 +67,6 @@ def random_prompts(num, length, vocab, seed):
   return [{"prompt": "".join(chr(0xE000 + int(i)) for i in row), "answer": ""} for row in ids]
 
 
-def model_flops_per_iteration(exp, num_prompts, prompt_len, k, new_tokens, shared_prefix=True):
-  """Model FLOPs one iteration executes (matmuls and attention), counting generated tokens at full
-  length. The scoring forwards (reference, update) feed each [prompt | completion] without its
-  last token; with shared_prefix each prompt is fed once for its k samples."""
-  m = exp.model_config
-  head = m.vocab_size * m.hidden_size
-  trunk = m.num_params - m.vocab_size * m.hidden_size - (0 if m.tie_embeddings else head)
-  attn = lambda q, kv: 4 * m.num_layers * m.num_heads * m.head_dim * q * kv  # QK^T and AV
-  n = num_prompts * k
-  # Rollout: prefill (head at every prompt position), then one token per stream per step.
-  rollout = (2 * (trunk + head) * (num_prompts * prompt_len + n * new_tokens)
-             + num_prompts * attn(prompt_len, prompt_len) / 2
-             + n * sum(attn(1, prompt_len + t) for t in range(new_tokens)))
-  u = new_tokens - 1
-  skipped = 0
-  if shared_prefix:
-    fed = num_prompts * prompt_len + n * u
-    attention = num_prompts * attn(prompt_len, prompt_len) / 2 + n * (attn(u, prompt_len)
-                                                                     + attn(u, u) / 2)
-    # The last layer's prompt rows (but column P - 1) skip the output projection and the MLP.
-    o_and_mlp = m.num_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
-    skipped = 2 * num_prompts * (prompt_len - 1) * o_and_mlp
-  else:
-    fed = n * (prompt_len + u)
-    attention = n * attn(prompt_len + u, prompt_len + u) / 2
-  # The head runs on the scored positions only.
-  trunk_matmuls = 2 * trunk * fed - skipped
-  forward = trunk_matmuls + attention + 2 * head * n * new_tokens
-  return {"rollout": rollout, "reference": forward, "update": 3 * forward}
-
-
 def bench_task(vocab, prompt_len):
   return tasks.Task("bench", IdTokenizer(vocab), random_prompts(512, prompt_len, vocab, 0), [])
 
@@ -106,15 +83,16 @@ def build(config, task, workdir):
   return algo, algo.init_state(transformer.create(algo.exp.model_config, seed=0)[1])
 
 
-def default_workload(hidden, layers, **train):
+def default_workload(hidden, layers, model=None, **train):
   """(RLOO algorithm, initial state, task) of the TRL comparison's workload at its defaults (4
   heads, vocab 256, 8 prompts of 16 tokens, k = 4, 32 new tokens, one gradient step), with
-  `config.train` overrides: the set-up the in-process A/B scripts share. The experiment is
-  `algo.exp`; `algo.iteration(state, batch)` runs one RL iteration."""
+  `config.train` overrides (and `model`, a dict of `config.model` ones): the set-up the
+  in-process A/B scripts share. The experiment is `algo.exp`; `algo.iteration(state, batch)`
+  runs one RL iteration."""
   c = base_config()
   c.task = "bench"
   c.model.update(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=4,
-                 head_dim=hidden // 4, intermediate_size=4 * hidden, max_seq_len=48)
+                 head_dim=hidden // 4, intermediate_size=4 * hidden, max_seq_len=48, **(model or {}))
   c.data.max_prompt_len = 16
   c.rloo.update(k=4, num_prompts=8, max_new_tokens=32)
   c.kl.beta = 0.05
@@ -141,6 +119,13 @@ def main():
                  help="activation dtype (params, log-probs, KL and loss stay float32)")
   p.add_argument("--shared_prefix", type=int, default=1, choices=(0, 1),
                  help="config.train.shared_prefix: each prompt computed once for its k samples")
+  p.add_argument("--ref_dtype", default="bfloat16", choices=("", "bfloat16", "float32"),
+                 help="config.model.ref_dtype: the frozen reference's storage ('' = the "
+                      "activation dtype); bfloat16, as a run at this scale stores it")
+  p.add_argument("--remat", default="full", help="config.model.remat: none | full | dots")
+  p.add_argument("--microbatch_size", type=int, default=0, help="config.train.microbatch_size")
+  p.add_argument("--logprob_chunk_size", type=int, default=32,
+                 help="config.train.logprob_chunk_size")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
@@ -150,11 +135,13 @@ def main():
   c.model.update(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                  num_kv_heads=args.heads, head_dim=args.hidden // args.heads,
                  intermediate_size=4 * args.hidden, max_seq_len=args.prompt_len + args.new_tokens,
-                 dtype=args.dtype)
+                 dtype=args.dtype, ref_dtype=args.ref_dtype, remat=args.remat)
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.kl.beta = 0.05
-  c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix))
+  c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix),
+                 microbatch_size=args.microbatch_size,
+                 logprob_chunk_size=args.logprob_chunk_size)
   c.rewards.fns = [synthetic_reward]
   c.rewards.weights = [1.0]
   task = bench_task(args.vocab, args.prompt_len)
@@ -171,8 +158,8 @@ def main():
   keys = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
   med = {k: float(np.median([r[k] for r in rows])) for k in keys}
   mean = lambda key: float(np.mean([r[key] for r in rows]))  # noqa: E731
-  flops = model_flops_per_iteration(exp, args.prompts, args.prompt_len, args.k, args.new_tokens,
-                                    bool(args.shared_prefix))
+  flops = model_flops_per_iteration(exp.model_config, args.prompts, args.prompt_len, args.k,
+                                    args.new_tokens, bool(args.shared_prefix))
   total = sum(flops.values())
   out = {
       "framework": "rloo_jax", "jax": jax.__version__, "devices": str(jax.devices()[0].platform),
@@ -190,6 +177,8 @@ def main():
       "achieved_gflops": round(total / med["iteration_s"] / 1e9, 2),
       "update_gflops": round(flops["update"] / med["update_s"] / 1e9, 2),
       "fraction_of_peak": round(total / med["iteration_s"] / 1e9 / args.peak_gflops, 4),
+      # The process's peak resident memory (Linux reports KiB): state, programs and runtime.
+      "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
   }
   print(json.dumps(out))
 

@@ -89,7 +89,19 @@ def base_config() -> ml_collections.ConfigDict:
   # own small model from scratch with the SFT stage below.
   c.model = ml_collections.ConfigDict(dict(
       init_from="", family="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-      head_dim=32, intermediate_size=384, max_seq_len=32, dtype="float32", param_dtype="float32"))
+      head_dim=32, intermediate_size=384, max_seq_len=32, dtype="float32", param_dtype="float32",
+      # A name of rloo_jax.models.presets.PRESETS: a real checkpoint's architecture (and vocab)
+      # without its weights, so a job at that scale plans and compiles with no download. The
+      # family/hidden_size/... above are then ignored; init_from and a preset exclude each other.
+      preset="",
+      # Recomputation of each layer in the backward (rloo_jax.models.config.REMAT_POLICIES):
+      # 'full' keeps only each layer's input for the backward and recomputes the rest.
+      remat="full",
+      # The frozen reference's storage dtype. '' = the activation dtype above: the reference only
+      # runs forward, where its weights are cast to that dtype anyway (so nothing changes and a
+      # bfloat16 run stores it in half the bytes); 'bfloat16' also halves it under float32
+      # activations, at the cost of rounding its weights.
+      ref_dtype=""))
 
   c.sft = ml_collections.ConfigDict(dict(
       steps=1500, batch_size=64, learning_rate=3e-3, warmup_steps=100, weight_decay=0.0,
@@ -104,7 +116,12 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.rloo = ml_collections.ConfigDict(dict(
       k=4, num_prompts=32, max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0,
-      sampler_mode="shared"))
+      sampler_mode="shared",
+      # After the rollout, completions are cut to the batch's longest, rounded up to a multiple
+      # of this (0 = keep max_new_tokens): short answers do not pay for the longest allowed.
+      trim_bucket=32,
+      # Prompts per sampler call (0 = the whole batch at once): smaller bounds the KV cache.
+      rollout_chunk_prompts=0))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))
   c.loss = ml_collections.ConfigDict(dict(
@@ -124,6 +141,17 @@ def base_config() -> ml_collections.ConfigDict:
       # The reference and policy forwards compute each prompt once for its k samples (equal up to
       # float rounding; minibatches then hold whole groups). False: k separate [prompt | y] rows.
       shared_prefix=True,
+      # Rows (prompts, i.e. whole groups, with shared_prefix) per microbatch of gradient
+      # accumulation, over the global batch; 0 = the whole minibatch in one pass. A step's
+      # gradient is the sum over its microbatches: this trades memory for passes, not the
+      # algorithm (num_minibatches still sets the optimizer steps per epoch).
+      microbatch_size=0,
+      # Sequence positions per chunk of the log-prob computation: [N, chunk, V] logits live at
+      # once instead of [N, T, V], the largest activation at a 150k vocab.
+      logprob_chunk_size=32,
+      # On accelerators, compile the programs at start-up and refuse a job that does not fit,
+      # before the first rollout rather than an out-of-memory error hours in.
+      check_memory=True,
       log_every=1, eval_every=25, eval_prompts=256, eval_batch_size=128,
       checkpoint_every=25, keep_checkpoints=3, progress_bar=True,
       # Guards (docs/RELIABILITY.md): this many update steps in a row with a non-finite loss or

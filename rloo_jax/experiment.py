@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 from flax import struct
@@ -24,7 +25,7 @@ from rloo_jax import sharding as sharding_lib
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import pipeline
 from rloo_jax.models import config as model_config_lib
-from rloo_jax.models import hf, transformer
+from rloo_jax.models import hf, presets, transformer
 from rloo_jax.optim import make_optimizer
 from rloo_jax.rewards import RewardSet
 
@@ -50,14 +51,13 @@ class Experiment:
   fns: transformer.ModelFns
   tx: optax.GradientTransformation
   loss_spec: loss.LossSpec
-  rewards: RewardSet  # what the policy is trained on
-  eval_rewards: RewardSet  # what evaluations report; the first function judges win rates
+  rewards: Optional[RewardSet]  # what the policy is trained on (None: `build_abstract`)
+  eval_rewards: Optional[RewardSet]  # what evaluations report; the first judges win rates
   method: sampling.Method
-  # The mesh and rules (a 1-device mesh for a 1-device run: one code path), the train state's
-  # shardings, and the params gathered over fsdp for compute (None without fsdp).
+  # The mesh and rules (a 1-device mesh for a 1-device run: one code path) and the train
+  # state's shardings.
   layout: sharding_lib.Layout
   state_shardings: Any = None
-  compute_shardings: Any = None
 
   @property
   def tokenizer(self):
@@ -83,6 +83,52 @@ def _check_at_least(config, minimum, *names: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
       raise ValueError(f"config.{name} = {value!r} must be >= {minimum}; set "
                        f"--config.{name}=<a value >= {minimum}>")
+
+
+# Storage dtypes of the frozen reference (config.model.ref_dtype); '' = the policy's.
+REF_DTYPES = ("", "bfloat16", "float32", "float16")
+
+
+def _divisor_check(name: str, value: int, total: int, what: str, zero: str) -> None:
+  """`name` (0 = off) must divide `total`, the size of `what`."""
+  if value and total % value:
+    divisors = [d for d in range(1, total + 1) if total % d == 0]
+    raise ValueError(f"config.{name} = {value} does not divide {what} = {total}; set "
+                     f"--config.{name} to one of {divisors} (or 0: {zero})")
+
+
+def _model_checks(config) -> Optional[transformer.TransformerConfig]:
+  """config.model's preset, remat and ref_dtype; returns the preset's architecture (or None)."""
+  m = config.model
+  preset = m.get("preset", "")
+  if preset and m.init_from:
+    raise ValueError(f"config.model.preset={preset!r} and config.model.init_from="
+                     f"{m.init_from!r} both set the architecture; set one of "
+                     f"config.model.preset / config.model.init_from (the other to '')")
+  _check_choice("config.model.remat", m.get("remat", "none"), model_config_lib.REMAT_POLICIES)
+  _check_choice("config.model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES)
+  # Raises naming the closest preset, or the model family a preset needs and this build lacks.
+  return presets.get(preset, what="config.model.preset") if preset else None
+
+
+def _batch_checks(config) -> None:
+  """Microbatches, log-prob chunks, trimming and rollout chunks (after the minibatch checks)."""
+  r, t = config.rloo, config.train
+  _check_at_least(config, 0, "train.microbatch_size", "rloo.trim_bucket",
+                  "rloo.rollout_chunk_prompts")
+  _check_at_least(config, 1, "train.logprob_chunk_size")
+  if t.shared_prefix:
+    units, what = r.num_prompts // t.num_minibatches, (
+        "the minibatch's groups (config.rloo.num_prompts / config.train.num_minibatches, "
+        "whole groups with config.train.shared_prefix)")
+  else:
+    units, what = r.num_prompts * r.k // t.num_minibatches, (
+        "the minibatch's rows (config.rloo.num_prompts * config.rloo.k / "
+        "config.train.num_minibatches)")
+  _divisor_check("train.microbatch_size", t.get("microbatch_size", 0), units, what,
+                 "the whole minibatch in one pass")
+  _divisor_check("rloo.rollout_chunk_prompts", r.get("rollout_chunk_prompts", 0),
+                 r.num_prompts, "config.rloo.num_prompts", "the whole batch in one call")
 
 
 def validate_config(config) -> None:
@@ -113,6 +159,8 @@ def validate_config(config) -> None:
                      f"config.train.num_minibatches = {t.num_minibatches}; choose "
                      f"num_minibatches dividing {r.num_prompts}, or set "
                      f"config.train.shared_prefix=False to minibatch single samples")
+  _batch_checks(config)
+  arch = _model_checks(config)
   _check_at_least(config, 1, "train.num_epochs", "train.log_every",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.eval_batch_size",
                   "train.eval_prompts", "train.max_nonfinite_steps",
@@ -121,7 +169,12 @@ def validate_config(config) -> None:
                   "sft.steps", "optim.learning_rate", "optim.warmup_steps",
                   "optim.max_grad_norm", "loss.clip_eps")
   need = sequence_length(config)
-  if need > config.model.max_seq_len and not config.model.init_from:
+  if arch is not None and need > arch.max_seq_len:
+    raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "
+                     f"config.rloo.max_new_tokens ({r.max_new_tokens}) = {need} exceeds the "
+                     f"context of config.model.preset={config.model.preset!r}, "
+                     f"{arch.max_seq_len} tokens; shorten one")
+  if arch is None and need > config.model.max_seq_len and not config.model.init_from:
     raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "
                      f"config.rloo.max_new_tokens ({r.max_new_tokens}) = {need} exceeds the "
                      f"model context config.model.max_seq_len = {config.model.max_seq_len}; "
@@ -151,6 +204,15 @@ def validate_layout(config, layout: sharding_lib.Layout) -> None:
     check("the minibatch's prompts (config.rloo.num_prompts / config.train.num_minibatches, "
           "whole groups with config.train.shared_prefix)", r.num_prompts // t.num_minibatches,
           layout)
+  mb = t.get("microbatch_size", 0)
+  if mb:
+    rows = mb * r.k if t.shared_prefix else mb
+    check("the microbatch (config.train.microbatch_size"
+          f"{' * config.rloo.k, in rows' if t.shared_prefix else ''})", rows, layout)
+  # Every sampled batch larger than a chunk (evaluation's too) is sampled chunk by chunk.
+  chunk = r.get("rollout_chunk_prompts", 0)
+  if chunk:
+    check("the rollout chunk (config.rloo.rollout_chunk_prompts)", chunk, layout)
   check("config.train.eval_batch_size", t.eval_batch_size, layout)
   if not config.model.init_from:
     check("config.sft.batch_size", config.sft.batch_size, layout)
@@ -184,18 +246,67 @@ def _make_task(config, data_dir: str):
   return task if task is not None else tasks.make(config, data_dir)
 
 
-# Architecture settings of config.model that a checkpoint's own config.json decides.
+# Architecture settings of config.model that a checkpoint's own config.json (or a preset)
+# decides.
 _ARCHITECTURE_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                       "head_dim", "intermediate_size", "max_seq_len")
 
 
 def _warn_overridden(model_cfg, mcfg) -> None:
-  """Says which config.model settings the checkpoint of config.model.init_from overrides."""
-  ignored = [f"config.model.{k}={model_cfg[k]!r} (the checkpoint has {getattr(mcfg, k)!r})"
+  """Says which config.model settings config.model.init_from's checkpoint (or
+  config.model.preset) overrides."""
+  preset = model_cfg.get("preset", "")
+  source, has = ((f"config.model.preset={preset}", "the preset has") if preset else
+                 (f"config.model.init_from={model_cfg.init_from}", "the checkpoint has"))
+  ignored = [f"config.model.{k}={model_cfg[k]!r} ({has} {getattr(mcfg, k)!r})"
              for k in _ARCHITECTURE_KEYS if k in model_cfg and model_cfg[k] != getattr(mcfg, k)]
   if ignored:
-    logging.warning("config.model.init_from=%s sets the architecture; ignored: %s",
-                    model_cfg.init_from, "; ".join(ignored))
+    logging.warning("%s sets the architecture; ignored: %s", source, "; ".join(ignored))
+
+
+def model_config(config, vocab_size: Callable[[], int]) -> transformer.TransformerConfig:
+  """The policy's architecture: config.model.init_from's config.json (no weights are read),
+  else config.model's (a preset's, or sized by the task tokenizer's `vocab_size()`); the
+  config decides how to run it (dtype, remat) either way."""
+  m = config.model
+  if not m.init_from:
+    mcfg = presets.from_experiment_config(m, vocab_size())
+    if m.get("preset", ""):
+      _warn_overridden(m, mcfg)
+    return mcfg
+  local = hf.resolve_path(m.init_from, what="config.model.init_from")
+  with open(os.path.join(local, "config.json")) as f:
+    mcfg = hf.config_from_hf(json.load(f), dtype=m.dtype)
+  if mcfg.head != "lm":
+    raise ValueError(f"config.model.init_from={m.init_from!r} is a sequence-classification "
+                     "checkpoint (no LM head); the policy needs a causal LM checkpoint")
+  _warn_overridden(m, mcfg)
+  return mcfg.replace(remat=m.get("remat", "none"))
+
+
+def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
+              mcfg: transformer.TransformerConfig, rewards, eval_rewards) -> Experiment:
+  """The Experiment of a resolved architecture: optimizer, loss, model functions (with FSDP's
+  ParamGather) and the train state's shardings. What `build` and `build_abstract` share."""
+  graphdef, abstract_params = transformer.abstract(mcfg)
+  if sequence_length(config) > mcfg.max_seq_len:
+    raise ValueError(f"config.data.max_prompt_len + config.rloo.max_new_tokens = "
+                     f"{sequence_length(config)} exceeds the model's context of "
+                     f"{mcfg.max_seq_len} tokens")
+  t = config.train
+  tx = make_optimizer(config.optim, t.num_iterations * t.num_epochs * t.num_minibatches)
+  # FSDP: the model functions gather each layer's weights as the layer scan reaches them.
+  fns = transformer.model_fns(graphdef, layout.param_gather(abstract_params))
+  exp = Experiment(config, workdir, task, mcfg, graphdef, fns, tx,
+                   # max_len: fixed_length's constant normaliser stays max_new_tokens
+                   # whatever length the rollout's completions are trimmed to.
+                   loss.LossSpec.from_config(config.loss, max_len=config.rloo.max_new_tokens),
+                   rewards, eval_rewards or rewards,
+                   sampling.from_config(config.rloo), layout)
+  # Explicit shardings: params / reference / optimizer moments by the logical rules, scalars
+  # replicated.
+  exp.state_shardings = layout.tree_shardings(_abstract_state(exp))
+  return exp
 
 
 def build(config, workdir: str, task=None, *, devices=None, rewards: Optional[RewardSet] = None,
@@ -212,35 +323,55 @@ def build(config, workdir: str, task=None, *, devices=None, rewards: Optional[Re
   if task is None:
     task = _make_task(config, os.path.join(workdir, "data"))
   dry_run_rewards(rewards, task)
-  if config.model.init_from:
-    mcfg, graphdef, _ = hf.load_model(config.model.init_from, dtype=config.model.dtype)
-    _warn_overridden(config.model, mcfg)
-  else:
-    mcfg = model_config_lib.from_experiment_config(config.model,
-                                                  task.tokenizer.vocab_size)
-    graphdef, _ = transformer.abstract(mcfg)
-  if sequence_length(config) > mcfg.max_seq_len:
-    raise ValueError(f"config.data.max_prompt_len + config.rloo.max_new_tokens = "
-                     f"{sequence_length(config)} exceeds the model's context of "
-                     f"{mcfg.max_seq_len} tokens")
-  t = config.train
-  tx = make_optimizer(config.optim, t.num_iterations * t.num_epochs * t.num_minibatches)
-  exp = Experiment(config, workdir, task, mcfg, graphdef, transformer.model_fns(graphdef), tx,
-                   loss.LossSpec.from_config(config.loss), rewards, eval_rewards or rewards,
-                   sampling.from_config(config.rloo), layout)
-  # Explicit shardings: params / reference / optimizer moments by the logical rules, scalars
-  # replicated.
-  abstract = _abstract_state(exp)
-  exp.state_shardings = layout.tree_shardings(abstract)
-  exp.compute_shardings = layout.compute_shardings(abstract.params)
-  return exp
+  mcfg = model_config(config, lambda: task.tokenizer.vocab_size)
+  return _assemble(config, workdir, task, layout, mcfg, rewards, eval_rewards)
+
+
+def build_abstract(config, devices=None, num_layers: Optional[int] = None) -> Experiment:
+  """The static Experiment with no task, rewards or weights (its `task` and reward sets are
+  None): what the memory planner (`rloo_jax.plan`) compiles the training programs from. The
+  architecture is a preset's, init_from's config.json, or config.model sized by the task's
+  tokenizer (`tasks.vocab_size`); `num_layers` replaces its depth (scaling studies)."""
+  validate_config(config)
+  layout = sharding_lib.make_layout(config.mesh, devices)
+  validate_layout(config, layout)
+
+  def vocab_size() -> int:
+    size = tasks.vocab_size(config)
+    if size is None and not config.model.get("preset", ""):
+      raise ValueError(f"task {config.task!r} registered no tokenizer to size the model from "
+                       "without its data (tasks.register(..., tokenizer=...)); set "
+                       "config.model.preset or config.model.init_from")
+    return size or 0  # a preset keeps its own vocabulary
+
+  mcfg = model_config(config, vocab_size)
+  if num_layers:
+    mcfg = mcfg.replace(num_layers=int(num_layers))
+  return _assemble(config, "", None, layout, mcfg, None, None)
+
+
+def reference_copy(config, params):
+  """The frozen reference of `params`: their floating leaves in config.model.ref_dtype, by
+  default ('') the activation dtype config.model.dtype, always a real copy. The reference is
+  only ever run forward, where every weight is cast to the activation dtype anyway, so storing
+  it in that dtype changes no number (LayerNorm's float32 scale/bias aside) and halves it under
+  bfloat16 activations. Policy and reference must not share buffers, since the policy is
+  donated to every train step."""
+  name = config.model.get("ref_dtype", "") or config.model.dtype
+  dtype = model_config_lib.dtype_of(name)
+
+  def copy(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.array(x, dtype=dtype, copy=True)
+    return jnp.copy(x)
+
+  return jax.tree.map(copy, params)
 
 
 def _init_state(exp: Experiment, params) -> TrainState:
   spec = advantage.spec(exp.config.advantage.estimator)
   adv_state = spec.init_state() if spec.stateful else jnp.zeros((), jnp.float32)
-  # A real copy: policy and reference must not share buffers, since the policy is donated.
-  ref_params = jax.tree.map(jnp.copy, params)
+  ref_params = reference_copy(exp.config, params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, ref_params=ref_params,
                     opt_state=exp.tx.init(params), rng=jax.random.PRNGKey(exp.config.seed),
                     adv_state=adv_state)

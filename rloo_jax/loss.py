@@ -15,12 +15,18 @@ loss terms l[b, t] and the completion mask m[b, t]:
   equally across the batch; the normaliser depends on the batch's lengths.
 - 'fixed_length'  (Dr. GRPO): sum_bt l*m / (B * max_len) with `max_len` fixed by config, so the
   normaliser is constant and the gradient is unbiased for any length mix.
+
+Gradient accumulation: every reduction divides by a count of the batch it sees, so a microbatch's
+loss is not a share of its minibatch's. `normalizer(spec, minibatch_mask)` computes those counts
+once over the whole minibatch; passing it as `normalizer=` to each microbatch's loss makes the
+loss and every metric that microbatch's contribution, so their sums over microbatches (and the
+sums of the gradients) are exactly the minibatch's, up to float rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +58,58 @@ def token_entropy(logits_btv: Array) -> Array:
   logits = logits_btv.astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def chunked_logprobs(logits_fn: Callable[..., Array], params, hidden_bte: Array, targets_bt: Array,
+                     mask_bt: Optional[Array] = None, *, chunk_size: int,
+                     with_entropy: bool = False):
+  """`token_logprobs(logits_fn(params, hidden))` without a [B, T, V] array, forward or backward.
+
+  `logits_fn(params, h_bce) -> [B, c, V]` (any dtype) is the model's head, e.g. its final norm
+  and unembedding. T is cut into chunks of `chunk_size` (padded up to a multiple; the padding is
+  dropped) and a scan computes one chunk's float32 logits at a time; `jax.checkpoint` makes the
+  backward recompute them too instead of keeping every chunk's, so the peak is one chunk's
+  [B, c, V]. Returns (logp_bt, entropy_bt), both float32 [B, T]: logp is zero where `mask_bt` is
+  False; entropy (None unless `with_entropy`) is unmasked like `token_entropy`, and carries no
+  gradient, being a metric.
+  """
+  if hidden_bte.ndim != 3 or hidden_bte.shape[:2] != targets_bt.shape:
+    raise ValueError(f"hidden shape {tuple(hidden_bte.shape)} does not match targets shape "
+                     f"{tuple(targets_bt.shape)} (expected hidden [B, T, E] and targets [B, T])")
+  if mask_bt is not None and mask_bt.shape != targets_bt.shape:
+    raise ValueError(f"mask shape {tuple(mask_bt.shape)} does not match targets shape "
+                     f"{tuple(targets_bt.shape)}")
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+  b, t, e = hidden_bte.shape
+  c = min(chunk_size, t)
+  n = -(-t // c)
+  pad = n * c - t
+  h = jnp.pad(hidden_bte, ((0, 0), (0, pad), (0, 0)))
+  y = jnp.pad(targets_bt.astype(jnp.int32), ((0, 0), (0, pad)))
+  # The chunk axis leads for the scan, and B stays first within each chunk: B is the axis a
+  # mesh shards, so every chunk keeps the batch sharding and needs no resharding.
+  h_nbce = h.reshape(b, n, c, e).swapaxes(0, 1)
+  y_nbc = y.reshape(b, n, c).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def chunk(p, h_bce, y_bc):
+    logits = logits_fn(p, h_bce).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logp = jnp.take_along_axis(logits, y_bc[..., None], -1)[..., 0] - lse
+    if not with_entropy:
+      return logp, None
+    sg_logits, sg_lse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
+    probs = jnp.exp(sg_logits - sg_lse[..., None])
+    return logp, sg_lse - jnp.sum(probs * sg_logits, axis=-1)
+
+  _, (logp_nbc, ent_nbc) = jax.lax.scan(lambda carry, xs: (carry, chunk(params, *xs)), None,
+                                        (h_nbce, y_nbc))
+  unchunk = lambda x_nbc: x_nbc.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+  logp = unchunk(logp_nbc)
+  if mask_bt is not None:
+    logp = jnp.where(mask_bt, logp, 0.0)
+  return logp, None if ent_nbc is None else unchunk(ent_nbc)
 
 
 def masked_sum(x: Array, mask: Array, axis=None) -> Array:
@@ -107,53 +165,82 @@ def penalized_reward(rewards: Array, logp_bt: Array, ref_logp_bt: Array, mask_bt
   return rewards.astype(jnp.float32) - beta * kl, kl
 
 
+class Normalizer(NamedTuple):
+  """The counts a loss divides by, float32 scalars, from `normalizer` (a pytree, so jit-able)."""
+  sequences: Array  # rows, fully masked ones included (the 'mean over b' of the modes)
+  tokens: Array     # completion tokens, at least 1 (as `masked_mean` clamps)
+  length: Array     # fixed_length's max_len
+
+
+def _counts(mask_bt: Array, length: int) -> Normalizer:
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return Normalizer(f32(mask_bt.shape[0]), jnp.maximum(f32(jnp.sum(mask_bt)), 1.0), f32(length))
+
+
 def aggregate(loss_bt: Array, mask_bt: Array, aggregation: str = "sequence_sum",
-              max_len: Optional[int] = None) -> Array:
-  """Reduce per-token loss terms to a scalar (see the module docstring for the modes)."""
+              max_len: Optional[int] = None, normalizer: Optional[Normalizer] = None) -> Array:
+  """Reduce per-token loss terms to a scalar (see the module docstring for the modes).
+
+  Without `normalizer` the counts are this batch's own (fixed_length's length is `max_len`, else
+  the mask's T). With one (from `normalizer(...)` on the whole minibatch; its length replaces
+  `max_len`) the result is this microbatch's share, and the shares sum to the minibatch's value.
+  """
+  norm = _counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
   if aggregation == "sequence_sum":
-    return jnp.mean(masked_sum(loss_bt, mask_bt, axis=-1))
+    return jnp.sum(masked_sum(loss_bt, mask_bt, axis=-1)) / norm.sequences
   if aggregation == "sequence_mean":
-    return jnp.mean(masked_mean(loss_bt, mask_bt, axis=-1))
+    return jnp.sum(masked_mean(loss_bt, mask_bt, axis=-1)) / norm.sequences
   if aggregation == "token_mean":
-    return masked_mean(loss_bt, mask_bt)
+    return masked_sum(loss_bt, mask_bt) / norm.tokens
   if aggregation == "fixed_length":
-    length = max_len if max_len is not None else loss_bt.shape[-1]
-    return masked_sum(loss_bt, mask_bt) / (loss_bt.shape[0] * length)
+    return masked_sum(loss_bt, mask_bt) / (norm.sequences * norm.length)
   raise ValueError(f"unknown loss aggregation {aggregation!r}; choose one of {AGGREGATIONS} "
                    f"(config.loss.aggregation)")
 
 
-def _entropy_metric(logits_btv, mask_bt):
-  return {} if logits_btv is None else {"entropy": masked_mean(token_entropy(logits_btv), mask_bt)}
+def _entropy_metric(entropy_bt, mask_bt, norm: Normalizer):
+  if entropy_bt is None:
+    return {}
+  if entropy_bt.shape != mask_bt.shape:
+    raise ValueError(f"entropy_bt shape {tuple(entropy_bt.shape)} does not match mask shape "
+                     f"{tuple(mask_bt.shape)}; pass token_entropy(logits) [B, T], not logits")
+  return {"entropy": masked_sum(entropy_bt, mask_bt) / norm.tokens}
 
 
 def reinforce_loss(logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
                    aggregation: str = "sequence_sum", max_len: Optional[int] = None,
-                   logits_btv: Optional[Array] = None):
+                   entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None):
   """REINFORCE with the whole completion as one action: -A * log pi(y | x).
 
-  Advantages are constants (stop_gradient). Returns (loss, metrics).
+  Advantages are constants (stop_gradient). Returns (loss, metrics); `entropy_bt` (per-token
+  entropies, e.g. from `token_entropy`) adds their masked mean as metrics['entropy']. With
+  `normalizer`, the loss and metrics are shares to sum over microbatches (see `policy_loss`).
   """
+  norm = _counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
   adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
   loss_bt = -adv[:, None] * logp_bt.astype(jnp.float32)
-  metrics = {"policy_loss": aggregate(loss_bt, mask_bt, aggregation, max_len),
+  metrics = {"policy_loss": aggregate(loss_bt, mask_bt, aggregation, normalizer=norm),
              "clip_fraction": jnp.zeros((), jnp.float32)}
-  metrics.update(_entropy_metric(logits_btv, mask_bt))
+  metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
   return metrics["policy_loss"], metrics
 
 
 def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
                   clip_eps: float = 0.2, clip_eps_high: Optional[float] = None,
                   ratio_level: str = "sequence", aggregation: str = "sequence_sum",
-                  max_len: Optional[int] = None, logits_btv: Optional[Array] = None):
+                  max_len: Optional[int] = None, entropy_bt: Optional[Array] = None,
+                  normalizer: Optional[Normalizer] = None):
   """PPO's clipped surrogate, -min(r A, clip(r, 1 - eps, 1 + eps_high) A).
 
   ratio_level='sequence' (default, the paper's RLOO with the completion as one action): one ratio
   per sequence, r = exp(sum_t log pi - log pi_old), and the loss is averaged over sequences
   (`aggregation` is ignored). At r = 1 its gradient equals `reinforce_loss`'s. 'token': PPO's
-  per-token ratio, reduced with `aggregation`; `advantages` may then be per token [B, T] (GAE). Returns (loss, metrics) with the fraction of
-  clipped units and the approximate KL (k3) to the sampling policy.
+  per-token ratio, reduced with `aggregation`; `advantages` may then be per token [B, T] (GAE).
+  Returns (loss, metrics) with the fraction of clipped units (sequences, or tokens), the
+  approximate KL (k3) to the sampling policy per token and, given `entropy_bt`, the mean entropy.
+  With `normalizer`, the loss and metrics are shares to sum over microbatches (see `policy_loss`).
   """
+  norm = _counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
   eps_low = clip_eps
   eps_high = clip_eps if clip_eps_high is None else clip_eps_high
   adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
@@ -162,54 +249,94 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
                      f"shape {tuple(adv.shape)}; use ratio_level='token' for per-token advantages")
   log_ratio_bt = jnp.where(mask_bt, logp_bt.astype(jnp.float32) - old_logp_bt.astype(jnp.float32),
                            0.0)
-  approx_kl = masked_mean(jnp.exp(log_ratio_bt) - 1.0 - log_ratio_bt, mask_bt)
+  approx_kl = masked_sum(jnp.exp(log_ratio_bt) - 1.0 - log_ratio_bt, mask_bt) / norm.tokens
   if ratio_level == "sequence":
     # Clamp the log-ratio: a sequence ratio is a product over tokens and overflows easily.
     ratio = jnp.exp(jnp.clip(log_ratio_bt.sum(-1), -20.0, 20.0))
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    loss = -jnp.mean(jnp.minimum(unclipped, clipped))
-    clip_fraction = jnp.mean((clipped < unclipped).astype(jnp.float32))
+    loss = -jnp.sum(jnp.minimum(unclipped, clipped)) / norm.sequences
+    clip_fraction = jnp.sum((clipped < unclipped).astype(jnp.float32)) / norm.sequences
   elif ratio_level == "token":
     # Per-sequence advantages [B] broadcast over tokens; PPO's GAE passes per-token ones [B, T].
     adv_bt = adv[:, None] if adv.ndim == 1 else adv
     ratio = jnp.exp(log_ratio_bt)
     unclipped = ratio * adv_bt
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv_bt
-    loss = aggregate(-jnp.minimum(unclipped, clipped), mask_bt, aggregation, max_len)
-    clip_fraction = masked_mean((clipped < unclipped).astype(jnp.float32), mask_bt)
+    loss = aggregate(-jnp.minimum(unclipped, clipped), mask_bt, aggregation, normalizer=norm)
+    clip_fraction = masked_sum((clipped < unclipped).astype(jnp.float32), mask_bt) / norm.tokens
   else:
     raise ValueError(f"unknown ratio_level {ratio_level!r}; choose 'sequence' or 'token' "
                      f"(config.loss.ratio_level)")
   metrics = {"policy_loss": loss, "clip_fraction": clip_fraction, "approx_kl": approx_kl}
-  metrics.update(_entropy_metric(logits_btv, mask_bt))
+  metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
   return loss, metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-  """The static (hashable) part of the policy loss, resolved from config.loss once."""
+  """The static (hashable) part of the policy loss, resolved from config.loss once.
+
+  `max_len` is fixed_length's normaliser, the completion budget (config.rloo.max_new_tokens):
+  set it when the completions' T varies between iterations (trimmed to the batch's longest), or
+  Dr. GRPO's normaliser would vary with it. None: the mask's T.
+  """
   type: str = "reinforce"
   clip_eps: float = 0.2
   clip_eps_high: Optional[float] = None
   ratio_level: str = "sequence"
   aggregation: str = "sequence_sum"
+  max_len: Optional[int] = None
+
+  def __post_init__(self):
+    if self.max_len is not None and self.max_len < 1:
+      raise ValueError(f"LossSpec.max_len must be >= 1 (or None), got {self.max_len}")
 
   @classmethod
-  def from_config(cls, c) -> "LossSpec":
+  def from_config(cls, c, max_len: Optional[int] = None) -> "LossSpec":
     return cls(c.type, float(c.clip_eps), float(c.clip_eps_high) or None, c.ratio_level,
-               c.aggregation)
+               c.aggregation, None if max_len is None else int(max_len))
+
+
+def normalizer(spec_or_aggregation: Union[LossSpec, str], mask_bt: Array,
+               max_len: Optional[int] = None) -> Normalizer:
+  """The counts of a whole minibatch, to pass as `normalizer=` to each of its microbatches.
+
+  `mask_bt` is the minibatch's loss mask [B, T]. fixed_length's length is `max_len`, else the
+  spec's max_len, else the mask's T: the same choice `policy_loss` makes without a normaliser.
+  """
+  spec = spec_or_aggregation
+  aggregation = spec.aggregation if isinstance(spec, LossSpec) else spec
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; choose one of {AGGREGATIONS} "
+                     f"(config.loss.aggregation)")
+  if max_len is None and isinstance(spec, LossSpec):
+    max_len = spec.max_len
+  return _counts(mask_bt, mask_bt.shape[-1] if max_len is None else max_len)
 
 
 def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Array,
-                advantages_b: Array, logits_btv: Optional[Array] = None):
-  """The configured policy loss of one minibatch: (loss, metrics)."""
-  t = mask_bt.shape[1]
+                advantages_b: Array, entropy_bt: Optional[Array] = None, *,
+                normalizer: Optional[Normalizer] = None):
+  """The configured policy loss of one minibatch, or microbatch: (loss, metrics).
+
+  `entropy_bt`: per-token entropies [B, T] (`token_entropy`, or `chunked_logprobs(...,
+  with_entropy=True)`) for metrics['entropy']; None leaves it out.
+
+  Gradient accumulation over microbatches of a minibatch: compute `norm = normalizer(spec,
+  minibatch_mask)` once and call this on each microbatch with `normalizer=norm`. The loss and
+  every metric (policy_loss, clip_fraction, approx_kl, entropy) then come back as that
+  microbatch's contribution: sum losses, gradients and metrics over the microbatches and they
+  equal the whole minibatch's (to float rounding) in every aggregation, loss type and ratio
+  level; don't average them. Without `normalizer`, each is the batch's own (today's) value.
+  """
+  t = spec.max_len if spec.max_len is not None else mask_bt.shape[1]
   if spec.type == "reinforce":
     return reinforce_loss(logp_bt, mask_bt, advantages_b, aggregation=spec.aggregation,
-                          max_len=t, logits_btv=logits_btv)
+                          max_len=t, entropy_bt=entropy_bt, normalizer=normalizer)
   if spec.type == "ppo_clip":
     return ppo_clip_loss(logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
                          clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
-                         aggregation=spec.aggregation, max_len=t, logits_btv=logits_btv)
+                         aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt,
+                         normalizer=normalizer)
   raise ValueError(f"unknown config.loss.type {spec.type!r}; choose one of {LOSS_TYPES}")

@@ -30,7 +30,7 @@ from flax import traverse_util
 import ml_collections
 import numpy as np
 
-from rloo_jax import algorithms, loss, rollout, sampler, sampling
+from rloo_jax import algorithms, rollout, sampler, sampling
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
@@ -57,13 +57,17 @@ def _pad_rows(x: np.ndarray, b: int) -> np.ndarray:
   return x if len(x) == b else np.concatenate([x, np.repeat(x[:1], b - len(x), axis=0)])
 
 
+# Positions per chunk of the chunked log-probs (as config.train.logprob_chunk_size's default).
+LOGPROB_CHUNK = 32
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _summed_logprobs(fns, params, prompt_tokens_bp, prompt_lengths_b, completions_bt, cmask_bt):
   """[B] float32 sum of log p(completion token | prompt, earlier tokens): the rows and forward of
   the trainer's non-shared-prefix layout (one [left-padded prompt | completion] row each)."""
   rows = rollout.make_rows(prompt_tokens_bp, prompt_lengths_b, completions_bt, cmask_bt,
                            jnp.zeros(completions_bt.shape, jnp.float32), k=1, shared_prefix=False)
-  logp_bt = loss.token_logprobs(rows.logits(fns, params), rows.completions_nt, rows.cmask_nt)
+  logp_bt = rollout.logprobs(rows, fns, params, chunk_size=LOGPROB_CHUNK)[0]
   return jnp.sum(logp_bt, axis=-1)
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import advantage, sampler
+from rloo_jax import advantage, loss, sampler
 from rloo_jax.data import pipeline
 
 # Fields of a data batch that are not reward-function fields.
@@ -73,13 +73,24 @@ class SequenceRows:
     return self.completions_nt.shape[0]
 
   def logits(self, fns, params):
-    """Logits [N, T, V] predicting `completions_nt`."""
+    """Logits [N, T, V] predicting `completions_nt` (values [N, T] of a scalar head)."""
     return completion_logits(fns, params, self.tokens_ns, self.positions_ns, self.mask_ns,
                              self.completions_nt.shape[1])
+
+  def hidden(self, fns, params):
+    """Hidden states [N, T, E] (before the final norm) predicting `completions_nt`."""
+    s = self.tokens_ns.shape[1] - 1
+    t = self.completions_nt.shape[1]
+    return fns.hidden(params, self.tokens_ns[:, :s], self.positions_ns[:, :s],
+                      self.mask_ns[:, :s], head_slice=(s - t, t))
 
   def take(self, idx, k: int) -> "SequenceRows":
     del k
     return jax.tree.map(lambda x: x[idx], self)
+
+  def microbatches(self, m: int, k: int) -> "SequenceRows":
+    del k
+    return _split_units(self, m, lambda x: 1)
 
 
 @struct.dataclass
@@ -100,10 +111,20 @@ class GroupedRows:
     """What a minibatch shuffle permutes: whole groups (a prompt and its k samples)."""
     return self.prompt_tokens_bp.shape[0]
 
+  def _prompt_and_rows(self):
+    return (self.prompt_tokens_bp, self.prompt_positions_bp, self.prompt_mask_bp,
+            self.completions_nt, self.completion_positions_nt, self.cmask_nt)
+
   def logits(self, fns, params):
-    return fns.grouped(params, self.prompt_tokens_bp, self.prompt_positions_bp,
-                       self.prompt_mask_bp, self.completions_nt, self.completion_positions_nt,
-                       self.cmask_nt)
+    """Logits [N, T, V] predicting `completions_nt` (values [N, T] of a scalar head)."""
+    return fns.grouped(params, *self._prompt_and_rows())
+
+  def hidden(self, fns, params):
+    """Hidden states [N, T, E] (before the final norm) predicting `completions_nt`."""
+    return fns.grouped_hidden(params, *self._prompt_and_rows())
+
+  def microbatches(self, m: int, k: int) -> "GroupedRows":
+    return _split_units(self, m, lambda x: 1 if x.shape[0] == self.num_units else k)
 
   def take(self, group_idx, k: int) -> "GroupedRows":
     """Whole groups: prompt arrays at group_idx, sample rows at group_idx * k + 0..k-1."""
@@ -115,6 +136,31 @@ class GroupedRows:
         prompt(self.prompt_mask_bp), sample(self.completion_positions_nt),
         sample(self.completions_nt), sample(self.cmask_nt), sample(self.old_logp_nt),
         sample(self.advantages_n))
+
+
+def logprobs(rows, fns, params, *, chunk_size: int, with_entropy: bool = False):
+  """(log-probs [N, T], entropies [N, T] or None) of the rows' completions, float32, from the
+  final hidden states in chunks of `chunk_size` positions (`loss.chunked_logprobs`): no [N, T, V]
+  logits exist, forward or backward."""
+  return loss.chunked_logprobs(fns.head, fns.head_params(params), rows.hidden(fns, params),
+                               rows.completions_nt, rows.cmask_nt, chunk_size=chunk_size,
+                               with_entropy=with_entropy)
+
+
+def _split_units(rows, m: int, rows_per_unit):
+  """Every field [U * r, ...] -> [m, U / m * r, ...] (r = rows_per_unit(field): 1 for per-unit
+  fields, k for a group's samples). Microbatch i holds units i, i + m, i + 2m, ...: with the
+  units split over devices in contiguous blocks, each microbatch is then split over every
+  device with no data moved."""
+  units = rows.num_units
+  if units % m:
+    raise ValueError(f"{units} rollout units do not split into {m} microbatches")
+
+  def split(x):
+    r = rows_per_unit(x)
+    y = x.reshape(units // m, m, r, *x.shape[1:]).swapaxes(0, 1)
+    return y.reshape(m, units // m * r, *x.shape[1:])
+  return jax.tree.map(split, rows)
 
 
 def make_rows(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, old_logp_nt, *,
@@ -158,20 +204,19 @@ def reward_fields(batch: Mapping[str, Any], k: int) -> dict[str, np.ndarray]:
 def sample_batch(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None):
   """k completions per prompt of a data batch (this process's rows), sampled on the mesh.
 
+  With `config.rloo.rollout_chunk_prompts` = C below the global batch, the batch is sampled in
+  consecutive chunks of C prompts (`sample_chunked`), so the KV cache holds only C prompts at
+  once; the output has the same shapes, layout and row order as an unchunked one.
+
   Returns (SampleOutput of the global batch, this process's completions as text)."""
-  c, layout = exp.config, exp.layout
-  if exp.compute_shardings is not None:
-    # FSDP: gather the policy over fsdp once for the whole decode loop (freed after sampling),
-    # rather than once per generated token.
-    params = jax.device_put(params, exp.compute_shardings)
-  out = sampler.sample(exp.fns, params, layout.shard_batch(batch["prompt_tokens"]),
-                       layout.shard_batch(batch["prompt_lengths"]), rng,
-                       k=k, max_new_tokens=c.rloo.max_new_tokens,
-                       method=method or exp.method, eos_id=exp.tokenizer.eos_id,
-                       pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
-                       max_seq_len=exp.model_config.max_seq_len,
-                       batch_sharding=layout.batch_sharding)
+  layout = exp.layout
+  chunk = int(exp.config.rloo.get("rollout_chunk_prompts", 0) or 0)
   b = batch["prompt_tokens"].shape[0]
+  if 0 < chunk < b * jax.process_count():
+    out = sample_chunked(exp, params, batch, rng, k=k, method=method, chunk_prompts=chunk)
+  else:
+    out = _sample_rows(exp, params, batch["prompt_tokens"], batch["prompt_lengths"], rng, k=k,
+                       method=method)
   tokens_nt = layout.local_rows(out.tokens_bkt).reshape(b * k, -1)
   lengths_n = layout.local_rows(out.lengths_bk).reshape(-1)
   return out, decode_completions(exp.tokenizer, tokens_nt, lengths_n)
@@ -224,3 +269,78 @@ def sample_records(exp, params, records, rng, *, k: int, method, batch_size: int
       if valid:
         out[int(index)] = texts[row * k:(row + 1) * k]
   return out
+
+
+def _sample_rows(exp, params, prompt_tokens, prompt_lengths, rng, *, k: int, method=None):
+  """`sampler.sample` of this process's prompt rows (host numpy), placed over the batch axes."""
+  c, layout = exp.config, exp.layout
+  return sampler.sample(exp.fns, params, layout.shard_batch(prompt_tokens),
+                        layout.shard_batch(prompt_lengths), rng,
+                        k=k, max_new_tokens=c.rloo.max_new_tokens,
+                        method=method or exp.method, eos_id=exp.tokenizer.eos_id,
+                        pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
+                        max_seq_len=exp.model_config.max_seq_len,
+                        batch_sharding=layout.batch_sharding)
+
+
+def sample_chunked(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None,
+                   chunk_prompts: int) -> sampler.SampleOutput:
+  """The batch sampled in consecutive chunks of `chunk_prompts` global prompts (each process
+  contributes chunk_prompts / process_count of its own rows to every chunk), concatenated into
+  one SampleOutput of the global batch with the batch sharding (params already gathered).
+
+  Chunk i draws with fold_in(rng, i): the samples differ from an unchunked draw with `rng`, but
+  not their distribution (every stream still has its own independent key). A last chunk of
+  fewer prompts compiles the sampler for one more batch shape."""
+  layout = exp.layout
+  procs = jax.process_count()
+  if chunk_prompts % layout.batch_parallelism or chunk_prompts % procs:
+    raise ValueError(
+        f"config.rloo.rollout_chunk_prompts = {chunk_prompts} must be a multiple of the batch "
+        f"parallelism {layout.batch_parallelism} (mesh axes {layout.batch_axes}) and of the "
+        f"{procs} processes")
+  local = chunk_prompts // procs
+  tokens, lengths = np.asarray(batch["prompt_tokens"]), np.asarray(batch["prompt_lengths"])
+  local_outs = []
+  for i, start in enumerate(range(0, tokens.shape[0], local)):
+    out = _sample_rows(exp, params, tokens[start:start + local], lengths[start:start + local],
+                       jax.random.fold_in(rng, i), k=k, method=method)
+    # Concatenated on each process's host rows: the rows of chunk i of process p are global
+    # rows of chunk i, so a device-side concatenation of the chunks would interleave processes.
+    local_outs.append(jax.tree.map(layout.local_rows, out))
+  return jax.tree.map(lambda *xs: layout.shard_batch(np.concatenate(xs, axis=0)), *local_outs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Trimming the completion columns past the longest sample (scoring and update only)
+
+
+def trimmed_length(max_len: int, bucket: int, t: int) -> int:
+  """The columns to keep of a T-column rollout whose longest completion has max_len tokens:
+  max(max_len, 1) rounded up to a multiple of `bucket` and capped at T; T when bucket is 0
+  (off). Rounding to buckets bounds the shapes the scoring and update programs compile for to
+  ceil(T / bucket) (a 0 rounds up too, rather than adding a shape of one column)."""
+  if bucket <= 0:
+    return t
+  return min(t, -(-max(int(max_len), 1) // bucket) * bucket)
+
+
+def trim_output(out: sampler.SampleOutput, t_new: int) -> sampler.SampleOutput:
+  """The sample output cut to its first t_new completion columns (lengths unchanged). Only
+  columns past every sample's end may go: there the mask is False, so any masked loss, KL or
+  gradient is the same on the trimmed output."""
+  if t_new == out.tokens_bkt.shape[2]:
+    return out
+  cut = lambda x: x[:, :, :t_new]
+  return out.replace(tokens_bkt=cut(out.tokens_bkt), logprobs_bkt=cut(out.logprobs_bkt),
+                     policy_logprobs_bkt=cut(out.policy_logprobs_bkt),
+                     mask_bkt=cut(out.mask_bkt))
+
+
+def trim_to_bucket(layout, out: sampler.SampleOutput, bucket: int) -> sampler.SampleOutput:
+  """`trim_output` to `trimmed_length` of the longest completion of the global batch; every
+  process computes the same length from the gathered lengths, so all compile the same shape."""
+  if bucket <= 0:
+    return out
+  longest = int(layout.gather(out.lengths_bk).max())
+  return trim_output(out, trimmed_length(longest, bucket, out.tokens_bkt.shape[2]))

@@ -14,7 +14,7 @@ Modes (same tokens for the same rng in all three, see `sampling.stream_keys`):
   'unshared'  prompts tiled to B*k rows and prefilled k times, one stream per row.
   'recompute' no cache: `fns.forward` over the whole [B*k, P+T] buffer at every step (a baseline).
 
-Runs as two jitted programs: `_start` (prefill + the first token) and `_decode_loop`
+Runs as two jitted programs: `start` (prefill + the first token) and `decode_loop`
 (a `lax.while_loop` over `SamplingState`, donated, so the cache is updated in place and never
 copied on entry). The loop stops when every stream has emitted EOS or after max_new_tokens.
 """
@@ -129,8 +129,7 @@ def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mod
   num_prompts = prompt_tokens_bp.shape[0]
   if mode == 'shared':
     positions_bp, mask_bp = _prompt_inputs(prompt_tokens_bp, lengths_b)
-    logits_bpv, prefix = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp)
-    first_bv = _last_prompt_logits(logits_bpv, lengths_b)
+    first_bv, prefix = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp)
     first_bkv = jnp.broadcast_to(first_bv[:, None], (num_prompts, k, first_bv.shape[-1]))
     return first_bkv, fns.init_cache(prefix, mask_bp, k, max_new_tokens)
 
@@ -138,8 +137,7 @@ def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mod
   lengths_n = jnp.repeat(lengths_b, k, axis=0)
   positions_np, mask_np = _prompt_inputs(tokens_np, lengths_n)
   if mode == 'unshared':
-    logits_npv, prefix = fns.prefill(params, tokens_np, positions_np, mask_np)
-    first_nv = _last_prompt_logits(logits_npv, lengths_n)
+    first_nv, prefix = fns.prefill(params, tokens_np, positions_np, mask_np)
     return (first_nv.reshape(num_prompts, k, -1),
             fns.init_cache(prefix, mask_np, 1, max_new_tokens))
 
@@ -184,9 +182,9 @@ def _decode(fns, params, state: SamplingState, *, mode):
 # pinned to rows split over its mesh axes; other dims are left to the compiler (heads may follow
 # a tensor-sharded kernel). None (the default, and the fake-model tests) adds no constraint.
 
-# Cache fields with prompt (or prompt x stream) rows on axis 0; per-layer tuples included.
-_CACHE_ROW_FIELDS = ('prefix_k_bhdp', 'prefix_v_bhpd', 'prefix_mask_bp', 'k_bkhdt', 'v_bkhtd',
-                     'tokens_ns', 'positions_ns', 'mask_ns')
+# Cache fields -> the axis of their prompt (or prompt x stream) rows: 1 for the stacked layers.
+_CACHE_ROW_AXES = dict(prefix_k_lbhdp=1, prefix_v_lbhpd=1, prefix_mask_bp=0, k_lbkhdt=1,
+                       v_lbkhtd=1, tokens_ns=0, positions_ns=0, mask_ns=0)
 
 
 def _shard_rows(x, axis, batch_sharding):
@@ -203,8 +201,9 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
     return state
   cache = state.cache
   rows = lambda x: _shard_rows(x, 0, batch_sharding)
-  fields = {name: jax.tree.map(rows, getattr(cache, name))
-            for name in _CACHE_ROW_FIELDS if hasattr(cache, name)}
+  fields = {name: jax.tree.map(lambda x, a=axis: _shard_rows(x, a, batch_sharding),
+                               getattr(cache, name))
+            for name, axis in _CACHE_ROW_AXES.items() if hasattr(cache, name)}
   if fields and hasattr(cache, 'replace'):
     cache = cache.replace(**fields)
   return state.replace(
@@ -224,9 +223,9 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 # eos_id and pad_id are traced, not static: a new end token must not recompile the sampler.
 @functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
                                              'batch_sharding', 'noise_budget_bytes'))
-def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *,
-           k, max_new_tokens, method, mode, batch_sharding=None,
-           noise_budget_bytes=NOISE_BUDGET_BYTES) -> SamplingState:
+def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *,
+          k, max_new_tokens, method, mode, batch_sharding=None,
+          noise_budget_bytes=NOISE_BUDGET_BYTES) -> SamplingState:
   """Prefill, then draw the first token of every stream from the logits at position len - 1."""
   prompt_tokens_bp = _shard_rows(prompt_tokens_bp, 0, batch_sharding)
   prompt_lengths_b = _shard_rows(prompt_lengths_b.astype(jnp.int32), 0, batch_sharding)
@@ -260,8 +259,8 @@ def _start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id,
 # The state is donated so the while_loop updates the cache in the caller's buffers, not a copy.
 @functools.partial(jax.jit, static_argnames=('fns', 'method', 'mode', 'batch_sharding'),
                    donate_argnames=('state',))
-def _decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
-                 mode, batch_sharding=None) -> SamplingState:
+def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
+                mode, batch_sharding=None) -> SamplingState:
   max_new_tokens = state.tokens_bkt.shape[2]
 
   def cond(state):
@@ -391,10 +390,10 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens, method=method,
       eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
   eos_id, pad_id = jnp.int32(eos_id), jnp.int32(pad_id)
-  state = _start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
-                 eos_id, pad_id,
-                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
-                 batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes))
-  state = _decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
-                       batch_sharding=batch_sharding)
+  state = start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
+                eos_id, pad_id,
+                k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
+                batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes))
+  state = decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
+                      batch_sharding=batch_sharding)
   return state.output()

@@ -140,7 +140,7 @@ def stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:
   return jax.vmap(prompt_keys)(jnp.arange(num_prompts))
 
 
-# The Gumbel noise of a whole rollout is drawn up front (in the sampler's `_start`, outside the
+# The Gumbel noise of a whole rollout is drawn up front (in the sampler's `start`, outside the
 # decode loop) when it fits in this many bytes. On CPU, jax's threefry runs as a rolled while
 # loop, so drawing the noise inside the loop body cost a nested loop at every token, a large share
 # of a small model's decode step (measured by experiments/bench_sampler.py; see

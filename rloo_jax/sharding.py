@@ -34,7 +34,8 @@ import numpy as np
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # The model's logical names (models/transformer.py) plus 'batch' for rollout rows.
-LOGICAL_AXES = ("batch", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm")
+LOGICAL_AXES = ("batch", "layers", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp",
+                "norm")
 DEFAULT_BATCH_AXES = ("data", "fsdp")
 
 
@@ -152,7 +153,7 @@ class Layout:
     the rules, every other leaf replicated. Same structure as `tree` (a valid jit prefix).
 
     `without=('fsdp',)` gives the layout parameters are *used* in: gathered over fsdp, still
-    split over tensor (see `compute_shardings`)."""
+    split over tensor (see `param_gather`)."""
     def one(x):
       if isinstance(x, nnx.Variable):
         leaf = jax.tree.leaves(x)[0]
@@ -161,14 +162,16 @@ class Layout:
       return self.replicated
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-  def compute_shardings(self, params: Any) -> Optional[Any]:
-    """FSDP: parameters are stored split over fsdp but gathered for the forward/backward, so
-    activations stay split by rows (data x fsdp) and gradients are reduce-scattered back.
-    Without the explicit gather XLA propagates the fsdp split of the kernels into the
-    activations and rematerialises them. None when fsdp is 1 (nothing to gather)."""
+  def param_gather(self, params: Any) -> Optional["ParamGather"]:
+    """FSDP, layer by layer: the `ParamGather` the model functions apply (models.model_fns),
+    or None when fsdp is 1 (nothing to gather). Parameters are stored split over fsdp but
+    gathered for compute, so activations stay split by rows (data x fsdp): without the explicit
+    gather XLA propagates the fsdp split of the kernels into the activations and
+    rematerialises them."""
     if self.mesh.shape["fsdp"] == 1:
       return None
-    return self.tree_shardings(params, without=("fsdp",))
+    return ParamGather.of(self.tree_shardings(params),
+                          self.tree_shardings(params, without=("fsdp",)))
 
   def abstract(self, tree: Any, shardings: Any = None) -> Any:
     """ShapeDtypeStructs carrying shardings (an Orbax restore target, a lowering argument)."""
@@ -225,6 +228,57 @@ class Layout:
     x = self.reshard_batch(x)
     return np.asarray(multihost_utils.global_array_to_host_local_array(
         x, self.mesh, P(self.batch_axes)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParamGather:
+  """Where FSDP-sharded parameters are gathered for compute: the embedding and head once per
+  program (`params`), each layer's weights inside the layer scan (`layer`), so at most one
+  layer is held gathered at a time (XLA frees it before the next) instead of the whole tree.
+
+  Each gather first pins the stored (sharded) layout and then the gathered one: the transpose
+  of a sharding constraint constrains the cotangent the same way, so the backward pass
+  reduce-scatters every layer's gradient as soon as it is computed instead of holding a whole
+  gathered gradient. Hashable by identity (a static argument of the model functions).
+  """
+  top: Mapping[str, tuple]  # path of a non-layer leaf -> (stored, gathered) sharding
+  per_layer: Mapping[str, tuple]  # path inside one layer -> (stored, gathered), layer axis gone
+
+  @classmethod
+  def of(cls, stored: Any, gathered: Any) -> "ParamGather":
+    top, per_layer = {}, {}
+    pairs = zip(_leaves_with_paths(stored), jax.tree.leaves(gathered))
+    for (path, s), g in pairs:
+      if path and getattr(path[0], "key", None) == "layers":
+        drop = lambda x: NamedSharding(x.mesh, P(*x.spec[1:]))
+        per_layer[jax.tree_util.keystr(path[1:])] = (drop(s), drop(g))
+      else:
+        top[jax.tree_util.keystr(path)] = (s, g)
+    return cls(top, per_layer)
+
+  @staticmethod
+  def _apply(tree, table):
+    def one(path, x):
+      key = jax.tree_util.keystr(path)
+      if key not in table:
+        return x
+      stored, gathered = table[key]
+      return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, stored),
+                                              gathered)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+  def params(self, tree: Any) -> Any:
+    """The non-layer parameters of `tree` (a params state, or a dict of its top-level entries)
+    gathered; the stacked layers left as stored."""
+    return self._apply(tree, self.top)
+
+  def layer(self, tree: Any) -> Any:
+    """One layer's weights (a slice of the stacked layers) gathered."""
+    return self._apply(tree, self.per_layer)
+
+
+def _leaves_with_paths(tree):
+  return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 def make_layout(mesh_config: Mapping[str, Any], devices: Optional[Sequence[Any]] = None) -> Layout:

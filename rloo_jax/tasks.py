@@ -108,8 +108,30 @@ _TASKS: dict[str, Callable[[Any, str], Task]] = {
 }
 
 
-def register(name: str, factory: Callable[[Any, str], Task]):
+# The tokenizer of each task without its data (the memory planner's vocabulary size).
+_TOKENIZERS: dict[str, Callable[[Any], Any]] = {
+    "arithmetic": lambda config: arithmetic.make_tokenizer(),
+    "summarize": lambda config: summarize.make_tokenizer(),
+    # With init_from the checkpoint's config.json sizes the model; its tokenizer is not needed.
+    "jsonl": lambda config: None if config.model.init_from else ByteTokenizer(),
+}
+
+
+def register(name: str, factory: Callable[[Any, str], Task],
+             tokenizer: Optional[Callable[[Any], Any]] = None):
+  """Adds task `name`; `tokenizer(config)`, when given, returns its tokenizer without preparing
+  any data, so the memory planner can size a model from the task's vocabulary."""
   _TASKS[name] = factory
+  if tokenizer is not None:
+    _TOKENIZERS[name] = tokenizer
+
+
+def vocab_size(config) -> Optional[int]:
+  """The task tokenizer's vocabulary size, read without preparing data; None when the task
+  registered no such tokenizer."""
+  make_tokenizer = _TOKENIZERS.get(config.task)
+  tokenizer = make_tokenizer(config) if make_tokenizer is not None else None
+  return None if tokenizer is None else int(tokenizer.vocab_size)
 
 
 def names() -> Sequence[str]:

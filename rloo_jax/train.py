@@ -23,31 +23,12 @@ from ml_collections import config_flags
 
 from rloo_jax import algorithms
 from rloo_jax import checkpoint
-from rloo_jax import config_utils
+from rloo_jax import cli
 from rloo_jax import loop
 from rloo_jax import sharding
 from rloo_jax import workdir as workdir_lib
 
-class _CommaList(flags.ArgumentParser):
-  """List settings from the command line as comma-separated values, e.g.
-  `--config.rewards.fns=my_reward.py:score,rloo_jax.rewards.verifiers:arithmetic_exact_match`
-  and `--config.rewards.weights=1,0` (ml_collections refuses list overrides otherwise). All
-  numbers -> floats; anything else stays a list of strings."""
 
-  def parse(self, argument):
-    if isinstance(argument, (list, tuple)):
-      return list(argument)
-    items = [item.strip() for item in str(argument).split(",") if item.strip()]
-    try:
-      return [float(item) for item in items]
-    except ValueError:
-      return items
-
-  def flag_type(self):
-    return "comma-separated list"
-
-
-config_flags.register_flag_parser_for_type(list, _CommaList())
 _CONFIG = config_flags.DEFINE_config_file("config", None, "get_config(arg) file (path[:arg])",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, logs and data")
@@ -94,33 +75,9 @@ def _fail(e: BaseException):
   sys.exit(1)
 
 
-def check_overrides(argv) -> None:
-  """Unknown `--config.a.b=...` keys, caught before absl parses them (which prints a long
-  traceback): the message names the closest known key."""
-  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-  overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
-  if spec is None or not overrides:
-    return
-  path, _, arg = spec.partition(":")
-  try:
-    flat = workdir_lib.flat_config(config_utils.load_config_file(path, arg))
-  except FileNotFoundError as e:
-    raise FileNotFoundError(f"--config={spec}: {e}") from None
-  sections = {k.rsplit(".", 1)[0] for k in flat}
-  for name in overrides:
-    if name in flat or name in sections:
-      continue
-    # A key inside a dict-valued setting (e.g. advantage.options.eps) is the config's to judge.
-    if any(name.startswith(k + ".") for k in flat):
-      continue
-    near = workdir_lib.closest_key(name, flat)
-    hint = f"; did you mean --config.{near}?" if near else ""
-    raise ValueError(f"unknown config key --config.{name} (not in {spec}){hint}")
-
-
 def run():
   try:
-    check_overrides(sys.argv[1:])
+    cli.check_overrides(sys.argv[1:])
   except (ValueError, FileNotFoundError) as e:
     _fail(e)
   app.run(main)

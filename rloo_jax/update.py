@@ -2,53 +2,143 @@
 `num_epochs` x `num_minibatches` donated steps over one rollout's rows.
 
     score_rollout: reference log-probs -> KL -> R = r - beta * KL -> advantages  (all [B, k])
-    train_step:    one gradient step on a minibatch of rows -> (state, metrics)
+    TrainStep:     one optimizer step on a minibatch of rows, its gradient accumulated over
+                   microbatches -> (state, metrics)
+
+Log-probs come from the final hidden states in chunks of positions (`rollout.logprobs`), so
+neither program holds [N, T, V] logits.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-import jax
+import functools
 
-from rloo_jax import advantage, loss
+import jax
+import jax.numpy as jnp
+
+from rloo_jax import advantage, loss, rollout
 from rloo_jax.optim import apply_if_finite
 
 
 def constrain(tree, shardings):
-  """`with_sharding_constraint`, or nothing when there is no FSDP gather to express."""
+  """`with_sharding_constraint`, or nothing when there is no sharding to express."""
   return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
-def train_step(state, rows, *, fns, tx, spec: loss.LossSpec, compute_shardings=None,
-               param_shardings=None):
-  """One gradient step on a minibatch of rollout rows (`rollout.GroupedRows` or
-  `SequenceRows`). Pure; jitted with the state donated. A step whose loss or gradient is not
-  finite leaves the state unchanged (`optim.apply_if_finite`).
+def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
+  """Sums `fn(microbatch)` (a pytree of arrays: losses, gradients, metrics) over `microbatches`
+  slices of the rows with a `lax.scan`, so one microbatch's activations live at a time; with 1
+  it is `fn(rows)`. Exact for anything that sums over rows (the losses, given a whole-minibatch
+  `loss.normalizer`)."""
+  if microbatches == 1:
+    return fn(rows)
+  split = rows.microbatches(microbatches, k)
+  first = jax.tree.map(lambda x: x[0], split)
+  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, first))
 
-  FSDP: params are gathered into `compute_shardings` for the forward/backward and the gradients
-  reduce-scattered back onto `param_shardings` (both None without fsdp)."""
-  def loss_fn(params):
-    logits = rows.logits(fns, constrain(params, compute_shardings))
-    logp = loss.token_logprobs(logits, rows.completions_nt, rows.cmask_nt)
-    return loss.policy_loss(spec, logp, rows.old_logp_nt, rows.cmask_nt, rows.advantages_n,
-                            logits)
+  def body(total, mb):
+    out = fn(constrain(mb, rows_sharding))
+    return jax.tree.map(jnp.add, total, out), None
 
-  (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  grads = constrain(grads, param_shardings)
+  return jax.lax.scan(body, zeros, split)[0]
+
+
+def gradients(params, rows, *, fns, spec: loss.LossSpec, k: int, chunk_size: int,
+              microbatches: int = 1, param_shardings=None, rows_sharding=None):
+  """The policy loss's gradient on a minibatch of rollout rows (`rollout.GroupedRows` or
+  `SequenceRows`), summed over `microbatches` slices of it (gradient accumulation: the same
+  gradient for any number, up to float rounding). Returns (grads, loss, metrics). Pure.
+
+  FSDP: `fns` gathers each layer's weights as the layer scan reaches it and reduce-scatters its
+  gradient (`sharding.ParamGather`); the summed gradient stays on `param_shardings`."""
+  norm = loss.normalizer(spec, rows.cmask_nt)
+
+  def grads_of(mb):
+    def loss_fn(params):
+      logp, entropy = rollout.logprobs(mb, fns, params, chunk_size=chunk_size,
+                                       with_entropy=True)
+      return loss.policy_loss(spec, logp, mb.old_logp_nt, mb.cmask_nt, mb.advantages_n,
+                              entropy, normalizer=norm)
+    (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return constrain(grads, param_shardings), value, metrics
+
+  return accumulate(grads_of, rows, microbatches=microbatches, k=k, rows_sharding=rows_sharding)
+
+
+def apply_gradients(state, grads, value, *, tx):
+  """The optimizer update of `state` (params, opt_state) by `grads`, skipped when the loss or
+  the gradient is not finite (`optim.apply_if_finite`). Pure; jitted with the state donated, so
+  the new params and moments overwrite the old in place."""
   params, opt_state, guard = apply_if_finite(tx, grads, state.opt_state, state.params, value)
-  return state.replace(params=params, opt_state=opt_state), dict(metrics, loss=value, **guard)
+  return state.replace(params=params, opt_state=opt_state), guard
+
+
+class TrainStep:
+  """One optimizer step on a minibatch, `step(state, rows) -> (state, metrics)`, run as two
+  jitted programs: `gradients` (params read, not donated) then `apply_gradients` (the state
+  donated).
+
+  Why two: XLA copies every donated buffer that a while loop reads (the layer scan reads the
+  stacked weights, the chunked log-probs the head) before the loop, so that the output can
+  overwrite it afterwards; in one program that is a second copy of the parameters. Split, the
+  gradient program donates nothing, and the update program has no loop.
+  """
+
+  def __init__(self, *, fns, tx, spec: loss.LossSpec, k: int, chunk_size: int, microbatches: int,
+               state_shardings, rows_sharding, replicated):
+    params_sh = state_shardings.params
+    self.grad_fn = jax.jit(
+        functools.partial(gradients, fns=fns, spec=spec, k=k, chunk_size=chunk_size,
+                          microbatches=microbatches, param_shardings=params_sh,
+                          rows_sharding=rows_sharding),
+        in_shardings=(params_sh, rows_sharding), out_shardings=(params_sh, replicated, replicated))
+    self.apply_fn = jax.jit(functools.partial(apply_gradients, tx=tx),
+                            in_shardings=(state_shardings, params_sh, replicated),
+                            out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+  def __call__(self, state, rows):
+    grads, value, metrics = self.grad_fn(state.params, rows)
+    state, guard = self.apply_fn(state, grads, value)
+    return state, dict(metrics, loss=value, **guard)
+
+  def lower(self, state, rows) -> dict:
+    """{'update_gradients', 'update_apply'}: both programs lowered on (abstract) arguments."""
+    grads, value, _ = jax.eval_shape(self.grad_fn, state.params, rows)
+    return {"update_gradients": self.grad_fn.lower(state.params, rows),
+            "update_apply": self.apply_fn.lower(state, grads, value)}
+
+  def _cache_size(self) -> int:
+    """Compiled shapes of the gradient program (one per distinct rows shape)."""
+    return self.grad_fn._cache_size()  # pylint: disable=protected-access
+
+
+def reference_logprobs(ref_params, rows, *, fns, k: int, chunk_size: int, microbatches: int = 1,
+                       rows_sharding=None):
+  """The reference policy's log-probs [N, T] of the rows' completions, float32, computed in
+  `microbatches` slices (the rows come back in their own order)."""
+  if microbatches == 1:
+    return rollout.logprobs(rows, fns, ref_params, chunk_size=chunk_size)[0]
+  split = rows.microbatches(microbatches, k)
+  logp = jax.lax.map(lambda mb: rollout.logprobs(constrain(mb, rows_sharding), fns, ref_params,
+                                                 chunk_size=chunk_size)[0], split)
+  # Undo the interleaving of `microbatches`: slice i holds units i, i + m, ...
+  n, t = rows.completions_nt.shape
+  per_unit = n // rows.num_units
+  m = microbatches
+  return logp.reshape(m, -1, per_unit, t).swapaxes(0, 1).reshape(n, t)
 
 
 def score_rollout(ref_params, adv_state, rows, rewards_bk, usable_bk, *, fns, beta: float,
                   kl_estimator: str, kl_reduction: str, estimator: str, options: tuple,
-                  compute_shardings=None):
+                  chunk_size: int, microbatches: int = 1, rows_sharding=None):
   """Reference log-probs, KL, penalised rewards R = r - beta * KL and advantages, all [B, k].
 
   Returns ({kl_bk, penalised_bk, advantages_bk, ref_logp_nt}, new estimator state)."""
   b, k = rewards_bk.shape
-  ref_logits = rows.logits(fns, constrain(ref_params, compute_shardings))
-  ref_logp = loss.token_logprobs(ref_logits, rows.completions_nt, rows.cmask_nt)
+  ref_logp = reference_logprobs(ref_params, rows, fns=fns, k=k, chunk_size=chunk_size,
+                                microbatches=microbatches, rows_sharding=rows_sharding)
   penalised, kl = loss.penalized_reward(rewards_bk.reshape(-1), rows.old_logp_nt, ref_logp,
                                         rows.cmask_nt, beta=beta, estimator=kl_estimator,
                                         reduction=kl_reduction)

@@ -3,7 +3,10 @@ started with (`run_config.json`), and a lock that keeps a second live run out.
 
 A restart whose config differs from the saved one stops with an error listing the differing
 keys, before anything is read, moved or written, unless every difference is in `RESUMABLE_KEYS`
-(settings that only say how long to run or how often to log, evaluate and save).
+(settings that only say how long to run, how often to log, evaluate and save, and how the same
+computation is laid out in memory: microbatches, rematerialisation, chunk sizes). A key the saved
+config lacks (a run started before the key existed) matches its base_config default, which every
+new key keeps equal to the behaviour before it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any, Callable, Mapping
 import jax
 from flax import traverse_util
 
+from rloo_jax.config_utils import base_config
+
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = "run.lock"
 
@@ -27,6 +32,10 @@ RESUMABLE_KEYS = (
     "train.keep_checkpoints", "train.progress_bar", "train.max_nonfinite_steps",
     "train.max_unscorable_iterations", "train.wandb_project", "dpo.steps", "dpo.eval_every",
     "sft.log_every", "sft.checkpoint_every",
+    # How the same computation is laid out in memory (gradient accumulation, log-prob chunks,
+    # recomputation, rollout chunks) or checked: a run that ran out of memory resumes with less.
+    "train.microbatch_size", "train.logprob_chunk_size", "train.check_memory", "model.remat",
+    "rloo.rollout_chunk_prompts",
 )
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "ml_collections",
              "rloo_jax")
@@ -58,10 +67,14 @@ def flat_config(config) -> dict[str, Any]:
 
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-  """The keys whose values differ (or exist on one side only), RESUMABLE_KEYS excluded."""
+  """The keys whose values differ (or exist on one side only), RESUMABLE_KEYS excluded; a key
+  missing from `saved` whose current value is its base_config default is no difference."""
+  defaults = flat_config(base_config())
   keys = sorted(set(saved) | set(current))
-  return [k for k in keys if k not in RESUMABLE_KEYS and saved.get(k, "<absent>")
-          != current.get(k, "<absent>")]
+
+  def was(k):
+    return saved.get(k, defaults.get(k, "<absent>"))
+  return [k for k in keys if k not in RESUMABLE_KEYS and was(k) != current.get(k, "<absent>")]
 
 
 def check_config(workdir: str, config, *, log: Callable[[str], None] = print) -> None:

@@ -2,8 +2,9 @@
 
 Needs the "hf" extra (torch CPU + transformers); the default test run only reads what this writes.
 
-  python tests/make_hf_fixtures.py            # rewrite all three families
+  python tests/make_hf_fixtures.py            # rewrite every family's fixture
   python tests/make_hf_fixtures.py --out DIR  # elsewhere
+  python tests/make_hf_fixtures.py --family gpt_neox  # one family only (repeatable)
 
 Each directory holds config.json, model.safetensors, generation_config.json, tokenizer.json,
 tokenizer_config.json and reference.npz with:
@@ -23,11 +24,11 @@ import os
 
 import numpy as np
 
-FAMILIES = ('llama', 'qwen2', 'gpt2')
+FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox')
 VOCAB = 128
 NEW_TOKENS = 8
 # Seeds picked so the greedy paths are varied (not one repeated token) and far from ties.
-SEEDS = {'llama': 2, 'qwen2': 2, 'gpt2': 1}
+SEEDS = {'llama': 2, 'qwen2': 2, 'gpt2': 1, 'gpt_neox': 0}
 SPECIALS = ['<pad>', '<s>', '</s>', '<unk>']  # ids 0..3
 SENTENCES = [
     'the quick brown fox jumps over the lazy dog',
@@ -78,6 +79,15 @@ def build_model(family: str, seed: int = 0, **overrides):
     cfg = transformers.GPT2Config(
         n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.3, **common)
     cls = transformers.GPT2LMHeadModel
+  elif family == 'gpt_neox':
+    # Pythia's layout: parallel residual, rotary on a quarter of each head (2 of 8 dims), untied
+    # embed_out, exact GELU; a non-default rotary base.
+    cfg = transformers.GPTNeoXConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, rotary_pct=0.25, rotary_emb_base=20000.0,
+        use_parallel_residual=True, hidden_act='gelu', layer_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=0.3, **common)
+    cls = transformers.GPTNeoXForCausalLM
   else:
     raise ValueError(family)
   for k, v in overrides.items():
@@ -160,8 +170,10 @@ def main():
   here = os.path.dirname(os.path.abspath(__file__))
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default=os.path.join(here, 'fixtures', 'hf'))
+  parser.add_argument('--family', action='append', choices=FAMILIES,
+                      help='write only this family (repeatable); default: all')
   args = parser.parse_args()
-  for family in FAMILIES:
+  for family in args.family or FAMILIES:
     ref = write_family(family, os.path.join(args.out, family), SEEDS[family])
     print(f'{family}: greedy {ref["greedy_tokens"].tolist()} '
           f'min top1-top2 margin {float(ref["greedy_min_margin"]):.3g}')

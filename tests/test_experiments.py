@@ -33,7 +33,8 @@ def finite(*xs):
 BENCH_KEYS = {"framework", "jax", "devices", "config", "params", "median",
               "mean_completion_length", "mean_reward", "mean_kl", "mean_loss", "mean_advantage",
               "update_tokens_per_iteration", "generated_tokens_per_iteration",
-              "model_gflop_per_iteration", "achieved_gflops", "update_gflops", "fraction_of_peak"}
+              "model_gflop_per_iteration", "achieved_gflops", "update_gflops", "fraction_of_peak",
+              "peak_rss_gb"}
 PHASES = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
 
 
@@ -51,7 +52,10 @@ def test_bench_step_reports_a_consistent_iteration():
     assert r["config"] == dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab,
                                prompts=prompts, prompt_len=prompt_len, k=k,
                                new_tokens=new_tokens, iterations=2, dtype="float32",
-                               shared_prefix=shared, peak_gflops=390.0)
+                               shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
+                               remat="full", microbatch_size=0, logprob_chunk_size=32)
+    # The process held at least its float32 params (and a python + jax runtime).
+    assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
     # A Llama with untied head: embedding + head, 4 attention and 3 MLP matrices, 2 norms a
     # layer, the final norm.
     e, f = hidden, 4 * hidden

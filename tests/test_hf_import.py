@@ -17,8 +17,9 @@ from rloo_jax import sampler, sampling
 from rloo_jax.models import hf, model_fns
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
-FAMILIES = ('llama', 'qwen2', 'gpt2')
-ARCH = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'gpt2': 'GPT2LMHeadModel'}
+FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox')
+ARCH = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'gpt2': 'GPT2LMHeadModel',
+        'gpt_neox': 'GPTNeoXForCausalLM'}
 
 
 @pytest.fixture(scope='module', params=FAMILIES)
@@ -26,7 +27,8 @@ def loaded(request):
   path = os.path.join(FIXTURES, request.param)
   config, graphdef, params = hf.load_model(path)
   fns = model_fns(graphdef)
-  jitted = dict(prefill=jax.jit(fns.prefill), decode=jax.jit(fns.decode))
+  jitted = dict(forward=jax.jit(fns.forward), prefill=jax.jit(fns.prefill),
+                decode=jax.jit(fns.decode))
   ref = dict(np.load(os.path.join(path, 'reference.npz')))
   return request.param, path, config, params, jitted, fns, ref
 
@@ -34,11 +36,15 @@ def loaded(request):
 def check_logits(jitted, params, ref, atol=1e-4):
   for side in ('right', 'left'):
     mask = ref[f'{side}_mask']
-    # prefill is forward plus the cache; using it here shares one compile with the greedy loop.
-    logits, _ = jitted['prefill'](params, ref[f'{side}_tokens'], ref[f'{side}_positions'], mask)
+    logits = jitted['forward'](params, ref[f'{side}_tokens'], ref[f'{side}_positions'], mask)
     assert logits.dtype == jnp.float32
     np.testing.assert_allclose(logits[mask], ref[f'{side}_logits'][mask], atol=atol, rtol=0,
                                err_msg=f'{side}-padded batch')
+    # The prefill's head runs at each row's last valid position only: the same logits there.
+    first, _ = jitted['prefill'](params, ref[f'{side}_tokens'], ref[f'{side}_positions'], mask)
+    last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+    np.testing.assert_allclose(first, ref[f'{side}_logits'][np.arange(len(last)), last],
+                               atol=atol, rtol=0, err_msg=f'{side}-padded prefill')
 
 
 def greedy(jitted, fns, params, prompt_tokens_bp, lengths_b, *, k, new_tokens):
@@ -46,9 +52,9 @@ def greedy(jitted, fns, params, prompt_tokens_bp, lengths_b, *, k, new_tokens):
   b, p = prompt_tokens_bp.shape
   mask_bp = np.arange(p)[None] < lengths_b[:, None]
   positions_bp = np.broadcast_to(np.arange(p, dtype=np.int32), (b, p))
-  logits_bpv, prefix = jitted['prefill'](params, prompt_tokens_bp, positions_bp, mask_bp)
+  last_bv, prefix = jitted['prefill'](params, prompt_tokens_bp, positions_bp, mask_bp)
   # argmax on the host: eager jnp ops would each cost a compile on a small CPU.
-  last_bv = np.asarray(logits_bpv)[np.arange(b), lengths_b - 1]
+  last_bv = np.asarray(last_bv)
   tok_bk = np.repeat(last_bv.argmax(-1)[:, None], k, axis=1).astype(np.int32)
   cache = fns.init_cache(prefix, mask_bp, k, new_tokens)
   out = [tok_bk]
@@ -88,17 +94,27 @@ def test_config_mapping(loaded):
   with open(os.path.join(path, 'config.json')) as f:
     raw = json.load(f)
   assert config.family == family and config.vocab_size == raw['vocab_size']
-  assert config.tie_embeddings == {'llama': False, 'qwen2': True, 'gpt2': True}[family]
+  assert config.tie_embeddings == {'llama': False, 'qwen2': True, 'gpt2': True,
+                                   'gpt_neox': False}[family]
   assert config.qkv_bias == (family != 'llama')
   if family != 'gpt2':
     assert config.rope_theta == raw['rope_parameters']['rope_theta']
-    # transformers < 5 wrote a top-level rope_theta instead of rope_parameters.
+    # transformers < 5 wrote a top-level rope_theta instead of rope_parameters, and GPT-NeoX
+    # (Pythia's config.json) rotary_emb_base and rotary_pct.
     old = {k: v for k, v in raw.items() if k != 'rope_parameters'}
-    old['rope_theta'] = raw['rope_parameters']['rope_theta']
+    if family == 'gpt_neox':
+      old.update(rotary_emb_base=raw['rope_parameters']['rope_theta'],
+                 rotary_pct=raw['rope_parameters']['partial_rotary_factor'])
+    else:
+      old['rope_theta'] = raw['rope_parameters']['rope_theta']
     assert hf.config_from_hf(old) == config
     with pytest.raises(ValueError, match='rope_type'):
       hf.config_from_hf({**old, 'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}})
   assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params
+  if family == 'gpt_neox':
+    # head_dim 8 with rotary_pct 0.25: RoPE on 2 dims of each head, the other 6 passed through.
+    assert (config.rotary_dim, config.parallel_residual, config.out_bias) == (2, True, True)
+    assert config.norm_eps == raw['layer_norm_eps']
 
 
 def test_tokenizer():
@@ -168,10 +184,10 @@ def test_unsupported_architecture_is_named(tmp_path):
   cfg_file = os.path.join(path, 'config.json')
   with open(cfg_file) as f:
     cfg = json.load(f)
-  cfg['architectures'] = ['GPTNeoXForCausalLM']
+  cfg['architectures'] = ['MistralForCausalLM']
   with open(cfg_file, 'w') as f:
     json.dump(cfg, f)
-  with pytest.raises(ValueError, match='GPTNeoXForCausalLM.*supported: LlamaForCausalLM'):
+  with pytest.raises(ValueError, match='MistralForCausalLM.*supported: LlamaForCausalLM'):
     hf.load_checkpoint(path)
   with pytest.raises(ValueError, match='no model.safetensors'):
     os.remove(os.path.join(path, 'model.safetensors'))
@@ -192,7 +208,8 @@ def test_live_parity_with_transformers(family, tmp_path, monkeypatch):
   ref = make_hf_fixtures.write_family(family, str(tmp_path), seed=11)
   _, graphdef, params = hf.load_model(str(tmp_path))
   fns = model_fns(graphdef)
-  jitted = dict(prefill=jax.jit(fns.prefill), decode=jax.jit(fns.decode))
+  jitted = dict(forward=jax.jit(fns.forward), prefill=jax.jit(fns.prefill),
+                decode=jax.jit(fns.decode))
   check_logits(jitted, params, ref)
   if float(ref['greedy_min_margin']) > 1e-3:
     check_greedy(jitted, fns, params, ref)
@@ -210,3 +227,22 @@ def test_sampler_greedy_matches_transformers_generate():
                        method=sampling.Greedy(), eos_id=2, pad_id=0, mode='shared')
   for j in range(2):
     np.testing.assert_array_equal(np.asarray(out.tokens_bkt)[:, j], want, err_msg=f'stream {j}')
+
+
+def test_gpt_neox_head_name_and_activation(tmp_path):
+  """Pythia's checkpoints name the untied head embed_out; one saved as lm_head loads the same.
+  A GELU flavour other than the exact one is refused rather than silently run as exact."""
+  from safetensors.numpy import load_file, save_file
+
+  path = _copy('gpt_neox', tmp_path)
+  f = os.path.join(path, 'model.safetensors')
+  tensors = load_file(f)
+  tensors['lm_head.weight'] = tensors.pop('embed_out.weight')
+  save_file(tensors, f)
+  _, params = hf.load_checkpoint(path)
+  _, want = hf.load_checkpoint(os.path.join(FIXTURES, 'gpt_neox'))
+  jax.tree.map(np.testing.assert_array_equal, params, want)
+  with open(os.path.join(path, 'config.json')) as fh:
+    raw = json.load(fh)
+  with pytest.raises(ValueError, match="GPTNeoXForCausalLM: hidden_act 'gelu_fast'"):
+    hf.config_from_hf({**raw, 'hidden_act': 'gelu_fast'})

@@ -1,4 +1,6 @@
 """Loss functions: float32 numerics, KL estimators, penalised rewards and policy losses."""
+import types
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -122,8 +124,188 @@ def test_ppo_sequence_ratio_equals_reinforce_on_policy_and_clips_off_policy():
       (np.exp(1.0) - 2.0 + np.exp(0.5) - 1.5) / 5, rel=1e-5)
 
 
-def test_entropy_metric_when_logits_given():
-  logits = jnp.zeros((2, 3, 4))
-  mask = jnp.ones((2, 3), bool)
-  _, metrics = loss.reinforce_loss(jnp.zeros((2, 3)), mask, jnp.ones(2), logits_btv=logits)
+def test_entropy_metric_when_entropy_given():
+  entropy = loss.token_entropy(jnp.zeros((2, 3, 4)))
+  mask = jnp.array([[True, True, False], [True, False, False]])
+  entropy = entropy.at[0, 2].set(100.0)  # masked: must not count
+  _, metrics = loss.reinforce_loss(jnp.zeros((2, 3)), mask, jnp.ones(2), entropy_bt=entropy)
   assert float(metrics["entropy"]) == pytest.approx(np.log(4.0), rel=1e-6)
+  _, metrics = loss.reinforce_loss(jnp.zeros((2, 3)), mask, jnp.ones(2))
+  assert "entropy" not in metrics
+  with pytest.raises(ValueError, match=r"entropy_bt shape \(2, 3, 4\).*not logits"):
+    loss.policy_loss(loss.LossSpec(), jnp.zeros((2, 3)), jnp.zeros((2, 3)), mask, jnp.ones(2),
+                     jnp.zeros((2, 3, 4)))
+
+
+# ----------------------------------------------------------------------------------------------
+# chunked_logprobs: the head applied one chunk of T at a time
+
+
+def _head(params, h_bce):
+  """A linear head standing in for the final norm + unembedding."""
+  return jnp.einsum("bce,ev->bcv", h_bce, params["w"]) + params["b"]
+
+
+def _head_problem(b=3, t=10, e=6, v=11, dtype=jnp.float32, seed=0):
+  k = jax.random.split(jax.random.PRNGKey(seed), 4)
+  params = {"w": jax.random.normal(k[0], (e, v)), "b": jax.random.normal(k[1], (v,))}
+  hidden = jax.random.normal(k[2], (b, t, e)).astype(dtype)
+  targets = jax.random.randint(k[3], (b, t), 0, v)
+  lengths = jnp.array([t, t // 2, 0] + [t] * (b - 3))
+  mask = jnp.arange(t)[None, :] < lengths[:, None]
+  return params, hidden, targets, mask
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 5, 10, 64])  # T = 10: ragged, exact, one chunk
+def test_chunked_logprobs_match_unchunked_values_and_gradients(chunk_size):
+  params, hidden, targets, mask = _head_problem()
+  weights = jax.random.normal(jax.random.PRNGKey(7), targets.shape)  # a generic cotangent
+
+  def chunked(p, h):
+    logp, _ = loss.chunked_logprobs(_head, p, h, targets, mask, chunk_size=chunk_size)
+    return jnp.sum(weights * logp), logp
+
+  def full(p, h):
+    logp = loss.token_logprobs(_head(p, h), targets, mask)
+    return jnp.sum(weights * logp), logp
+
+  (_, logp), grads = jax.value_and_grad(chunked, (0, 1), has_aux=True)(params, hidden)
+  (_, ref), ref_grads = jax.value_and_grad(full, (0, 1), has_aux=True)(params, hidden)
+  assert logp.shape == targets.shape and logp.dtype == jnp.float32
+  np.testing.assert_allclose(logp, ref, atol=1e-5)
+  assert float(jnp.abs(jnp.where(mask, 0.0, logp)).max()) == 0.0
+  chex.assert_trees_all_close(grads, ref_grads, atol=1e-5)
+  assert float(jnp.abs(grads[1][2]).max()) == 0.0  # a fully masked row gets no gradient
+  assert float(jnp.abs(grads[0]["w"]).max()) > 0.0
+
+
+def test_chunked_logprobs_entropy_and_bfloat16_hidden():
+  params, hidden, targets, mask = _head_problem(dtype=jnp.bfloat16)
+  f = jax.jit(lambda p, h: loss.chunked_logprobs(_head, p, h, targets, mask, chunk_size=4,
+                                                 with_entropy=True))
+  logp, entropy = f(params, hidden)
+  assert logp.dtype == jnp.float32 and entropy.dtype == jnp.float32
+  logits = _head(params, hidden)
+  np.testing.assert_allclose(logp, loss.token_logprobs(logits, targets, mask), atol=1e-5)
+  np.testing.assert_allclose(entropy, loss.token_entropy(logits), atol=1e-5)
+  assert loss.chunked_logprobs(_head, params, hidden, targets, chunk_size=4)[1] is None
+  # The entropy is a metric: it must not pull on the parameters.
+  g = jax.grad(lambda p: jnp.sum(loss.chunked_logprobs(
+      _head, p, hidden, targets, mask, chunk_size=4, with_entropy=True)[1]))(params)
+  assert float(jnp.abs(g["w"]).max()) == 0.0
+
+
+def test_chunked_logprobs_shape_errors():
+  params, hidden, targets, mask = _head_problem()
+  with pytest.raises(ValueError, match=r"hidden shape \(3, 10, 6\) does not match targets shape"):
+    loss.chunked_logprobs(_head, params, hidden, targets[:, :9], chunk_size=4)
+  with pytest.raises(ValueError, match=r"mask shape \(3, 9\) does not match targets shape"):
+    loss.chunked_logprobs(_head, params, hidden, targets, mask[:, :9], chunk_size=4)
+  with pytest.raises(ValueError, match=r"chunk_size must be >= 1"):
+    loss.chunked_logprobs(_head, params, hidden, targets, chunk_size=0)
+
+
+def test_chunked_logprobs_never_hold_the_full_logits_in_the_backward():
+  b, t, e, v = 4, 256, 64, 8192
+  params, hidden, targets, mask = _head_problem(b, t, e, v)
+  full_logits_bytes = b * t * v * 4
+
+  def temp_bytes(f):
+    grad = jax.jit(jax.grad(lambda p, h: jnp.sum(f(p, h)), (0, 1)))
+    return grad.lower(params, hidden).compile().memory_analysis().temp_size_in_bytes
+
+  chunked = temp_bytes(lambda p, h: loss.chunked_logprobs(_head, p, h, targets, mask,
+                                                          chunk_size=32)[0])
+  full = temp_bytes(lambda p, h: loss.token_logprobs(_head(p, h), targets, mask))
+  assert full >= full_logits_bytes, (full, full_logits_bytes)
+  # One chunk's [B, 32, V] float32 logits (and their gradient) is 1/8 of the whole.
+  assert chunked <= full_logits_bytes // 2, (chunked, full_logits_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Microbatch normalisers: summed microbatch losses and gradients equal the minibatch's
+
+
+def _ragged_batch(b=8, t=6, seed=0):
+  k = jax.random.split(jax.random.PRNGKey(seed), 4)
+  # Fully masked rows, one microbatch of 4 entirely masked, and every length mix in between.
+  lengths = jnp.array([6, 3, 0, 0, 6, 1, 4, 2])[:b]
+  mask = jnp.arange(t)[None, :] < lengths[:, None]
+  logp = -jnp.abs(jax.random.normal(k[0], (b, t)))
+  old = logp + 0.3 * jax.random.normal(k[1], (b, t))  # off policy: some ratios get clipped
+  adv = jax.random.normal(k[2], (b,))
+  entropy = jnp.abs(jax.random.normal(k[3], (b, t)))
+  return logp, old, mask, adv, entropy
+
+
+SPECS = ([loss.LossSpec("reinforce", aggregation=a) for a in loss.AGGREGATIONS]
+         + [loss.LossSpec("reinforce", aggregation="fixed_length", max_len=9)]
+         + [loss.LossSpec("ppo_clip", ratio_level="sequence")]
+         + [loss.LossSpec("ppo_clip", ratio_level="token", aggregation=a)
+            for a in loss.AGGREGATIONS])
+
+
+@pytest.mark.parametrize("num_micro", [2, 4])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.type}-{s.ratio_level}-{s.aggregation}"
+                         f"-{s.max_len}")
+def test_microbatch_losses_and_gradients_sum_to_the_minibatch(spec, num_micro):
+  logp, old, mask, adv, entropy = _ragged_batch()
+  norm = loss.normalizer(spec, mask)
+
+  def value_and_grad(lp, o, m, a, ent, **kw):
+    f = lambda x: loss.policy_loss(spec, x, o, m, a, ent, **kw)
+    return jax.value_and_grad(f, has_aux=True)(lp)
+
+  (full, full_metrics), full_grad = value_and_grad(logp, old, mask, adv, entropy)
+  split = lambda x: jnp.split(x, num_micro)
+  parts = [value_and_grad(*xs, normalizer=norm)
+           for xs in zip(*map(split, (logp, old, mask, adv, entropy)))]
+  total = sum(float(v) for (v, _), _ in parts)
+  np.testing.assert_allclose(total, float(full), atol=1e-6)
+  np.testing.assert_allclose(jnp.concatenate([g for _, g in parts]), full_grad, atol=1e-6)
+  for name, value in full_metrics.items():  # metrics are contributions too
+    np.testing.assert_allclose(sum(float(m[name]) for (_, m), _ in parts), float(value),
+                               atol=1e-6, err_msg=name)
+  assert float(jnp.abs(full_grad).max()) > 0.0
+  if spec.type == "ppo_clip":
+    assert 0.0 < float(full_metrics["clip_fraction"]) < 1.0  # both branches exercised
+
+
+def test_microbatch_normalizer_differs_from_each_microbatch_own_for_token_mean():
+  # The point of the normaliser: the microbatches' own token means do not sum to the minibatch's.
+  logp, old, mask, adv, _ = _ragged_batch()
+  spec = loss.LossSpec("reinforce", aggregation="token_mean")
+  full = float(loss.policy_loss(spec, logp, old, mask, adv)[0])
+  halves = [(x[:4], x[4:]) for x in (logp, old, mask, adv)]
+  own = [float(loss.policy_loss(spec, *xs)[0]) for xs in zip(*halves)]
+  assert abs(sum(own) / 2 - full) > 1e-3
+
+
+def test_fixed_length_with_max_len_ignores_trailing_masked_columns():
+  logp, old, mask, adv, _ = _ragged_batch()
+  pad = lambda x, v: jnp.pad(x, ((0, 0), (0, 5)), constant_values=v)
+  spec = loss.LossSpec("reinforce", aggregation="fixed_length", max_len=16)
+  short = loss.policy_loss(spec, logp, old, mask, adv)[0]
+  long = loss.policy_loss(spec, pad(logp, -1.0), pad(old, -1.0), pad(mask, False), adv)[0]
+  np.testing.assert_allclose(long, short, rtol=1e-6)
+  np.testing.assert_allclose(short, float(jnp.sum(jnp.where(mask, -adv[:, None] * logp, 0.0)))
+                             / (8 * 16), rtol=1e-6)
+  # Without max_len the normaliser is the mask's T, so the trailing columns change it.
+  trimmed = loss.LossSpec("reinforce", aggregation="fixed_length")
+  assert float(loss.policy_loss(trimmed, logp, old, mask, adv)[0]) != pytest.approx(
+      float(loss.policy_loss(trimmed, pad(logp, -1.0), pad(old, -1.0), pad(mask, False), adv)[0]))
+  # The minibatch normaliser takes the spec's max_len too.
+  assert float(loss.normalizer(spec, mask).length) == 16.0
+  assert float(loss.normalizer("fixed_length", mask).length) == 6.0
+
+
+def test_loss_spec_max_len_from_config_and_validation():
+  c = types.SimpleNamespace(type="ppo_clip", clip_eps=0.2, clip_eps_high=0.0, ratio_level="token",
+                            aggregation="fixed_length")
+  assert loss.LossSpec.from_config(c).max_len is None
+  spec = loss.LossSpec.from_config(c, max_len=128)
+  assert spec.max_len == 128 and spec.aggregation == "fixed_length" and hash(spec)
+  with pytest.raises(ValueError, match=r"max_len must be >= 1"):
+    loss.LossSpec(max_len=0)
+  with pytest.raises(ValueError, match=r"unknown loss aggregation 'mean'"):
+    loss.normalizer("mean", jnp.ones((2, 3), bool))

@@ -19,8 +19,12 @@ CONFIGS = {
     'llama': TransformerConfig.llama(num_kv_heads=2, **TINY),   # GQA, 2 q heads per kv head
     'qwen2': TransformerConfig.qwen2(num_kv_heads=1, **TINY),   # MQA, tied, qkv bias
     'gpt2': TransformerConfig.gpt2(**TINY),                     # learned positions, LayerNorm
+    # Pythia: parallel residual, RoPE on 2 of each head's 8 dims, exact GELU, untied head.
+    'gpt_neox': TransformerConfig.gpt_neox(**TINY),
+    # The sequential-residual GPT-NeoX flavour, RoPE on half of each head.
+    'gpt_neox_seq': TransformerConfig.gpt_neox(rotary_pct=0.5, parallel_residual=False, **TINY),
 }
-AXES = {'vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim', 'mlp', 'norm', None}
+AXES = {'layers', 'vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim', 'mlp', 'norm', None}
 B, P, K, T = 2, 6, 3, 4
 
 
@@ -80,13 +84,18 @@ def test_every_param_has_logical_axes():
 def test_padding_anywhere(model):
   config, params, jitted = model
   tokens, mask, positions, _ = prompts(np.random.default_rng(0), config.vocab_size)
-  logits, _ = jitted['prefill'](params, tokens, positions, mask)
+  logits = jitted['forward'](params, tokens, positions, mask)
   assert logits.shape == (B, P, config.vocab_size) and logits.dtype == jnp.float32
   # Row 0 with its hole moved to the end (positions travel with their tokens): same logits.
   order = np.argsort(~mask[0], kind='stable')
-  moved, _ = jitted['prefill'](params, tokens[:, order], positions[:, order], mask[:, order])
+  moved = jitted['forward'](params, tokens[:, order], positions[:, order], mask[:, order])
   n = mask[0].sum()
   np.testing.assert_allclose(logits[0, mask[0]], moved[0, :n], atol=1e-5, rtol=1e-5)
+  # The prefill's head runs at each row's last valid column only, with the same logits there.
+  first, _ = jitted['prefill'](params, tokens, positions, mask)
+  last = P - 1 - np.argmax(mask[:, ::-1], axis=1)
+  assert first.shape == (B, config.vocab_size) and first.dtype == jnp.float32
+  np.testing.assert_allclose(first, logits[np.arange(B), last], atol=1e-5, rtol=1e-5)
 
 
 def test_head_slice_equals_slicing_the_full_logits(model):
@@ -153,23 +162,23 @@ def test_shared_cached_decode_matches_full_recomputation(model, copy_prefix_max_
   assert isinstance(cache, DecodeCache)
   copied = cache.copied_prefix
   assert copied == (P if copy_prefix_max_len >= P else 0)
-  assert len(cache.k_bkhdt) == len(cache.v_bkhtd) == config.num_layers
-  assert cache.k_bkhdt[0].shape == (B, K, config.num_kv_heads, config.head_dim, copied + T)
-  assert cache.v_bkhtd[0].shape == (B, K, config.num_kv_heads, copied + T, config.head_dim)
+  L = config.num_layers
+  assert cache.k_lbkhdt.shape == (L, B, K, config.num_kv_heads, config.head_dim, copied + T)
+  assert cache.v_lbkhtd.shape == (L, B, K, config.num_kv_heads, copied + T, config.head_dim)
   decoded = []
   for i in range(T):
     logits_bkv, cache = jitted['decode'](params, new_bkt[..., i], pos_bkt[..., i], cache)
     decoded.append(logits_bkv)
   assert int(cache.index) == T
   if copied:
-    assert cache.prefix_k_bhdp == cache.prefix_v_bhpd == ()
-    # Each stream's first P slots hold the prompt's keys (prefill layout [B, P, H, D]).
+    assert cache.prefix_k_lbhdp is None and cache.prefix_v_lbhpd is None
+    # Each stream's first P slots hold the prompt's keys (prefill layout [L, B, P, H, D]).
     np.testing.assert_array_equal(
-        cache.k_bkhdt[0][:, 1, :, :, :P], np.transpose(prefix.k_lbphd[0], (0, 2, 3, 1)))
+        cache.k_lbkhdt[:, :, 1, :, :, :P], np.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2)))
   else:
     # The prefix is stored once per prompt row, never per stream.
-    assert cache.prefix_k_bhdp[0].shape == (B, config.num_kv_heads, config.head_dim, P)
-    assert cache.prefix_v_bhpd[0].shape == (B, config.num_kv_heads, P, config.head_dim)
+    assert cache.prefix_k_lbhdp.shape == (L, B, config.num_kv_heads, config.head_dim, P)
+    assert cache.prefix_v_lbhpd.shape == (L, B, config.num_kv_heads, P, config.head_dim)
 
   # One row per stream: the padded prompt followed by its completion, as the trainer scores it.
   tile = lambda x: np.repeat(x, K, axis=0)
@@ -228,7 +237,7 @@ def test_bfloat16_activations_give_float32_logits():
   ref, _ = jax.jit(model_fns(graphdef).prefill)(params, tokens, positions, mask)
   logits, prefix = jax.jit(bf_fns.prefill)(params, tokens, positions, mask)
   assert logits.dtype == jnp.float32 and prefix.k_lbphd.dtype == jnp.bfloat16
-  np.testing.assert_allclose(logits[mask], ref[mask], atol=0.03)
+  np.testing.assert_allclose(logits, ref, atol=0.03)
   _, bf_params = abstract(config.replace(param_dtype='bfloat16'))
   assert {x.dtype for x in jax.tree.leaves(bf_params)} == {jnp.dtype(jnp.bfloat16)}
 
@@ -238,12 +247,51 @@ def test_scalar_head():
   graphdef, params = random_params(config)
   fns = model_fns(graphdef)
   tokens, mask, positions, _ = prompts(np.random.default_rng(4), config.vocab_size)
-  values_bp, prefix = jax.jit(fns.prefill)(params, tokens, positions, mask)
+  last_b, prefix = jax.jit(fns.prefill)(params, tokens, positions, mask)
+  values_bp = jax.jit(fns.forward)(params, tokens, positions, mask)
   assert values_bp.shape == (B, P) and values_bp.dtype == jnp.float32
+  last = P - 1 - np.argmax(mask[:, ::-1], axis=1)
+  np.testing.assert_allclose(last_b, values_bp[np.arange(B), last], atol=1e-6, rtol=1e-6)
   assert prefix.k_lbphd.shape[:3] == (config.num_layers, B, P)
   sliced = jax.jit(fns.forward, static_argnames='head_slice')(params, tokens, positions, mask,
                                                                head_slice=(1, 2))
   np.testing.assert_allclose(sliced, values_bp[:, 1:3], atol=1e-6, rtol=1e-6)
+
+
+def test_partial_rotary_rotates_only_the_leading_dims():
+  """GPT-NeoX's rotary_pct: RoPE over the first rotary_dim dims of a head (as a full RoPE of
+  that width), the rest of the head passed through unchanged."""
+  from rloo_jax.models import layers
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.standard_normal((B, P, 2, 8)), jnp.float32)
+  positions = jnp.asarray(rng.integers(0, 64, size=(B, P)), jnp.int32)
+  rotary = layers._rotary(positions, 2, 10000.0, 64)
+  out = layers._rope(x, rotary)
+  np.testing.assert_array_equal(out[..., 2:], x[..., 2:])
+  np.testing.assert_allclose(out[..., :2], layers._rope(x[..., :2], rotary), atol=1e-6)
+  assert not np.allclose(out[..., :2], x[..., :2])  # the leading dims did rotate
+  assert CONFIGS['gpt_neox'].rotary_dim == 2 and CONFIGS['gpt_neox_seq'].rotary_dim == 4
+  assert CONFIGS['llama'].rotary_dim == CONFIGS['llama'].head_dim
+
+
+def test_gpt_neox_config():
+  c = CONFIGS['gpt_neox']
+  assert (c.family, c.parallel_residual, c.rotary_pct, c.tie_embeddings, c.qkv_bias,
+          c.out_bias, c.layer_norm, c.gated_mlp) == ('gpt_neox', True, 0.25, False, True, True,
+                                                     True, False)
+  # No GQA, as in GPT-2: kv heads follow the heads unless told otherwise.
+  assert TransformerConfig.gpt_neox(num_heads=8).num_kv_heads == 8
+  # Only the gpt_neox flavour changes: the other families keep sequential full-width RoPE.
+  assert all(not CONFIGS[f].parallel_residual and CONFIGS[f].rotary_pct == 1.0
+             for f in ('llama', 'qwen2', 'gpt2'))
+  # Biased attention output only with the qkv bias (transformers' attention_bias).
+  no_bias = c.replace(qkv_bias=False)
+  assert not no_bias.out_bias
+  assert sum(x.size for x in jax.tree.leaves(abstract(no_bias)[1])) == no_bias.num_params
+  # rotate_half pairs the two halves of the rotated dims: an odd count, or none, has no pairing.
+  for pct, dims in ((0.375, 3), (0.1, 0), (1.5, 12)):
+    with pytest.raises(ValueError, match=f'rotary_pct={pct} gives {dims} rotary dims'):
+      c.replace(rotary_pct=pct)
 
 
 def test_config_validation():

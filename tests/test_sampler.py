@@ -49,15 +49,18 @@ def fake_forward(params, tokens_bs, positions_bs, mask_bs):
 def fake_prefill(params, tokens_bp, positions_bp, mask_bp):
   x_bpd = _embed(params, tokens_bp, positions_bp)
   kv = x_bpd[None, :, :, None, :]  # [L=1, B, P, H=1, D]
-  return fake_forward(params, tokens_bp, positions_bp, mask_bp), PrefixKV(kv, kv)
+  # The prefill contract: logits at each row's last valid (right-padded) position only.
+  logits_bpv = fake_forward(params, tokens_bp, positions_bp, mask_bp)
+  last_b = mask_bp.sum(axis=1) - 1
+  return logits_bpv[jnp.arange(tokens_bp.shape[0]), last_b], PrefixKV(kv, kv)
 
 
 def fake_decode(params, tokens_bk, positions_bk, cache):
   x_bkd = _embed(params, tokens_bk, positions_bk)
   new = x_bkd[:, :, None, None, :]  # [B, K, H=1, T=1, D]: the value layout of layer 0
-  v_cache = jax.lax.dynamic_update_slice_in_dim(cache.v_bkhtd[0], new, cache.index, axis=3)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(cache.v_lbkhtd[0], new, cache.index, axis=3)
   q_bkd = x_bkd @ params['wq']
-  prefix_kd = cache.prefix_v_bhpd[0][:, 0]  # [B, P, D]
+  prefix_kd = cache.prefix_v_lbhpd[0][:, 0]  # [B, P, D]
   own_bktd = v_cache[:, :, 0]
   scale = np.sqrt(x_bkd.shape[-1])
   s_prefix = jnp.einsum('bkd,bpd->bkp', q_bkd, prefix_kd) / scale
@@ -68,7 +71,7 @@ def fake_decode(params, tokens_bk, positions_bk, cache):
   values = jnp.concatenate([jnp.broadcast_to(prefix_kd[:, None], s_prefix.shape + (x_bkd.shape[-1],)),
                             own_bktd], axis=2)
   h_bkd = jnp.einsum('bkn,bknd->bkd', weights, values)
-  return _head(params, x_bkd, h_bkd), cache.replace(v_bkhtd=(v_cache,),
+  return _head(params, x_bkd, h_bkd), cache.replace(v_lbkhtd=v_cache[None],
                                                       index=cache.index + 1)
 
 
@@ -163,8 +166,8 @@ def test_noise_drawn_up_front_equals_noise_drawn_per_step(method):
   params = fake_params()
   tokens, lengths = prompts()
   kw = dict(k=3, max_new_tokens=6, method=method, eos_id=EOS, pad_id=PAD)
-  state = sampler._start(FNS, params, tokens, lengths, jax.random.key(5), EOS, PAD, k=3,
-                         max_new_tokens=6, method=method, mode='shared')
+  state = sampler.start(FNS, params, tokens, lengths, jax.random.key(5), EOS, PAD, k=3,
+                        max_new_tokens=6, method=method, mode='shared')
   assert state.noise_tbkv.shape == (6, len(lengths), 3, 16)  # the default budget holds it
   up_front = np_out(sampler.sample(FNS, params, tokens, lengths, jax.random.key(5), **kw))
   per_step = np_out(sampler.sample(FNS, params, tokens, lengths, jax.random.key(5),

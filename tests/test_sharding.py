@@ -89,12 +89,12 @@ def mesh_worker(workdir: str) -> dict:
     state = algo.init_state(params0)
     state, m = algo.iteration(state, batch1)
     emb = state.params["embedding"][...]
-    q = state.params["layers"][0]["attn"]["q_kernel"][...]
+    q = state.params["layers"]["attn"]["q_kernel"][...]  # [layers, embed, heads, head_dim]
     out["meshes"][str(mesh)] = dict(
         state_diff=_max_diff(_host(state), ref_s1), metric_diffs=_metric_diffs(m, ref_m1),
         step=int(state.step), seconds=time.time() - t0,
         embedding_spec=str(emb.sharding.spec), q_kernel_spec=str(q.sharding.spec),
-        q_kernel_shard=list(q.addressable_shards[0].data.shape),
+        q_kernel_shard=list(q.addressable_shards[0].data.shape), q_kernel_shape=list(q.shape),
         num_devices=len(q.sharding.device_set),
         param_bytes_per_device=sharding.per_device_bytes(state.params),
         param_bytes_total=int(sum(x.nbytes for x in jax.tree.leaves(state.params))))
@@ -108,7 +108,7 @@ def mesh_worker(workdir: str) -> dict:
     ckpt = Checkpointer(ckdir)
     step, state, meta = ckpt.restore(algo.abstract_state())
     ckpt.close()
-    leaf = state.params["layers"][0]["mlp"]["up_kernel"][...]
+    leaf = state.params["layers"]["mlp"]["up_kernel"][...]
     restored_diff = _max_diff(_host(state), ref_s1)
     state, m = algo.iteration(state, batch2)
     out["restore"][name] = dict(
@@ -159,8 +159,10 @@ def test_one_iteration_matches_one_device(mesh_results, mesh):
   bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
   assert not bad, bad
   data, fsdp, tensor = mesh
-  # The parameters really are split: embed over fsdp, q heads over tensor.
-  assert r["q_kernel_shard"] == [32 // fsdp, 4 // tensor, 8], r
+  # The parameters really are split: embed over fsdp, q heads over tensor; the stacked layers
+  # axis is not split (each device holds its part of every layer).
+  num_layers = r["q_kernel_shape"][0]
+  assert r["q_kernel_shard"] == [num_layers, 32 // fsdp, 4 // tensor, 8], r
   if fsdp > 1 or tensor > 1:
     assert r["param_bytes_per_device"] < r["param_bytes_total"], r
 

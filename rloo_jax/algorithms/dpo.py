@@ -83,11 +83,14 @@ def dpo_loss(policy_chosen_b, policy_rejected_b, ref_chosen_b, ref_rejected_b, *
                  "rejected_reward": jnp.mean(rejected)}
 
 
-def sequence_logprobs(fns, params, tokens_bs, token_mask_bs, loss_mask_bs):
-  """Summed log-prob of the completion (+ eos) tokens of `[bos] prompt completion eos` rows."""
+def sequence_logprobs(fns, params, tokens_bs, token_mask_bs, loss_mask_bs, chunk_size=32):
+  """Summed log-prob of the completion (+ eos) tokens of `[bos] prompt completion eos` rows,
+  from hidden states in chunks of positions (no [B, S, V] logits)."""
   positions = jnp.broadcast_to(jnp.arange(tokens_bs.shape[1]), tokens_bs.shape)
-  logits = fns.forward(params, tokens_bs, positions, token_mask_bs)[:, :-1]
-  logp = loss.token_logprobs(logits, tokens_bs[:, 1:], loss_mask_bs[:, 1:])
+  s = tokens_bs.shape[1] - 1
+  hidden = fns.hidden(params, tokens_bs, positions, token_mask_bs, head_slice=(0, s))
+  logp = loss.chunked_logprobs(fns.head, fns.head_params(params), hidden, tokens_bs[:, 1:],
+                               loss_mask_bs[:, 1:], chunk_size=chunk_size)[0]
   return logp.sum(-1)
 
 

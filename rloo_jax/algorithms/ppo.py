@@ -34,8 +34,10 @@ import ml_collections
 import numpy as np
 
 from rloo_jax import config_utils, loss, rollout
+from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms import ppo_math
-from rloo_jax.algorithms.rloo import rollout_metrics, rollout_rows, timed_updates
+from rloo_jax.algorithms.rloo import (rollout_metrics, rollout_rows, timed_updates,
+                                     trim_rollout)
 from rloo_jax.models import transformer
 from rloo_jax.optim import apply_if_finite, make_optimizer, with_learning_rate
 from rloo_jax.rewards import reward_model
@@ -106,9 +108,9 @@ class PPORows:
 
 def score(ref_params, value_params, rows: rollout.SequenceRows, rewards_n, usable_n, *, fns,
           value_fns, beta: float, kl_estimator: str, gamma: float, lam: float,
-          whiten_advantages: bool):
+          whiten_advantages: bool, chunk_size: int):
   """Reference log-probs, values, per-token rewards, GAE advantages and returns."""
-  ref_logp = loss.token_logprobs(rows.logits(fns, ref_params), rows.completions_nt, rows.cmask_nt)
+  ref_logp = rollout.logprobs(rows, fns, ref_params, chunk_size=chunk_size)[0]
   values = rows.logits(value_fns, value_params).astype(jnp.float32)
   # Unscorable samples (NaN reward) take no part in the update at all.
   lmask = rows.cmask_nt & usable_n[:, None]
@@ -123,17 +125,16 @@ def score(ref_params, value_params, rows: rollout.SequenceRows, rewards_n, usabl
 
 
 def train_step(state: PPOState, rows: PPORows, *, fns, value_fns, tx, value_tx, clip_eps: float,
-               value_clip: float, aggregation: str):
+               value_clip: float, aggregation: str, chunk_size: int):
   """One gradient step of the policy and one of the critic on a minibatch. Pure; donated."""
   seq, lmask = rows.seq, rows.loss_mask_nt
 
   def policy_fn(params):
-    logits = seq.logits(fns, params)
-    logp = loss.token_logprobs(logits, seq.completions_nt, lmask)
+    logp, entropy = rollout.logprobs(seq, fns, params, chunk_size=chunk_size, with_entropy=True)
     # Per-token GAE advantages through the shared clipped surrogate (token-level ratios).
-    return loss.ppo_clip_loss(logp, seq.old_logp_nt, lmask, rows.advantages_nt,
-                              clip_eps=clip_eps, ratio_level="token", aggregation=aggregation,
-                              logits_btv=logits)
+    return loss.ppo_clip_loss(jnp.where(lmask, logp, 0.0), seq.old_logp_nt, lmask,
+                              rows.advantages_nt, clip_eps=clip_eps, ratio_level="token",
+                              aggregation=aggregation, entropy_bt=entropy)
 
   def critic_fn(value_params):
     return ppo_math.value_loss(seq.logits(value_fns, value_params), rows.old_values_nt,
@@ -169,13 +170,14 @@ class PPO:
     self.score_fn = jax.jit(functools.partial(
         score, fns=exp.fns, value_fns=self.value_fns, beta=float(c.kl.beta),
         kl_estimator=c.kl.estimator, gamma=float(p.gamma), lam=float(p.lam),
-        whiten_advantages=bool(p.whiten_advantages)))
+        whiten_advantages=bool(p.whiten_advantages),
+        chunk_size=int(c.train.logprob_chunk_size)))
     self.state_shardings = exp.layout.tree_shardings(self._unsharded_abstract())
     rows_sh = exp.layout.batch_sharding
     step = functools.partial(
         train_step, fns=exp.fns, value_fns=self.value_fns, tx=exp.tx, value_tx=self.value_tx,
         clip_eps=float(c.loss.clip_eps), value_clip=float(p.value_clip),
-        aggregation=p.aggregation)
+        aggregation=p.aggregation, chunk_size=int(c.train.logprob_chunk_size))
     self.step_fn = jax.jit(step, in_shardings=(self.state_shardings, rows_sh),
                            out_shardings=(self.state_shardings, exp.layout.replicated),
                            donate_argnums=0)
@@ -196,7 +198,8 @@ class PPO:
   def _init_state(self, params, value_params) -> PPOState:
     c = self.exp.config
     return PPOState(step=jnp.zeros((), jnp.int32), params=params,
-                    ref_params=jax.tree.map(jnp.copy, params), value_params=value_params,
+                    ref_params=experiment_lib.reference_copy(c, params),
+                    value_params=value_params,
                     opt_state=self.exp.tx.init(params),
                     value_opt_state=self.value_tx.init(value_params),
                     rng=jax.random.PRNGKey(c.seed))
@@ -227,6 +230,8 @@ class PPO:
 
     t0 = time.perf_counter()
     layout = exp.layout
+    # GAE, whitening and the value loss are masked, so the columns past every end change nothing.
+    out = trim_rollout(exp, out, exp.config.ppo.aggregation)
     seq = rollout_rows(self, batch, out)
     rows, s = self.score_fn(state.ref_params, state.value_params, seq,
                             layout.put_global_batch(rewards_bk.reshape(-1).astype(np.float32)),
@@ -244,7 +249,8 @@ class PPO:
         if usable_bk.any() else 0.0,
         value_mean=float(values.mean()) if values.size else 0.0,
         explained_variance=float(1.0 - np.var(returns - values) / max(np.var(returns), 1e-8))
-        if values.size else 0.0)
+        if values.size else 0.0,
+        update_columns=float(out.tokens_bkt.shape[2]))
     m["iteration_s"] = sum(timings.values())
     return state, m
 

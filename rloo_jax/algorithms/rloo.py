@@ -57,6 +57,17 @@ def rollout_rows(algo, batch, out):
                       layout.reshard_batch(out.policy_logprobs_bkt.reshape(n, -1)))
 
 
+def trim_rollout(exp, out, aggregation: str, max_len=None):
+  """The sample output cut past its longest completion (`rollout.trim_to_bucket` with
+  config.rloo.trim_bucket), so the scoring pass and the update compute only the columns some
+  sample reached. Not with the 'fixed_length' aggregation unless its normaliser `max_len` is
+  fixed: by default it is the column count, which trimming would change (rescaling the loss)."""
+  bucket = int(exp.config.rloo.get("trim_bucket", 0) or 0)
+  if aggregation == "fixed_length" and max_len is None:
+    bucket = 0
+  return rollout.trim_to_bucket(exp.layout, out, bucket)
+
+
 def rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite: int, parts: dict,
                     timings: dict) -> dict:
   """What every on-policy algorithm reports of its rollout: rewards (each function's own mean,
@@ -73,6 +84,18 @@ def rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite: int, parts: 
   return m
 
 
+def microbatches(config, *, per: str) -> int:
+  """How many microbatches `config.train.microbatch_size` cuts a minibatch (per='minibatch':
+  the update) or the whole rollout (per='rollout': the reference pass) into; 1 when it is 0.
+  The size counts groups (prompts) with train.shared_prefix, rows otherwise."""
+  c = config
+  size = int(c.train.get("microbatch_size", 0))
+  units = c.rloo.num_prompts if c.train.shared_prefix else c.rloo.num_prompts * c.rloo.k
+  if per == "minibatch":
+    units //= c.train.num_minibatches
+  return max(units // size, 1) if size else 1
+
+
 class RLOO:
   """The algorithm object the loop drives: state, jitted programs and one iteration."""
 
@@ -84,19 +107,18 @@ class RLOO:
     c = exp.config
     layout, state_sh = exp.layout, exp.state_shardings
     rows_sh, rep = layout.batch_sharding, layout.replicated
-    compute_sh = exp.compute_shardings
     self.k = int(c.rloo.k)
-    step = functools.partial(update.train_step, fns=exp.fns, tx=exp.tx, spec=exp.loss_spec,
-                             compute_shardings=compute_sh,
-                             param_shardings=compute_sh and state_sh.params)
-    self.step_fn = jax.jit(step, in_shardings=(state_sh, rows_sh),
-                           out_shardings=(state_sh, rep), donate_argnums=0)
+    chunk = int(c.train.logprob_chunk_size)
+    self.step_fn = update.TrainStep(
+        fns=exp.fns, tx=exp.tx, spec=exp.loss_spec, k=self.k, chunk_size=chunk,
+        microbatches=microbatches(c, per="minibatch"), state_shardings=state_sh,
+        rows_sharding=rows_sh, replicated=rep)
     self.score_fn = jax.jit(functools.partial(
         update.score_rollout, fns=exp.fns, beta=float(c.kl.beta),
         kl_estimator=c.kl.estimator, kl_reduction=c.kl.reduction,
         estimator=c.advantage.estimator,
-        options=tuple(sorted(dict(c.advantage.options).items())),
-        compute_shardings=compute_sh),
+        options=tuple(sorted(dict(c.advantage.options).items())), chunk_size=chunk,
+        microbatches=microbatches(c, per="rollout"), rows_sharding=rows_sh),
         in_shardings=(state_sh.ref_params, state_sh.adv_state, rows_sh, rows_sh, rows_sh),
         out_shardings=(rows_sh, state_sh.adv_state))
     self.rows_fn = jax.jit(functools.partial(rollout.make_rows, k=self.k,
@@ -125,6 +147,10 @@ class RLOO:
     t0 = time.perf_counter()
     b = rewards_bk.shape[0]  # the global batch
     n = b * k
+    # Lengths (and so the rollout metrics) are unchanged by the trim; only columns go.
+    out = trim_rollout(exp, out, exp.loss_spec.aggregation,
+                       getattr(exp.loss_spec, "max_len", None))
+    t = out.tokens_bkt.shape[2]
     rows = rollout_rows(self, batch, out)
     scored, adv_state = self.score_fn(state.ref_params, state.adv_state, rows,
                                       layout.put_global_batch(rewards_bk.astype(np.float32)),
@@ -147,9 +173,10 @@ class RLOO:
         advantage_mean=float(adv.mean()), advantage_std=float(adv.std()),
         advantage_abs_max=float(np.abs(adv).max()),
         frac_groups_all_equal=float(all_equal.mean()),
-        # Tokens of the n [prompt | completion] rows trained on, however the prompt is shared.
-        update_tokens_per_s=(c.train.num_epochs * n * (batch["prompt_tokens"].shape[1]
-                                                       + out.tokens_bkt.shape[2]))
+        update_columns=float(t),
+        # Tokens of the n [prompt | completion] rows trained on, however the prompt is shared:
+        # the (trimmed) completion columns actually computed, not max_new_tokens.
+        update_tokens_per_s=(c.train.num_epochs * n * (batch["prompt_tokens"].shape[1] + t))
         / max(timings["update_s"], 1e-9))
     m["iteration_s"] = sum(timings.values())
     return state, m

@@ -1,4 +1,4 @@
-"""Transformer model (Llama / Qwen2 / GPT-2 families), scalar head, and Hugging Face import."""
+"""Transformer model (Llama / Qwen2 / GPT-2 / GPT-NeoX), scalar head, presets, Hugging Face import."""
 
 from rloo_jax.models.transformer import (
     DecodeCache,

@@ -38,13 +38,14 @@ class Attention(nnx.Module):
       self.q_bias = _param(rngs, zeros, (hq, d), ('q_heads', 'head_dim'), pdt)
       self.k_bias = _param(rngs, zeros, (hkv, d), ('kv_heads', 'head_dim'), pdt)
       self.v_bias = _param(rngs, zeros, (hkv, d), ('kv_heads', 'head_dim'), pdt)
-    if c.is_gpt2:
+    if c.out_bias:
       self.o_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
 
   def qkv(self, x_bse: jax.Array, rotary, fused: bool = False):
     """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D].
 
-    `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2).
+    `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2); it rotates the
+    first `config.rotary_dim` dims of q and k.
     fused: one matmul against the three kernels concatenated per kv head (see `_fused_qkv`)
     instead of three. Same values; faster for the few rows of a decode step.
     """
@@ -96,7 +97,7 @@ class Attention(nnx.Module):
     o_bsf = o_bshgd.reshape(b, s, c.num_heads * c.head_dim)
     kernel = _cast(self.o_kernel, o_bsf.dtype)
     y = _dense(o_bsf, kernel.reshape(-1, kernel.shape[-1]))
-    if c.is_gpt2:
+    if c.out_bias:
       y = y + _cast(self.o_bias, y.dtype)
     return y
 

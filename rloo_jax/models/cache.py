@@ -32,26 +32,33 @@ class DecodeCache:
     tiled, next to per-stream buffers of T slots. Each decode step then contracts against two
     blocks, which pays for long prompts: their memory traffic is paid once per row.
   - copied (copied_prefix == P): the prefix is written into the first P slots of every stream's
-    buffer (P + T slots; the prefix fields are empty). One score product and one value product
+    buffer (P + T slots; the prefix fields are None). One score product and one value product
     per layer and step instead of two each plus a concatenation: faster for short prompts, where
     the per-operation cost dominates (measured by experiments/bench_sampler.py; see
     docs/PERFORMANCE.md).
 
-  One array per layer (tuples of length L), each in the layout the decode-step contractions read
-  directly, so no step copies a cache: keys with head_dim before the sequence axis (`_hdp` /
-  `_hdt`: the score product q.k contracts D against a row-major [D, T] matrix), values with the
-  sequence axis before head_dim (probs.v contracts T against [T, D]). A stacked [L, B, T, H, D]
-  buffer cost a transpose plus a slice copy of every layer's K and V at every generated token.
-  `index` counts generated tokens in both forms; stream slot `copied_prefix + index` is next.
+  Every layer's cache is one stacked array (leading axis L), read and written by the scanned
+  layer body (`Transformer.decode`): the stream buffers ride in the scan's carry, so each step
+  writes one slot per layer in place. Keys keep head_dim before the sequence axis (`_hdp` /
+  `_hdt`: the score product q.k contracts D against a row-major [D, T] matrix), values the
+  sequence axis before head_dim (probs.v contracts T against [T, D]), so no step transposes a
+  cache. `index` counts generated tokens in both forms; stream slot `copied_prefix + index` is
+  next.
   """
 
-  prefix_k_bhdp: tuple  # L x [B, Hkv, D, P]; () when copied
-  prefix_v_bhpd: tuple  # L x [B, Hkv, P, D]; () when copied
+  prefix_k_lbhdp: jax.Array | None  # [L, B, Hkv, D, P]; None when copied
+  prefix_v_lbhpd: jax.Array | None  # [L, B, Hkv, P, D]; None when copied
   prefix_mask_bp: jax.Array  # [B, P] bool
-  k_bkhdt: tuple  # L x [B, K, Hkv, D, copied_prefix + T]
-  v_bkhtd: tuple  # L x [B, K, Hkv, copied_prefix + T, D]
+  k_lbkhdt: jax.Array  # [L, B, K, Hkv, D, copied_prefix + T]
+  v_lbkhtd: jax.Array  # [L, B, K, Hkv, copied_prefix + T, D]
   index: jax.Array
   copied_prefix: int = flax.struct.field(pytree_node=False, default=0)
+
+  @property
+  def num_bytes(self) -> int:
+    """Bytes of the whole cache (all rows): what the memory plan counts for a rollout."""
+    arrays = (self.prefix_k_lbhdp, self.prefix_v_lbhpd, self.k_lbkhdt, self.v_lbkhtd)
+    return sum(x.size * x.dtype.itemsize for x in arrays if x is not None)
 
 
 def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
@@ -63,22 +70,22 @@ def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
   l, b, p, h, d = prefix.k_lbphd.shape
   dt = prefix.k_lbphd.dtype
   limit = COPY_PREFIX_MAX_LEN if copy_prefix_max_len is None else copy_prefix_max_len
-  k_bhdp = tuple(jnp.transpose(prefix.k_lbphd[i], (0, 2, 3, 1)) for i in range(l))
-  v_bhpd = tuple(jnp.transpose(prefix.v_lbphd[i], (0, 2, 1, 3)) for i in range(l))
+  k_lbhdp = jnp.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2))
+  v_lbhpd = jnp.transpose(prefix.v_lbphd, (0, 1, 3, 2, 4))
   mask_bp = jnp.asarray(mask_bp, bool)
   index = jnp.zeros((), jnp.int32)
+  k = num_streams
   if p <= limit:
-    streams = lambda x: jnp.broadcast_to(x[:, None], (b, num_streams, *x.shape[1:]))
-    empty_k = jnp.zeros((b, num_streams, h, d, max_new_tokens), dt)
-    empty_v = jnp.zeros((b, num_streams, h, max_new_tokens, d), dt)
+    streams = lambda x: jnp.broadcast_to(x[:, :, None], (l, b, k, *x.shape[2:]))
     return DecodeCache(
-        prefix_k_bhdp=(), prefix_v_bhpd=(), prefix_mask_bp=mask_bp,
-        k_bkhdt=tuple(jnp.concatenate([streams(x), empty_k], axis=-1) for x in k_bhdp),
-        v_bkhtd=tuple(jnp.concatenate([streams(x), empty_v], axis=-2) for x in v_bhpd),
+        prefix_k_lbhdp=None, prefix_v_lbhpd=None, prefix_mask_bp=mask_bp,
+        k_lbkhdt=jnp.concatenate([streams(k_lbhdp), jnp.zeros((l, b, k, h, d, max_new_tokens), dt)],
+                                 axis=-1),
+        v_lbkhtd=jnp.concatenate([streams(v_lbhpd), jnp.zeros((l, b, k, h, max_new_tokens, d), dt)],
+                                 axis=-2),
         index=index, copied_prefix=p)
-  zeros = lambda *shape: tuple(jnp.zeros(shape, dt) for _ in range(l))
   return DecodeCache(
-      prefix_k_bhdp=k_bhdp, prefix_v_bhpd=v_bhpd, prefix_mask_bp=mask_bp,
-      k_bkhdt=zeros(b, num_streams, h, d, max_new_tokens),
-      v_bkhtd=zeros(b, num_streams, h, max_new_tokens, d),
+      prefix_k_lbhdp=k_lbhdp, prefix_v_lbhpd=v_lbhpd, prefix_mask_bp=mask_bp,
+      k_lbkhdt=jnp.zeros((l, b, k, h, d, max_new_tokens), dt),
+      v_lbkhtd=jnp.zeros((l, b, k, h, max_new_tokens, d), dt),
       index=index)

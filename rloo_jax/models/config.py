@@ -7,8 +7,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
-FAMILIES = ('llama', 'qwen2', 'gpt2')
+FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox')
 HEADS = ('lm', 'scalar')
+# Rematerialisation of the scanned layer body (`transformer.remat_policy`): 'none' keeps every
+# intermediate for the backward, 'full' keeps only each layer's input and recomputes the rest,
+# 'dots' keeps the matmul outputs (no batch dims) and recomputes the elementwise work.
+REMAT_POLICIES = ('none', 'full', 'dots')
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -21,7 +25,13 @@ def dtype_of(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Hashable (frozen) so it may be a static argument; `family` selects norm/MLP/position flavour."""
+  """Hashable (frozen) so it may be a static argument; `family` selects norm/MLP/position flavour.
+
+  rotary_pct: the share of each head's dims that RoPE rotates (GPT-NeoX: the first
+  int(head_dim * rotary_pct), the rest pass through). parallel_residual: attention and MLP both
+  read the layer input, x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX / Pythia), instead of the MLP
+  reading the attention's output.
+  """
 
   family: str = 'llama'
   vocab_size: int = 32000
@@ -39,18 +49,30 @@ class TransformerConfig:
   dtype: str = 'float32'
   param_dtype: str = 'float32'
   head: str = 'lm'
+  remat: str = 'none'
+  rotary_pct: float = 1.0
+  parallel_residual: bool = False
 
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f'family={self.family!r}; supported: {FAMILIES}')
     if self.head not in HEADS:
       raise ValueError(f'head={self.head!r}; supported: {HEADS}')
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f'remat={self.remat!r}; supported: {REMAT_POLICIES} (config.model.remat)')
     for name in ('dtype', 'param_dtype'):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f'{name}={getattr(self, name)!r}; supported: {tuple(_DTYPES)}')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}')
+    # rotate_half pairs dim i with i + rotary_dim / 2, so the rotated block needs an even width
+    # (GPT-2 has no RoPE to check).
+    if not self.is_gpt2 and (not 0 < self.rotary_pct <= 1 or self.rotary_dim < 2
+                             or self.rotary_dim % 2):
+      raise ValueError(f'rotary_pct={self.rotary_pct} gives {self.rotary_dim} rotary dims of '
+                       f'head_dim={self.head_dim}; it must be in (0, 1] and give a positive even '
+                       'number')
 
   @classmethod
   def llama(cls, **overrides) -> 'TransformerConfig':
@@ -75,27 +97,58 @@ class TransformerConfig:
       kw['num_kv_heads'] = kw['num_heads']
     return cls(**kw)
 
+  @classmethod
+  def gpt_neox(cls, **overrides) -> 'TransformerConfig':
+    """Pythia's flavour: rotary on a quarter of each head, parallel residual, untied head."""
+    kw = dict(family='gpt_neox', norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False,
+              qkv_bias=True, rotary_pct=0.25, parallel_residual=True)
+    kw = {**kw, **overrides}
+    # No GQA in GPT-NeoX, as for GPT-2.
+    if 'num_heads' in overrides and 'num_kv_heads' not in overrides:
+      kw['num_kv_heads'] = kw['num_heads']
+    return cls(**kw)
+
   def replace(self, **changes) -> 'TransformerConfig':
     return dataclasses.replace(self, **changes)
 
   @property
   def is_gpt2(self) -> bool:
+    """Learned absolute positions instead of RoPE."""
     return self.family == 'gpt2'
+
+  @property
+  def layer_norm(self) -> bool:
+    """LayerNorm with bias (else RMSNorm)."""
+    return self.family in ('gpt2', 'gpt_neox')
+
+  @property
+  def gated_mlp(self) -> bool:
+    """SwiGLU without biases (else a GELU MLP with biases)."""
+    return self.family in ('llama', 'qwen2')
+
+  @property
+  def out_bias(self) -> bool:
+    """Whether the attention's output projection has a bias: GPT-NeoX ties it to the qkv one
+    (transformers' attention_bias)."""
+    return self.is_gpt2 or (self.family == 'gpt_neox' and self.qkv_bias)
+
+  @property
+  def rotary_dim(self) -> int:
+    # int() truncates as transformers does (rotary_ndims = int(head_size * rotary_pct)).
+    return int(self.head_dim * self.rotary_pct)
 
   @property
   def num_params(self) -> int:
     """Parameter count, computed from shapes (equals the size of `create(config)[1]`)."""
     e, hd, f, v = self.hidden_size, self.head_dim, self.intermediate_size, self.vocab_size
     q, kv = self.num_heads * hd, self.num_kv_heads * hd
-    norm = 2 * e if self.is_gpt2 else e
+    norm = 2 * e if self.layer_norm else e
     attn = e * (q + 2 * kv) + q * e
     if self.qkv_bias:
       attn += q + 2 * kv
-    if self.is_gpt2:
-      attn += e  # output-projection bias
-      mlp = 2 * e * f + f + e
-    else:
-      mlp = 3 * e * f
+    if self.out_bias:
+      attn += e
+    mlp = 3 * e * f if self.gated_mlp else 2 * e * f + f + e
     total = self.num_layers * (2 * norm + attn + mlp) + norm + v * e
     if self.is_gpt2:
       total += self.max_seq_len * e
@@ -104,19 +157,3 @@ class TransformerConfig:
     elif not self.tie_embeddings:
       total += e * v
     return total
-
-
-_PRESETS = {'llama': TransformerConfig.llama, 'qwen2': TransformerConfig.qwen2,
-            'gpt2': TransformerConfig.gpt2}
-
-
-def from_experiment_config(model_cfg, vocab_size: int) -> TransformerConfig:
-  """The TransformerConfig of an experiment's `config.model` section (family preset + sizes)."""
-  m = model_cfg
-  if m.family not in _PRESETS:
-    raise ValueError(f'unknown config.model.family {m.family!r}; choose one of {sorted(_PRESETS)}')
-  return _PRESETS[m.family](
-      vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
-      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-      intermediate_size=m.intermediate_size, max_seq_len=m.max_seq_len, dtype=m.dtype,
-      param_dtype=m.param_dtype)

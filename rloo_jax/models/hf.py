@@ -1,4 +1,5 @@
-"""Import Hugging Face checkpoints (Llama, Qwen2, GPT-2) and their tokenizer.json.
+"""Import Hugging Face checkpoints (Llama, Qwen2, GPT-2, GPT-NeoX / Pythia) and their tokenizer.json
+(`HFTokenizer`, in hf_tokenizer).
 
 Reads config.json and safetensors (single file or sharded index) straight into our Transformer's
 params; needs neither torch nor transformers. A local directory is read as it is; a hub id
@@ -11,21 +12,22 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rloo_jax.models.hf_tokenizer import HFTokenizer  # noqa: F401  (re-exported)
 from rloo_jax.models.transformer import _DTYPES, Transformer, TransformerConfig, abstract
 
-CAUSAL_LM = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'GPT2LMHeadModel': 'gpt2'}
+CAUSAL_LM = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'GPT2LMHeadModel': 'gpt2',
+             'GPTNeoXForCausalLM': 'gpt_neox'}
 # A reward model saved as *ForSequenceClassification (num_labels=1) maps onto head='scalar'.
 SEQ_CLS = {'LlamaForSequenceClassification': 'llama', 'Qwen2ForSequenceClassification': 'qwen2',
-           'GPT2ForSequenceClassification': 'gpt2'}
+           'GPT2ForSequenceClassification': 'gpt2', 'GPTNeoXForSequenceClassification': 'gpt_neox'}
 SUPPORTED = tuple(CAUSAL_LM) + tuple(SEQ_CLS)
-_MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'gpt2': 'GPT2LMHeadModel'}
+_MODEL_TYPES = {family: arch for arch, family in CAUSAL_LM.items()}
 
 
 # What snapshot_download fetches: the config, the weights and the tokenizer files, nothing else
@@ -104,14 +106,15 @@ def architecture(hf_config: dict) -> str:
   return archs[0]
 
 
-def _rope_theta(hf: dict, arch: str) -> float:
-  # transformers >= 5 writes rope_parameters; older versions rope_theta (+ rope_scaling).
+def _rope_theta(hf: dict, arch: str, default: float | None = None) -> float:
+  # transformers >= 5 writes rope_parameters; older versions rope_theta (+ rope_scaling), or
+  # for GPT-NeoX rotary_emb_base.
   params = hf.get('rope_parameters') or {}
   scaling = hf.get('rope_scaling') or {}
   rope_type = params.get('rope_type') or scaling.get('rope_type') or scaling.get('type') or 'default'
   if rope_type != 'default':
     raise ValueError(f'{arch}: rope_type {rope_type!r} is not supported (only default RoPE)')
-  theta = params.get('rope_theta', hf.get('rope_theta'))
+  theta = params.get('rope_theta', hf.get('rope_theta', hf.get('rotary_emb_base', default)))
   if theta is None:
     raise ValueError(f'{arch}: config.json has neither rope_parameters.rope_theta nor rope_theta')
   return float(theta)
@@ -135,8 +138,12 @@ def config_from_hf(hf: dict, **overrides) -> TransformerConfig:
               max_seq_len=hf['n_positions'], norm_eps=hf.get('layer_norm_epsilon', 1e-5),
               tie_embeddings=True, qkv_bias=True, head=head)
     return TransformerConfig.gpt2(**{**kw, **overrides})
-  if hf.get('hidden_act', 'silu') != 'silu':
-    raise ValueError(f'{arch}: hidden_act {hf["hidden_act"]!r} not supported (silu only)')
+  # GPT-NeoX shares the Llama keys but for its norm eps and extras; a missing key takes the
+  # transformers config class's default.
+  neox = family == 'gpt_neox'
+  act = 'gelu' if neox else 'silu'
+  if hf.get('hidden_act', act) != act:
+    raise ValueError(f'{arch}: hidden_act {hf["hidden_act"]!r} not supported ({act} only)')
   if hf.get('mlp_bias') or (family == 'llama' and hf.get('attention_bias')):
     raise ValueError(f'{arch}: attention_bias / mlp_bias are not supported for llama')
   if (family == 'qwen2' and hf.get('use_sliding_window')) or any(
@@ -149,9 +156,15 @@ def config_from_hf(hf: dict, **overrides) -> TransformerConfig:
             head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
             intermediate_size=hf['intermediate_size'],
             max_seq_len=hf.get('max_position_embeddings', 2048),
-            norm_eps=hf.get('rms_norm_eps', 1e-6), rope_theta=_rope_theta(hf, arch),
+            norm_eps=hf.get('layer_norm_eps', 1e-5) if neox else hf.get('rms_norm_eps', 1e-6),
+            rope_theta=_rope_theta(hf, arch, 10000.0 if neox else None),
             tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
-            qkv_bias=(family == 'qwen2'), head=head)
+            qkv_bias=(family == 'qwen2') or (neox and bool(hf.get('attention_bias', True))),
+            head=head)
+  if neox:
+    # transformers 5 moved rotary_pct into rope_parameters.partial_rotary_factor.
+    pct = (hf.get('rope_parameters') or {}).get('partial_rotary_factor', hf.get('rotary_pct', 0.25))
+    kw.update(rotary_pct=float(pct), parallel_residual=bool(hf.get('use_parallel_residual', True)))
   return getattr(TransformerConfig, family)(**{**kw, **overrides})
 
 
@@ -195,30 +208,50 @@ def _put(var: nnx.Param, value: np.ndarray, key: str, dtype) -> None:
   var.set_value(jnp.asarray(value, dtype))
 
 
-def _load_llama(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, arch: str):
-  pre = 'model.' if 'model.embed_tokens.weight' in get else ''
-  e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-
+def _putters(get: _Tensors, c: TransformerConfig, dtype):
+  """(put, layer): put(var, key, fn) fills a parameter with fn(tensor `key`); layer(var, key, fn)
+  a stacked layer parameter, `key` a format string of the layer index, the L tensors converted
+  one by one and stacked on the leading layers axis."""
   def put(var, key, fn=lambda w: w):
     _put(var, fn(get(key)), key, dtype)
 
+  def layer(var, key, fn=lambda w: w):
+    layers = []
+    want = tuple(var.shape[1:])
+    for i in range(c.num_layers):
+      raw = get(key.format(i))
+      try:
+        w = fn(raw)
+      except ValueError:  # fn transposes, slices, reshapes: a wrong size fails its reshape
+        w = raw
+      if tuple(w.shape) != want:
+        raise ValueError(f'tensor {key.format(i)!r} has shape {tuple(raw.shape)}, which does not '
+                         f'fit {want} (layer {i} of the {c.family} model)')
+      layers.append(np.asarray(w, dtype))
+    var.set_value(jnp.asarray(np.stack(layers)))
+  return put, layer
+
+
+def _load_llama(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, arch: str):
+  pre = 'model.' if 'model.embed_tokens.weight' in get else ''
+  e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+  (put, layer), blk = _putters(get, c, dtype), model.layers
   put(model.embedding, pre + 'embed_tokens.weight')
-  for i, blk in enumerate(model.layers):
-    p = f'{pre}layers.{i}.'
-    put(blk.attn_norm.scale, p + 'input_layernorm.weight')
-    put(blk.mlp_norm.scale, p + 'post_attention_layernorm.weight')
-    # torch Linear stores [out, in]; our kernels are [in, heads, head_dim].
-    put(blk.attn.q_kernel, p + 'self_attn.q_proj.weight', lambda w: w.T.reshape(e, hq, d))
-    put(blk.attn.k_kernel, p + 'self_attn.k_proj.weight', lambda w: w.T.reshape(e, hkv, d))
-    put(blk.attn.v_kernel, p + 'self_attn.v_proj.weight', lambda w: w.T.reshape(e, hkv, d))
-    put(blk.attn.o_kernel, p + 'self_attn.o_proj.weight', lambda w: w.T.reshape(hq, d, e))
-    if c.qkv_bias:
-      put(blk.attn.q_bias, p + 'self_attn.q_proj.bias', lambda w: w.reshape(hq, d))
-      put(blk.attn.k_bias, p + 'self_attn.k_proj.bias', lambda w: w.reshape(hkv, d))
-      put(blk.attn.v_bias, p + 'self_attn.v_proj.bias', lambda w: w.reshape(hkv, d))
-    put(blk.mlp.gate_kernel, p + 'mlp.gate_proj.weight', lambda w: w.T)
-    put(blk.mlp.up_kernel, p + 'mlp.up_proj.weight', lambda w: w.T)
-    put(blk.mlp.down_kernel, p + 'mlp.down_proj.weight', lambda w: w.T)
+  p = pre + 'layers.{}.'
+  layer(blk.attn_norm.scale, p + 'input_layernorm.weight')
+  layer(blk.mlp_norm.scale, p + 'post_attention_layernorm.weight')
+  # torch Linear stores [out, in]; our kernels are [in, heads, head_dim].
+  layer(blk.attn.q_kernel, p + 'self_attn.q_proj.weight', lambda w: w.T.reshape(e, hq, d))
+  layer(blk.attn.k_kernel, p + 'self_attn.k_proj.weight', lambda w: w.T.reshape(e, hkv, d))
+  layer(blk.attn.v_kernel, p + 'self_attn.v_proj.weight', lambda w: w.T.reshape(e, hkv, d))
+  layer(blk.attn.o_kernel, p + 'self_attn.o_proj.weight', lambda w: w.T.reshape(hq, d, e))
+  if c.qkv_bias:
+    layer(blk.attn.q_bias, p + 'self_attn.q_proj.bias', lambda w: w.reshape(hq, d))
+    layer(blk.attn.k_bias, p + 'self_attn.k_proj.bias', lambda w: w.reshape(hkv, d))
+    layer(blk.attn.v_bias, p + 'self_attn.v_proj.bias', lambda w: w.reshape(hkv, d))
+  layer(blk.mlp.gate_kernel, p + 'mlp.gate_proj.weight', lambda w: w.T)
+  layer(blk.mlp.up_kernel, p + 'mlp.up_proj.weight', lambda w: w.T)
+  layer(blk.mlp.down_kernel, p + 'mlp.down_proj.weight', lambda w: w.T)
   put(model.final_norm.scale, pre + 'norm.weight')
   if c.head == 'lm' and not c.tie_embeddings:
     put(model.lm_head, 'lm_head.weight', lambda w: w.T)
@@ -227,37 +260,69 @@ def _load_llama(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, 
 def _load_gpt2(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, arch: str):
   pre = 'transformer.' if 'transformer.wte.weight' in get else ''
   e, h, d = c.hidden_size, c.num_heads, c.head_dim
-
-  def put(var, key, fn=lambda w: w):
-    _put(var, fn(get(key)), key, dtype)
-
+  (put, layer), blk = _putters(get, c, dtype), model.layers
   put(model.embedding, pre + 'wte.weight')
   put(model.pos_embedding, pre + 'wpe.weight')
-  for i, blk in enumerate(model.layers):
-    p = f'{pre}h.{i}.'
-    put(blk.attn_norm.scale, p + 'ln_1.weight')
-    put(blk.attn_norm.bias, p + 'ln_1.bias')
-    put(blk.mlp_norm.scale, p + 'ln_2.weight')
-    put(blk.mlp_norm.bias, p + 'ln_2.bias')
-    # GPT-2's Conv1D stores [in, out] with q, k, v fused along out.
-    w_qkv = get(p + 'attn.c_attn.weight')
-    b_qkv = get(p + 'attn.c_attn.bias')
-    for j, (kern, bias) in enumerate([(blk.attn.q_kernel, blk.attn.q_bias),
-                                      (blk.attn.k_kernel, blk.attn.k_bias),
-                                      (blk.attn.v_kernel, blk.attn.v_bias)]):
-      key = p + 'attn.c_attn.weight'
-      if w_qkv.shape != (e, 3 * e):
-        raise ValueError(f'tensor {key!r} has shape {w_qkv.shape}, expected {(e, 3 * e)}')
-      _put(kern, w_qkv[:, j * e:(j + 1) * e].reshape(e, h, d), key, dtype)
-      _put(bias, b_qkv[j * e:(j + 1) * e].reshape(h, d), p + 'attn.c_attn.bias', dtype)
-    put(blk.attn.o_kernel, p + 'attn.c_proj.weight', lambda w: w.reshape(h, d, e))
-    put(blk.attn.o_bias, p + 'attn.c_proj.bias')
-    put(blk.mlp.up_kernel, p + 'mlp.c_fc.weight')
-    put(blk.mlp.up_bias, p + 'mlp.c_fc.bias')
-    put(blk.mlp.down_kernel, p + 'mlp.c_proj.weight')
-    put(blk.mlp.down_bias, p + 'mlp.c_proj.bias')
+  p = pre + 'h.{}.'
+  layer(blk.attn_norm.scale, p + 'ln_1.weight')
+  layer(blk.attn_norm.bias, p + 'ln_1.bias')
+  layer(blk.mlp_norm.scale, p + 'ln_2.weight')
+  layer(blk.mlp_norm.bias, p + 'ln_2.bias')
+  # GPT-2's Conv1D stores [in, out] with q, k, v fused along out.
+  key = p + 'attn.c_attn.weight'
+  w0 = get(key.format(0))
+  if w0.shape != (e, 3 * e):
+    raise ValueError(f'tensor {key.format(0)!r} has shape {w0.shape}, expected {(e, 3 * e)}')
+  for j, (kern, bias) in enumerate([(blk.attn.q_kernel, blk.attn.q_bias),
+                                    (blk.attn.k_kernel, blk.attn.k_bias),
+                                    (blk.attn.v_kernel, blk.attn.v_bias)]):
+    layer(kern, key, lambda w, j=j: w[:, j * e:(j + 1) * e].reshape(e, h, d))
+    layer(bias, p + 'attn.c_attn.bias', lambda w, j=j: w[j * e:(j + 1) * e].reshape(h, d))
+  layer(blk.attn.o_kernel, p + 'attn.c_proj.weight', lambda w: w.reshape(h, d, e))
+  layer(blk.attn.o_bias, p + 'attn.c_proj.bias')
+  layer(blk.mlp.up_kernel, p + 'mlp.c_fc.weight')
+  layer(blk.mlp.up_bias, p + 'mlp.c_fc.bias')
+  layer(blk.mlp.down_kernel, p + 'mlp.c_proj.weight')
+  layer(blk.mlp.down_bias, p + 'mlp.c_proj.bias')
   put(model.final_norm.scale, pre + 'ln_f.weight')
   put(model.final_norm.bias, pre + 'ln_f.bias')
+
+
+def _load_gpt_neox(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, arch: str):
+  pre = 'gpt_neox.' if 'gpt_neox.embed_in.weight' in get else ''
+  e, h, d = c.hidden_size, c.num_heads, c.head_dim
+  (put, layer), blk = _putters(get, c, dtype), model.layers
+  put(model.embedding, pre + 'embed_in.weight')
+  p = pre + 'layers.{}.'
+  for norm, name in ((blk.attn_norm, 'input_layernorm'),
+                     (blk.mlp_norm, 'post_attention_layernorm')):
+    layer(norm.scale, p + name + '.weight')
+    layer(norm.bias, p + name + '.bias')
+  # query_key_value's [3*H*D, E] output is laid out per head, (H, 3, D): head h's q, k and v are
+  # adjacent rows, not three q | k | v blocks as in GPT-2's c_attn.
+  qkv = p + 'attention.query_key_value.'
+  for j, n in enumerate('qkv'):
+    layer(getattr(blk.attn, n + '_kernel'), qkv + 'weight',
+          lambda w, j=j: w.reshape(h, 3, d, e)[:, j].transpose(2, 0, 1))
+    if c.qkv_bias:
+      layer(getattr(blk.attn, n + '_bias'), qkv + 'bias', lambda w, j=j: w.reshape(h, 3, d)[:, j])
+  layer(blk.attn.o_kernel, p + 'attention.dense.weight', lambda w: w.T.reshape(h, d, e))
+  if c.out_bias:
+    layer(blk.attn.o_bias, p + 'attention.dense.bias')
+  layer(blk.mlp.up_kernel, p + 'mlp.dense_h_to_4h.weight', lambda w: w.T)
+  layer(blk.mlp.up_bias, p + 'mlp.dense_h_to_4h.bias')
+  layer(blk.mlp.down_kernel, p + 'mlp.dense_4h_to_h.weight', lambda w: w.T)
+  layer(blk.mlp.down_bias, p + 'mlp.dense_4h_to_h.bias')
+  put(model.final_norm.scale, pre + 'final_layer_norm.weight')
+  put(model.final_norm.bias, pre + 'final_layer_norm.bias')
+  if c.head == 'lm' and not c.tie_embeddings:
+    # Pythia's checkpoints name the head embed_out; transformers 5 loads it as lm_head.
+    put(model.lm_head, 'embed_out.weight' if 'embed_out.weight' in get else 'lm_head.weight',
+        lambda w: w.T)
+
+
+_LOADERS = {'llama': _load_llama, 'qwen2': _load_llama, 'gpt2': _load_gpt2,
+            'gpt_neox': _load_gpt_neox}
 
 
 def load_checkpoint(path: str, *, seed: int = 0, **overrides):
@@ -279,10 +344,7 @@ def load_checkpoint(path: str, *, seed: int = 0, **overrides):
   # for the backbone.
   model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
   dtype = _DTYPES[config.param_dtype]
-  if config.family == 'gpt2':
-    _load_gpt2(model, get, config, dtype, arch)
-  else:
-    _load_llama(model, get, config, dtype, arch)
+  _LOADERS[config.family](model, get, config, dtype, arch)
   if config.head == 'scalar':
     if 'score.weight' in get:
       _put(model.score_kernel, get('score.weight').T, 'score.weight', dtype)
@@ -304,69 +366,6 @@ def load_model(path: str, **kwargs):
   model_fns needs."""
   config, params = load_checkpoint(path, **kwargs)
   return config, abstract(config)[0], params
-
-
-def _token_str(tok: Any) -> str | None:
-  return tok.get('content') if isinstance(tok, dict) else tok
-
-
-class HFTokenizer:
-  """tokenizer.json via the `tokenizers` library, with special-token ids from the config files."""
-
-  def __init__(self, tokenizer, *, bos_id: int | None, eos_id: int | None, pad_id: int | None):
-    self.tokenizer = tokenizer
-    self.bos_id = bos_id
-    self.eos_id = eos_id
-    # Pad falls back to EOS (GPT-2/Llama ship none); padding is masked everywhere anyway.
-    self.pad_id = pad_id if pad_id is not None else eos_id
-
-  @classmethod
-  def from_dir(cls, path: str) -> 'HFTokenizer':
-    import tokenizers
-
-    tok_file = os.path.join(path, 'tokenizer.json')
-    if not os.path.exists(tok_file):
-      raise ValueError(f'{path}: no tokenizer.json (only fast-tokenizer files are supported)')
-    tok = tokenizers.Tokenizer.from_file(tok_file)
-    sources = [os.path.join(path, n)
-               for n in ('tokenizer_config.json', 'generation_config.json', 'config.json')]
-    cfgs = [_read_json(p) for p in sources if os.path.exists(p)]
-
-    def special(name: str) -> int | None:
-      for cfg in cfgs:
-        s = _token_str(cfg.get(f'{name}_token'))
-        if s is not None and tok.token_to_id(s) is not None:
-          return tok.token_to_id(s)
-        i = cfg.get(f'{name}_token_id')
-        if isinstance(i, list):
-          i = i[0] if i else None
-        if i is not None:
-          return int(i)
-      return None
-
-    return cls(tok, bos_id=special('bos'), eos_id=special('eos'), pad_id=special('pad'))
-
-  @property
-  def vocab_size(self) -> int:
-    return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-  # Same conventions as rloo_jax.data.tokenizer, so either can serve the pipeline: encode adds no
-  # special tokens (the pipeline prepends bos_id itself), decode stops at the first EOS.
-  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-    return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-  def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-    encoded = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-    return [e.ids for e in encoded]
-
-  def decode(self, ids, skip_special_tokens: bool = True) -> str:
-    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
-    if self.eos_id is not None and self.eos_id in ids:
-      ids = ids[:ids.index(self.eos_id)]
-    return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-  def decode_batch(self, ids_nt, skip_special_tokens: bool = True) -> list[str]:
-    return [self.decode(row, skip_special_tokens) for row in ids_nt]
 
 
 def load_tokenizer(path: str) -> HFTokenizer:

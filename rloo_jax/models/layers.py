@@ -29,29 +29,37 @@ def _cast(param: nnx.Param, dtype) -> jax.Array:
 
 
 class Norm(nnx.Module):
-  """RMSNorm (llama/qwen2) or LayerNorm with bias (gpt2), statistics in float32 as in HF."""
+  """RMSNorm (llama/qwen2) or LayerNorm with bias (gpt2, gpt_neox), statistics in float32 as in
+  HF."""
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     pdt = dtype_of(config.param_dtype)
     self.eps = config.norm_eps
-    self.layer_norm = config.is_gpt2
+    self.layer_norm = config.layer_norm
     self.scale = _param(rngs, nnx.initializers.ones, (config.hidden_size,), ('norm',), pdt)
     if self.layer_norm:
       self.bias = _param(rngs, nnx.initializers.zeros, (config.hidden_size,), ('norm',), pdt)
 
   def __call__(self, x_bse: jax.Array) -> jax.Array:
-    x = x_bse.astype(jnp.float32)
-    if self.layer_norm:
-      x = x - x.mean(-1, keepdims=True)
-      y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
-      return (y * self.scale[...] + self.bias[...]).astype(x_bse.dtype)
-    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
-    # HF casts back to the activation dtype before the weight multiply; matching it keeps bf16 parity.
-    return self.scale[...].astype(x_bse.dtype) * y.astype(x_bse.dtype)
+    return apply_norm(x_bse, self.scale, getattr(self, 'bias', None), self.eps)
+
+
+def apply_norm(x_bse: jax.Array, scale, bias, eps: float) -> jax.Array:
+  """RMSNorm (bias None) or LayerNorm of x with a `Norm`'s parameters (Params or arrays): the
+  one norm of the layers, and of the head applied to chunks of hidden states."""
+  x = x_bse.astype(jnp.float32)
+  if bias is not None:
+    x = x - x.mean(-1, keepdims=True)
+    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + eps)
+    return (y * scale[...] + bias[...]).astype(x_bse.dtype)
+  y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + eps)
+  # HF casts back to the activation dtype before the weight multiply; matching it keeps bf16 parity.
+  return scale[...].astype(x_bse.dtype) * y.astype(x_bse.dtype)
 
 
 def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: int):
   """cos / sin [B, S, 1, D/2] of every position's rotary angles, computed once per forward.
+  `head_dim`: the rotated dims (all of a head's, or GPT-NeoX's first rotary_dim).
 
   Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array.
   Computed from the positions directly, XLA fused cos and sin into every consumer (q and k of
@@ -65,13 +73,16 @@ def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: i
 
 
 def _rope(x_bshd: jax.Array, rotary) -> jax.Array:
-  """HF-layout rotary embedding (rotate_half over the two halves of head_dim)."""
+  """HF-layout rotary embedding: rotate_half over the two halves of the first 2 * cos.shape[-1]
+  dims (all of head_dim, or GPT-NeoX's partial rotary); any dims after them pass through."""
   cos, sin = rotary
-  d = x_bshd.shape[-1]
+  r = 2 * cos.shape[-1]
   x = x_bshd.astype(jnp.float32)
-  x1, x2 = x[..., : d // 2], x[..., d // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_bshd.dtype)
+  x1, x2 = x[..., : r // 2], x[..., r // 2: r]
+  parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+  if r < x.shape[-1]:
+    parts.append(x[..., r:])
+  return jnp.concatenate(parts, axis=-1).astype(x_bshd.dtype)
 
 
 def _dense(x_bse: jax.Array, kernel_ef: jax.Array, preferred_element_type=None) -> jax.Array:
@@ -93,12 +104,16 @@ def _project(x_bse: jax.Array, kernel_ehd: jax.Array) -> jax.Array:
 
 
 class MLP(nnx.Module):
-  """SwiGLU (llama/qwen2) or GELU-tanh with biases (gpt2 'gelu_new')."""
+  """SwiGLU (llama/qwen2), or GELU with biases: tanh-approximated for gpt2 ('gelu_new'), exact
+  (erf) for gpt_neox (Pythia's 'gelu')."""
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     c = config
     pdt = dtype_of(c.param_dtype)
-    self.gpt2 = c.is_gpt2
+    # True for every biased GELU MLP, not only GPT-2's; the name stays because
+    # experiments/variants/swiglu_vjp.py reads it to tell SwiGLU from GELU.
+    self.gpt2 = not c.gated_mlp
+    self.approximate = c.is_gpt2
     init = nnx.initializers.normal(0.02)
     e, f = c.hidden_size, c.intermediate_size
     self.up_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
@@ -113,7 +128,7 @@ class MLP(nnx.Module):
     dt = x_bse.dtype
     up = _dense(x_bse, _cast(self.up_kernel, dt))
     if self.gpt2:
-      h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=True)
+      h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=self.approximate)
     else:
       gate = _dense(x_bse, _cast(self.gate_kernel, dt))
       h = jax.nn.silu(gate) * up

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama, Qwen2 and GPT-2 families, with an explicit KV cache.
+"""One decoder-only transformer for the Llama, Qwen2, GPT-2 and GPT-NeoX (Pythia) families, with an
+explicit KV cache.
 
 The module is Flax NNX; everything outside this package calls the pure functions of
 `model_fns(graphdef)` (forward / prefill / init_cache / decode / grouped) on a params `nnx.State`,
@@ -27,22 +28,93 @@ from rloo_jax.models.attention import (  # noqa: F401  (re-exported)
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
     COPY_PREFIX_MAX_LEN, DecodeCache, PrefixKV, init_cache)
 from rloo_jax.models.config import (  # noqa: F401  (re-exported)
-    _DTYPES, FAMILIES, HEADS, TransformerConfig, dtype_of, from_experiment_config)
+    _DTYPES, FAMILIES, HEADS, TransformerConfig, dtype_of)
+from rloo_jax.models.presets import from_experiment_config  # noqa: F401  (re-exported)
 from rloo_jax.models.layers import (  # noqa: F401  (re-exported)
-    MLP, Norm, _cast, _dense, _param, _project, _rope, _rotary)
+    MLP, Norm, _cast, _dense, _param, _project, _rope, _rotary, apply_norm)
+
+
+# `TransformerConfig.remat` -> the jax.checkpoint policy of the scanned layer body.
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+# The parameters `head` reads (every other top-level entry is the embedding input or the layers).
+HEAD_KEYS = ('final_norm', 'embedding', 'lm_head', 'score_kernel', 'score_bias')
 
 
 class Block(nnx.Module):
+  """One decoder layer. Its one body (`__call__`) serves every forward variant; only the
+  attention pattern differs, passed in as `attend`."""
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    self.parallel_residual = config.parallel_residual
     self.attn_norm = Norm(config, rngs)
     self.attn = Attention(config, rngs)
     self.mlp_norm = Norm(config, rngs)
     self.mlp = MLP(config, rngs)
 
+  def __call__(self, x_bse, rotary, attend, fused: bool = False):
+    """x + attention + MLP (pre-norm). `attend(q, k, v) -> (o, aux)` applies the variant's
+    attention to this layer's projections; aux (its K/V, an updated cache) is returned.
+
+    Sequential (the MLP reads x + attention), or with config.parallel_residual both branches
+    read x: x + attn(norm1(x)) + mlp(norm2(x))."""
+    q, k, v = self.attn.qkv(self.attn_norm(x_bse), rotary, fused=fused)
+    o, aux = attend(q, k, v)
+    a_bse = self.attn.out(o)
+    if self.parallel_residual:
+      # Summed in transformers' order (mlp + attn + x), for float parity.
+      return self.mlp(self.mlp_norm(x_bse)) + a_bse + x_bse, aux
+    x_bse = x_bse + a_bse
+    return x_bse + self.mlp(self.mlp_norm(x_bse)), aux
+
+
+def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
+  """num_layers Blocks as one, every parameter stacked on a leading 'layers' axis."""
+  @nnx.split_rngs(splits=config.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers,
+            transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def make(rngs):
+    return Block(config, rngs)
+  return make(rngs)
+
+
+def apply_head(config: TransformerConfig, head_params, x_bse):
+  """Final norm and head on hidden states: logits [B, S, V] (values [B, S] for head='scalar').
+
+  A pure function of the `HEAD_KEYS` parameters (Params or arrays), so the chunked log-probs
+  (`loss.chunked_logprobs`) run it one chunk of positions at a time and differentiate only
+  these. The contraction accumulates and returns float32 whatever the dtype."""
+  norm = head_params['final_norm']
+  x = apply_norm(x_bse, norm['scale'], norm['bias'] if 'bias' in norm else None,
+                 config.norm_eps)
+  f32 = jnp.float32
+  if config.head == 'scalar':
+    v = jnp.einsum('bse,eo->bso', x, _cast(head_params['score_kernel'], x.dtype),
+                   preferred_element_type=f32)
+    return v[..., 0] + jnp.asarray(head_params['score_bias'][...], f32)[0]
+  if config.tie_embeddings:
+    return _dense(x, _cast(head_params['embedding'], x.dtype).T, preferred_element_type=f32)
+  return _dense(x, _cast(head_params['lm_head'], x.dtype), preferred_element_type=f32)
+
+
+def _last_valid(x_bse, mask_bs):
+  """x at each row's last True mask column: [B, 1, E]."""
+  s = mask_bs.shape[1]
+  last_b = s - 1 - jnp.argmax(mask_bs[:, ::-1].astype(jnp.int32), axis=1)
+  return jnp.take_along_axis(x_bse, last_b[:, None, None], axis=1)
+
 
 class Transformer(nnx.Module):
-  """Decoder-only LM (head='lm': logits [B,S,V]) or value/reward model (head='scalar': [B,S])."""
+  """Decoder-only LM (head='lm': logits [B,S,V]) or value/reward model (head='scalar': [B,S]).
+
+  The layers are one stacked `Block` run by `jax.lax.scan` (`_scan`): program size and compile
+  time do not grow with depth, the body is rematerialised by `config.remat`, and with a
+  `gather` (sharding.ParamGather) each layer's FSDP-sharded weights are gathered only as the
+  scan reaches them.
+  """
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     c = config
@@ -53,7 +125,7 @@ class Transformer(nnx.Module):
     if c.is_gpt2:
       self.pos_embedding = _param(rngs, nnx.initializers.normal(0.01),
                                   (c.max_seq_len, c.hidden_size), (None, 'embed'), pdt)
-    self.layers = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
+    self.layers = _stacked_blocks(c, rngs)
     self.final_norm = Norm(c, rngs)
     if c.head == 'scalar':
       self.score_kernel = _param(rngs, nnx.initializers.normal(0.02), (c.hidden_size, 1),
@@ -74,53 +146,78 @@ class Transformer(nnx.Module):
 
   def _rotary(self, positions_bs):
     c = self.config
-    return None if c.is_gpt2 else _rotary(positions_bs, c.head_dim, c.rope_theta, c.max_seq_len)
+    if c.is_gpt2:
+      return None
+    return _rotary(positions_bs, c.rotary_dim, c.rope_theta, c.max_seq_len)
+
+  def head_params(self) -> dict:
+    """This module's `HEAD_KEYS` parameters, laid out as `model_fns(...).head_params` gives them."""
+    out = {k: getattr(self, k) for k in HEAD_KEYS[1:] if hasattr(self, k)}
+    norm = self.final_norm
+    out['final_norm'] = {k: getattr(norm, k) for k in ('scale', 'bias') if hasattr(norm, k)}
+    return out
 
   def _head(self, x_bse):
-    """Final norm and head; the contraction accumulates and returns float32 whatever the dtype."""
-    x = self.final_norm(x_bse)
-    f32 = jnp.float32
-    if self.config.head == 'scalar':
-      v = jnp.einsum('bse,eo->bso', x, _cast(self.score_kernel, x.dtype), preferred_element_type=f32)
-      return v[..., 0] + self.score_bias[...].astype(f32)[0]
-    if self.config.tie_embeddings:
-      return _dense(x, _cast(self.embedding, x.dtype).T, preferred_element_type=f32)
-    return _dense(x, _cast(self.lm_head, x.dtype), preferred_element_type=f32)
+    return apply_head(self.config, self.head_params(), x_bse)
 
-  def _trunk(self, tokens_bs, positions_bs, mask_bs):
-    """Every layer over the full sequence: final hidden states and each layer's K/V."""
-    x = self._embed(tokens_bs, positions_bs)
+  def _scan(self, body, x, carry=None, xs=None, gather=None):
+    """Runs `body(block, x, carry, xs_l) -> (x, carry, y)` over the layers with lax.scan;
+    returns (x, carry, ys stacked on a leading layers axis)."""
+    graphdef, stacked = nnx.split(self.layers)
+
+    def step(state, layer):
+      x, carry = state
+      weights, xs_l = layer
+      if gather is not None:
+        weights = gather.layer(weights)
+      x, carry, y = body(nnx.merge(graphdef, weights), x, carry, xs_l)
+      return (x, carry), y
+
+    policy = REMAT_POLICIES[self.config.remat]
+    if self.config.remat != 'none':
+      step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+    (x, carry), ys = jax.lax.scan(step, (x, carry), (stacked, xs))
+    return x, carry, ys
+
+  def _trunk(self, tokens_bs, positions_bs, mask_bs, gather=None, keep_kv=False):
+    """Every layer over the full sequence: pre-norm final hidden states, and with keep_kv each
+    layer's K/V stacked [L, B, S, Hkv, D]."""
     rotary = self._rotary(positions_bs)
-    ks, vs = [], []
-    for block in self.layers:
-      q, k, v = block.attn.qkv(block.attn_norm(x), rotary)
-      x = x + block.attn.out(_full_attention(q, k, v, mask_bs))
-      x = x + block.mlp(block.mlp_norm(x))
-      ks.append(k)
-      vs.append(v)
-    return x, ks, vs
 
-  def prefill(self, tokens_bp, positions_bp, mask_bp):
-    """(logits [B,P,V], PrefixKV)."""
-    x, ks, vs = self._trunk(tokens_bp, positions_bp, mask_bp)
-    return self._head(x), PrefixKV(k_lbphd=jnp.stack(ks), v_lbphd=jnp.stack(vs))
+    def body(block, x, carry, _):
+      x, kv = block(x, rotary, lambda q, k, v: (_full_attention(q, k, v, mask_bs), (k, v)))
+      return x, carry, kv if keep_kv else None
 
-  def __call__(self, tokens_bs, positions_bs, mask_bs, head_slice=None):
-    """Logits [B, S, V]; with head_slice=(start, length) (static ints) only positions
-    start..start+length-1 go through the final norm and head: [B, length, V]. A policy loss needs
-    only the completion's logits, so the prompt's are never computed (nor differentiated)."""
-    x = self._trunk(tokens_bs, positions_bs, mask_bs)[0]
+    x, _, kv = self._scan(body, self._embed(tokens_bs, positions_bs), gather=gather)
+    return x, kv
+
+  def prefill(self, tokens_bp, positions_bp, mask_bp, gather=None):
+    """(logits [B, V] at each row's last valid prompt position, PrefixKV). Only that position
+    goes through the head: it predicts the first completion token, the others nothing."""
+    x, (k, v) = self._trunk(tokens_bp, positions_bp, mask_bp, gather, keep_kv=True)
+    return self._head(_last_valid(x, mask_bp))[:, 0], PrefixKV(k_lbphd=k, v_lbphd=v)
+
+  def hidden(self, tokens_bs, positions_bs, mask_bs, head_slice=None, gather=None):
+    """Final hidden states before the final norm, [B, S, E]; with head_slice=(start, length)
+    (static ints) positions start..start+length-1 only: [B, length, E]."""
+    x = self._trunk(tokens_bs, positions_bs, mask_bs, gather)[0]
     if head_slice is not None:
       start, length = head_slice
       x = jax.lax.slice_in_dim(x, start, start + length, axis=1)
-    return self._head(x)
+    return x
 
-  def grouped(self, prompt_tokens_bp, prompt_positions_bp, prompt_mask_bp, tokens_nt,
-              positions_nt, mask_nt):
-    """Logits [N, T, V] predicting each row of tokens_nt, where row n continues prompt n // M
-    (M = N / B rows per prompt: RLOO's k samples), with every prompt computed once.
+  def __call__(self, tokens_bs, positions_bs, mask_bs, head_slice=None, gather=None):
+    """Logits [B, S, V] (or [B, length, V] with head_slice, see `hidden`). A policy loss needs
+    only the completion's positions, so the prompt's never go through the head."""
+    return self._head(self.hidden(tokens_bs, positions_bs, mask_bs, head_slice, gather))
 
-    Equal (up to float rounding) to `__call__` on the N rows [prompt | tokens] with
+  def grouped_hidden(self, prompt_tokens_bp, prompt_positions_bp, prompt_mask_bp, tokens_nt,
+                     positions_nt, mask_nt, gather=None):
+    """Hidden states [N, T, E] (before the final norm) predicting each row of tokens_nt, where
+    row n continues prompt n // M (M = N / B rows per prompt: RLOO's k samples), with every
+    prompt computed once.
+
+    Equal (up to float rounding) to `hidden` on the N rows [prompt | tokens] with
     head_slice=(P - 1, T), at P*B instead of P*N prompt tokens of compute, forward and backward.
     Needs T >= 1 completion columns.
     Prompts must be left-padded (their last token in column P - 1), as `rollout_sequences` does.
@@ -139,59 +236,63 @@ class Transformer(nnx.Module):
     token_major = lambda x_nt: x_nt[:, :u].reshape(b, m, u).transpose(0, 2, 1).reshape(b, u * m)
     tokens = jnp.concatenate([prompt_tokens_bp, token_major(tokens_nt)], axis=1)
     positions = jnp.concatenate([prompt_positions_bp, token_major(positions_nt)], axis=1)
-    x = self._embed(tokens, positions)
     mask_bmu = mask_nt[:, :u].reshape(b, m, u)
     rotary = self._rotary(positions)
-    last = len(self.layers) - 1
-    for l, block in enumerate(self.layers):
-      q, k, v = block.attn.qkv(block.attn_norm(x), rotary)
-      o = _grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p)
-      if l == last:
-        # The last layer's prompt rows serve only as keys/values, except column P - 1, which
-        # predicts each completion's first token: the rest skip the output projection and MLP.
-        x, o = x[:, p - 1:], o[:, p - 1:]
-      x = x + block.attn.out(o)
-      x = x + block.mlp(block.mlp_norm(x))
+
+    def body(block, x, carry, _):
+      attend = lambda q, k, v: (_grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p), None)
+      return (*block(x, rotary, attend), None)
+
+    x = self._scan(body, self._embed(tokens, positions), gather=gather)[0][:, p - 1:]
     e = x.shape[-1]
     # Token 0 of every completion is predicted from its prompt's last column (now row 0), token
     # i > 0 from completion position i - 1.
     last_b1e = x[:, :1]
     xc = x[:, 1:].reshape(b, u, m, e).transpose(0, 2, 1, 3)
     h = jnp.concatenate([jnp.broadcast_to(last_b1e[:, None], (b, m, 1, e)), xc], axis=2)
-    return self._head(h.reshape(n, t, e))
+    return h.reshape(n, t, e)
 
-  def decode(self, tokens_bk, positions_bk, cache: DecodeCache):
+  def grouped(self, *args, gather=None):
+    """Logits [N, T, V] (values [N, T] for head='scalar') of `grouped_hidden`."""
+    return self._head(self.grouped_hidden(*args, gather=gather))
+
+  def decode(self, tokens_bk, positions_bk, cache: DecodeCache, gather=None):
     """One token per stream, written at stream slot cache.copied_prefix + cache.index (callers
     keep index < max_new_tokens: dynamic_update_slice clamps, so a step past the end would
     overwrite the last slot). Returns (logits [B,K,V], cache)."""
-    x = self._embed(tokens_bk, positions_bk)
-    k_caches, v_caches = [], []
     idx = cache.index.astype(jnp.int32)
     slot = idx + cache.copied_prefix
     zero = jnp.zeros((), jnp.int32)
     rotary = self._rotary(positions_bk)
-    for l, block in enumerate(self.layers):
-      # K plays the sequence axis.
-      q, k, v = block.attn.qkv(block.attn_norm(x), rotary, fused=True)
-      # k, v: [B, K, Hkv, D] into the slot of the T axis (last for keys, second to last for
-      # values); the while loop's donated per-layer buffers are updated in place.
-      k_cache = jax.lax.dynamic_update_slice(
-          cache.k_bkhdt[l], k[..., None].astype(cache.k_bkhdt[l].dtype),
-          (zero, zero, zero, zero, slot))
-      v_cache = jax.lax.dynamic_update_slice(
-          cache.v_bkhtd[l], v[:, :, :, None].astype(cache.v_bkhtd[l].dtype),
-          (zero, zero, zero, slot, zero))
-      k_caches.append(k_cache)
-      v_caches.append(v_cache)
-      if cache.copied_prefix:
-        o = _stream_attention(q, cache.prefix_mask_bp, k_cache, v_cache, idx,
-                              cache.copied_prefix)
-      else:
-        o = _shared_prefix_attention(q, cache.prefix_k_bhdp[l], cache.prefix_v_bhpd[l],
-                                     cache.prefix_mask_bp, k_cache, v_cache, idx)
-      x = x + block.attn.out(o)
-      x = x + block.mlp(block.mlp_norm(x))
-    new_cache = cache.replace(k_bkhdt=tuple(k_caches), v_bkhtd=tuple(v_caches), index=idx + 1)
+    copied = cache.copied_prefix
+    layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    xs = (layer_ids, None if copied else (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
+
+    def body(block, x, kv, xs_l):
+      l, prefix = xs_l
+
+      def attend(q, k, v):
+        # The stacked stream buffers ride in the carry: one slot of layer l is written in place
+        # (k, v: [B, K, Hkv, D]; K plays the sequence axis), then layer l is read.
+        k_all = jax.lax.dynamic_update_slice(
+            kv[0], k[None, ..., None].astype(kv[0].dtype), (l, zero, zero, zero, zero, slot))
+        v_all = jax.lax.dynamic_update_slice(
+            kv[1], v[None, :, :, :, None].astype(kv[1].dtype), (l, zero, zero, zero, slot, zero))
+        k_l = jax.lax.dynamic_index_in_dim(k_all, l, keepdims=False)
+        v_l = jax.lax.dynamic_index_in_dim(v_all, l, keepdims=False)
+        if copied:
+          o = _stream_attention(q, cache.prefix_mask_bp, k_l, v_l, idx, copied)
+        else:
+          o = _shared_prefix_attention(q, prefix[0], prefix[1], cache.prefix_mask_bp, k_l, v_l,
+                                       idx)
+        return o, (k_all, v_all)
+
+      x, kv = block(x, rotary, attend, fused=True)
+      return x, kv, None
+
+    x, (k_all, v_all), _ = self._scan(body, self._embed(tokens_bk, positions_bk),
+                                      carry=(cache.k_lbkhdt, cache.v_lbkhtd), xs=xs, gather=gather)
+    new_cache = cache.replace(k_lbkhdt=k_all, v_lbkhtd=v_all, index=idx + 1)
     return self._head(x), new_cache
 
 
@@ -199,6 +300,8 @@ class ModelFns(NamedTuple):
   """Pure functions over (params, arrays); hashable by identity, so usable as a static jit arg.
 
   `config` rides along so callers (the sampler's context-length check) need no second argument.
+  `hidden` / `grouped_hidden` stop before the final norm; `head(head_params(params), h)` turns
+  hidden states into logits, which `loss.chunked_logprobs` runs a chunk of positions at a time.
   """
 
   forward: Callable
@@ -207,6 +310,10 @@ class ModelFns(NamedTuple):
   decode: Callable
   config: TransformerConfig | None = None
   grouped: Callable | None = None
+  hidden: Callable | None = None
+  grouped_hidden: Callable | None = None
+  head: Callable | None = None
+  head_params: Callable | None = None
 
 
 def _config_of(graphdef) -> TransformerConfig | None:
@@ -218,25 +325,48 @@ def _config_of(graphdef) -> TransformerConfig | None:
 
 
 @functools.lru_cache(maxsize=None)
-def model_fns(graphdef) -> ModelFns:
-  """Memoised so one graphdef always yields the same ModelFns (no jit cache misses)."""
+def model_fns(graphdef, gather=None) -> ModelFns:
+  """The model's pure functions. Memoised so one (graphdef, gather) always yields the same
+  ModelFns (no jit cache misses).
+
+  gather: None, or a `sharding.ParamGather` (FSDP): the embedding and head are gathered once per
+  call and each layer's weights inside the layer scan, so no program holds every layer gathered
+  at once, and the gradients are reduce-scattered back layer by layer."""
+  config = _config_of(graphdef)
+
+  def model(params):
+    return nnx.merge(graphdef, params if gather is None else gather.params(params))
 
   def forward(params, tokens_bs, positions_bs, mask_bs, head_slice=None):
-    return nnx.merge(graphdef, params)(tokens_bs, positions_bs, mask_bs, head_slice=head_slice)
+    return model(params)(tokens_bs, positions_bs, mask_bs, head_slice=head_slice, gather=gather)
+
+  def hidden(params, tokens_bs, positions_bs, mask_bs, head_slice=None):
+    return model(params).hidden(tokens_bs, positions_bs, mask_bs, head_slice=head_slice,
+                                gather=gather)
 
   def prefill(params, tokens_bp, positions_bp, mask_bp):
-    return nnx.merge(graphdef, params).prefill(tokens_bp, positions_bp, mask_bp)
+    return model(params).prefill(tokens_bp, positions_bp, mask_bp, gather=gather)
 
   def decode(params, tokens_bk, positions_bk, cache):
-    return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache)
+    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather)
 
-  def grouped(params, prompt_tokens_bp, prompt_positions_bp, prompt_mask_bp, tokens_nt,
-              positions_nt, mask_nt):
-    return nnx.merge(graphdef, params).grouped(prompt_tokens_bp, prompt_positions_bp,
-                                               prompt_mask_bp, tokens_nt, positions_nt, mask_nt)
+  def grouped(params, *rows):
+    return model(params).grouped(*rows, gather=gather)
+
+  def grouped_hidden(params, *rows):
+    return model(params).grouped_hidden(*rows, gather=gather)
+
+  def head_params(params) -> dict:
+    return {k: params[k] for k in HEAD_KEYS if k in params}
+
+  def head(head_params, h_bse):
+    if gather is not None:
+      head_params = gather.params(head_params)
+    return apply_head(config, head_params, h_bse)
 
   return ModelFns(forward=forward, prefill=prefill, init_cache=init_cache, decode=decode,
-                  config=_config_of(graphdef), grouped=grouped)
+                  config=config, grouped=grouped, hidden=hidden, grouped_hidden=grouped_hidden,
+                  head=head, head_params=head_params)
 
 
 def create(config: TransformerConfig, seed: int = 0):

@@ -1,0 +1,144 @@
+"""Architectures of public Hugging Face checkpoints, by name, with no weights.
+
+A preset is the architecture of one checkpoint's config.json (vocab included: a real run uses
+that checkpoint's tokenizer), so a job can be planned, compiled or trained from scratch at that
+scale without downloading anything (`config.model.preset`, the memory planner).
+
+    from rloo_jax.models import presets
+    presets.get('qwen2.5-1.5b', dtype='bfloat16').num_params  # 1_543_714_304
+
+Sources: each model's config.json on the Hugging Face hub (base models, not -Instruct, whose
+configs differ only in max_position_embeddings: 32768 for every Qwen2.5-*-Instruct). Seen in
+copies in public code (the stored-code search): Qwen2.5-0.5B's config.json, transcriptions of
+the Qwen2.5-1.5B / 3B(-Instruct) configs, Qwen2-7B-Instruct's config and module printout,
+Llama-3.2-1B's config.json, Pythia-6.9B's config and the Pythia model card's parameter table.
+The rest (the base models' 131072 contexts, Llama-3-8B, Llama-3.2-3B, the smaller Pythias'
+shapes) are from memory of the model cards, each pinned by its published parameter count,
+which tests/test_scale_config.py asserts within 1%.
+
+Known gaps to the real models, irrelevant to shapes and memory: Llama 3.2 applies 'llama3'
+rope scaling (factor 32, original context 8192) that `rloo_jax.models` does not implement
+(hf.py refuses such checkpoints for the same reason); Qwen2's sliding window is off in every
+config below (use_sliding_window=false).
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+
+from rloo_jax.models import config as config_lib
+
+_QWEN2 = dict(family='qwen2', norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True)
+_LLAMA3 = dict(family='llama', norm_eps=1e-5, rope_theta=500000.0, qkv_bias=False,
+               vocab_size=128256)
+# GPT-NeoX (Pythia): parallel residual (attention and MLP both read the layer input), rotary on
+# the first 25% of each head's dims, LayerNorm with bias, gelu MLP with biases, untied
+# embeddings. Pythia's vocab is padded to a multiple of 128 x the training model parallelism,
+# hence 50304 up to 2.8B and 50432 at 6.9B, above the tokenizer's 50277 tokens.
+_PYTHIA = dict(family='gpt_neox', norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False,
+               qkv_bias=True, max_seq_len=2048, rotary_pct=0.25, parallel_residual=True)
+
+
+def _arch(base, *, e, layers, heads, kv, ff, **kw):
+  return {**base, 'hidden_size': e, 'num_layers': layers, 'num_heads': heads,
+          'num_kv_heads': kv, 'head_dim': kw.pop('head_dim', e // heads),
+          'intermediate_size': ff, **kw}
+
+
+# name -> TransformerConfig keyword arguments (architecture only: no dtype, remat or head).
+PRESETS = types.MappingProxyType({
+    # Qwen/Qwen2.5-*: tied embeddings up to 3B; 7B unties them and pads the vocab to 152064.
+    'qwen2.5-0.5b': _arch(_QWEN2, e=896, layers=24, heads=14, kv=2, ff=4864,
+                          vocab_size=151936, max_seq_len=32768, tie_embeddings=True),
+    'qwen2.5-1.5b': _arch(_QWEN2, e=1536, layers=28, heads=12, kv=2, ff=8960,
+                          vocab_size=151936, max_seq_len=131072, tie_embeddings=True),
+    'qwen2.5-3b': _arch(_QWEN2, e=2048, layers=36, heads=16, kv=2, ff=11008,
+                        vocab_size=151936, max_seq_len=32768, tie_embeddings=True),
+    'qwen2.5-7b': _arch(_QWEN2, e=3584, layers=28, heads=28, kv=4, ff=18944,
+                        vocab_size=152064, max_seq_len=131072, tie_embeddings=False),
+    # Qwen/Qwen2-7B: the same shapes as Qwen2.5-7B.
+    'qwen2-7b': _arch(_QWEN2, e=3584, layers=28, heads=28, kv=4, ff=18944,
+                      vocab_size=152064, max_seq_len=131072, tie_embeddings=False),
+    # meta-llama/Meta-Llama-3-8B and Llama-3.2-{1B,3B} (the 3.2 models tie their embeddings).
+    'llama-3-8b': _arch(_LLAMA3, e=4096, layers=32, heads=32, kv=8, ff=14336,
+                        max_seq_len=8192, tie_embeddings=False),
+    'llama-3.2-1b': _arch(_LLAMA3, e=2048, layers=16, heads=32, kv=8, ff=8192,
+                          max_seq_len=131072, tie_embeddings=True),
+    'llama-3.2-3b': _arch(_LLAMA3, e=3072, layers=28, heads=24, kv=8, ff=8192,
+                          max_seq_len=131072, tie_embeddings=True),
+    # EleutherAI/pythia-* (no GQA: kv heads = heads).
+    'pythia-160m': _arch(_PYTHIA, e=768, layers=12, heads=12, kv=12, ff=3072,
+                         vocab_size=50304),
+    'pythia-410m': _arch(_PYTHIA, e=1024, layers=24, heads=16, kv=16, ff=4096,
+                         vocab_size=50304),
+    'pythia-1b': _arch(_PYTHIA, e=2048, layers=16, heads=8, kv=8, ff=8192, vocab_size=50304),
+    'pythia-2.8b': _arch(_PYTHIA, e=2560, layers=32, heads=32, kv=32, ff=10240,
+                         vocab_size=50304),
+    'pythia-6.9b': _arch(_PYTHIA, e=4096, layers=32, heads=32, kv=32, ff=16384,
+                         vocab_size=50432),
+})
+
+
+def unknown_message(name: str, what: str = 'preset') -> str:
+  """The error for a name not in PRESETS: the closest name, then every name."""
+  close = difflib.get_close_matches(str(name).lower(), list(PRESETS), n=1, cutoff=0.5)
+  hint = f' (did you mean {close[0]!r}?)' if close else ''
+  return f'unknown {what} {name!r}{hint}; choose one of {tuple(PRESETS)}'
+
+
+def get(name: str, *, what: str = 'preset', **overrides) -> config_lib.TransformerConfig:
+  """The TransformerConfig of preset `name`; `overrides` (dtype, param_dtype, remat, head...)
+  win. `what` names the setting the name came from, in the errors.
+
+  Raises ValueError for an unknown name, and for a preset whose model family this version of
+  `rloo_jax.models.config` does not have yet (GPT-NeoX for the pythia presets)."""
+  if name not in PRESETS:
+    raise ValueError(unknown_message(name, what))
+  kw = {**PRESETS[name], **overrides}
+  if kw['family'] not in config_lib.FAMILIES:
+    raise ValueError(f'{what} {name!r} needs the model family {kw["family"]!r}, which '
+                     f'rloo_jax.models.config does not implement (families: '
+                     f'{config_lib.FAMILIES}); choose another preset')
+  return config_lib.TransformerConfig(**kw)
+
+
+def available(name: str) -> bool:
+  """Whether preset `name`'s family is implemented (so `get(name)` builds a config)."""
+  return PRESETS[name]['family'] in config_lib.FAMILIES
+
+
+# The family constructors config.model.family names (their defaults, the section's sizes).
+_FAMILY_CONSTRUCTORS = {'llama': config_lib.TransformerConfig.llama,
+                        'qwen2': config_lib.TransformerConfig.qwen2,
+                        'gpt2': config_lib.TransformerConfig.gpt2,
+                        'gpt_neox': config_lib.TransformerConfig.gpt_neox}
+
+
+def from_experiment_config(model_cfg, vocab_size: int) -> config_lib.TransformerConfig:
+  """The TransformerConfig of an experiment's `config.model` section: the architecture of
+  `config.model.preset` when set (`rloo_jax.models.presets`), else the family preset with the
+  section's sizes; the section's dtype / param_dtype / remat either way.
+
+  vocab_size: the task tokenizer's. A preset keeps its own (the checkpoint's embedding size, so
+  a job planned or trained from a preset has the real model's memory), which must cover it."""
+  m = model_cfg
+  # .get: run_config files written before these keys existed still load (as they ran then).
+  remat = m.get('remat', 'none')
+  preset = m.get('preset', '')
+  if preset:
+    cfg = get(preset, what='config.model.preset', dtype=m.dtype,
+                      param_dtype=m.param_dtype, remat=remat)
+    if cfg.vocab_size < vocab_size:
+      raise ValueError(
+          f'config.model.preset={preset!r} embeds {cfg.vocab_size} tokens, fewer than the task '
+          f"tokenizer's vocab_size {vocab_size}; use that checkpoint's tokenizer, or set "
+          f"config.model.preset='' to size the model from config.model")
+    return cfg
+  if m.family not in _FAMILY_CONSTRUCTORS:
+    raise ValueError(f'unknown config.model.family {m.family!r}; choose one of {sorted(_FAMILY_CONSTRUCTORS)}')
+  return _FAMILY_CONSTRUCTORS[m.family](
+      vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+      intermediate_size=m.intermediate_size, max_seq_len=m.max_seq_len, dtype=m.dtype,
+      param_dtype=m.param_dtype, remat=remat)

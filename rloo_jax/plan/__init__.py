@@ -1,0 +1,283 @@
+"""The memory plan of an RLOO job: every program training runs, compiled on abstract inputs with
+the real shardings (no data, no weights), and what it needs per device.
+
+    python -m rloo_jax.plan --config=configs/arithmetic.py --config.model.preset=qwen2.5-1.5b \
+        --config.mesh.data=1 --config.mesh.fsdp=8 --devices=8 [--device_memory_gb=80]
+
+    report = plan.plan(RLOO(experiment.build_abstract(config)), device_memory_gb=80)
+
+Sizes are GiB (2^30 bytes) per device. A program's peak is what it holds at once (`programs`);
+the plan's peak is the largest. When it does not fit, `advice` names the settings to turn,
+the largest consumer first. With config.train.check_memory, an accelerator run plans itself at
+start-up (`check`, from the loop) and refuses a job that would run out of memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+
+from rloo_jax.plan import flops as flops_lib
+from rloo_jax.plan import programs as programs_lib
+
+GIB = 2 ** 30
+DEFAULT_DEVICE_MEMORY_GB = 80.0
+PROGRAM_LABELS = {"update": "update step", "update_gradients": "update grads",
+                  "update_apply": "update apply", "score": "scoring pass",
+                  "start": "sampler start", "decode": "sampler decode"}
+
+
+class DoesNotFit(ValueError):
+  """The job's largest program needs more device memory than the device has."""
+
+
+def _gb(n: float) -> float:
+  return n / GIB
+
+
+def _size(n: float) -> str:
+  return f"{n / GIB:.3g} GiB"
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch(config) -> dict:
+  """The update's microbatch: in config.train.microbatch_size's units (groups with
+  train.shared_prefix, rows otherwise), in rows, in groups, and how many make a minibatch."""
+  # Imported here: the algorithms package imports the loop, which imports this package.
+  from rloo_jax.algorithms.rloo import microbatches  # pylint: disable=import-outside-toplevel
+  c = config
+  k, grouped = c.rloo.k, bool(c.train.shared_prefix)
+  units = (c.rloo.num_prompts if grouped else c.rloo.num_prompts * k) // c.train.num_minibatches
+  m = microbatches(c, per="minibatch")
+  size = units // m
+  rows = size * k if grouped else size
+  return dict(microbatch_size=size, microbatch_rows=rows,
+              microbatch_groups=size if grouped else rows / k, microbatches=m)
+
+
+def _activations_program(programs: dict) -> Optional[str]:
+  """The update program holding the activations: of the update's programs (one, or the
+  gradient and optimizer programs), the one with the most temporaries."""
+  update = [n for n in programs if n.split("_")[0] == "update"]
+  return max(update, key=lambda n: programs[n].temp) if update else None
+
+
+def _update_temp_at(algo, name: str, size: int) -> int:
+  """Update program `name`'s temporaries with config.train.microbatch_size = `size` (one more
+  compile)."""
+  config = algo.exp.config.copy_and_resolve_references()
+  config.train.microbatch_size = size
+  probe = type(algo)(dataclasses.replace(algo.exp, config=config))
+  return programs_lib.compile_programs(probe, ("update",)).programs[name].temp
+
+
+def _microbatch_advice(algo, name: str, update, need: int) -> list:
+  """Smaller microbatches: the update's activations shrink with them. Its temporaries are
+  guessed proportional to the microbatch first, which is optimistic (the gathered weights and
+  the gradient do not shrink), so the guess is compiled, and when it does not fit, the two
+  compiles' affine fit picks the size."""
+  exp = algo.exp
+  c, out = exp.config, []
+  grouped = bool(c.train.shared_prefix)
+  mb = microbatch(c)
+  size, units = mb["microbatch_size"], mb["microbatch_size"] * mb["microbatches"]
+  rows = lambda d: d * c.rloo.k if grouped else d
+  valid = [d for d in _divisors(units) if d < size
+           and rows(d) % exp.layout.batch_parallelism == 0]
+  unit = "groups" if grouped else "rows"
+  want = update.temp - need  # the temporaries that would fit
+  if valid and update.temp:
+    guess = max((d for d in valid if d <= size * want / update.temp), default=min(valid))
+    at_guess = _update_temp_at(algo, name, guess)
+    slope = (update.temp - at_guess) / (size - guess)
+    fixed = update.temp - slope * size
+    fitting = [d for d in valid if fixed + slope * d <= want] if slope > 0 else []
+    if at_guess <= want:
+      pick, note = guess, f"compiled at {guess}: {_size(at_guess)} of temporaries"
+    elif fitting:
+      pick = max(fitting)
+      note = f"about {_size(fixed + slope * pick)} of temporaries at {pick}"
+    else:
+      pick, note = min(valid), ("the smallest the mesh allows: not enough alone, the rest "
+                                "does not shrink with the microbatch")
+    # What dominates is the part that scales with the microbatch (fitted to the two compiles);
+    # when none does, a smaller microbatch is no advice.
+    activations = max(update.temp - max(fixed, 0.0), 0.0)
+    if activations > 0:
+      out.append((activations, f"--config.train.microbatch_size={pick} ({unit}; now {size}: "
+                               f"{_size(activations)} of the update's {_size(update.temp)} of "
+                               f"temporaries shrink with it; {note})"))
+  if c.model.get("remat", "none") != "full":
+    out.append((update.temp, "--config.model.remat=full (keep only each layer's input for the "
+                             f"backward; now {c.model.get('remat', 'none')!r})"))
+  return out
+
+
+def _state_advice(exp, compiled, need: int) -> list:
+  """More FSDP (the state splits over it) and a bfloat16 reference."""
+  out = []
+  shape = exp.layout.shape
+  state = sum(compiled.state_bytes.values())
+  f, batch = shape["fsdp"], shape["data"] * shape["fsdp"]
+  if batch > f:
+    want = math.ceil(f * state / (state - need)) if state > need else batch + 1
+    pick = min((d for d in _divisors(batch) if d >= want), default=batch)
+    note = "" if pick >= want else "; the most these devices allow, not enough alone"
+    out.append((state, f"--config.mesh.fsdp={pick} --config.mesh.data={batch // pick} (the "
+                       f"train state, {_size(state)}, splits over fsdp; now fsdp={f}{note})"))
+  else:
+    out.append((state, f"--config.mesh.fsdp=<more> (the train state, {_size(state)}, splits "
+                       f"over fsdp; fsdp={f} of {batch} batch-parallel devices: add devices)"))
+  ref = compiled.state_bytes["ref_params"]
+  if compiled.ref_itemsize > 2:
+    out.append((ref / 2, f"--config.model.ref_dtype=bfloat16 (halves the reference, "
+                         f"{_size(ref)} of {8 * compiled.ref_itemsize}-bit floats)"))
+  return out
+
+
+def _cache_advice(exp, compiled, need: int) -> list:
+  """Smaller rollout chunks: the KV cache holds one chunk's prompts."""
+  c = exp.config
+  chunk, cache = programs_lib.chunk_prompts(c), compiled.kv_cache_bytes
+  valid = [d for d in _divisors(c.rloo.num_prompts)
+           if d < chunk and d % exp.layout.batch_parallelism == 0]
+  if not valid or not cache:
+    return []
+  target = chunk * (cache - need) / cache
+  pick = max((d for d in valid if d <= target), default=min(valid))
+  return [(cache, f"--config.rloo.rollout_chunk_prompts={pick} (the rollout's KV cache, "
+                  f"{_size(cache)} for {chunk} prompts, shrinks with it)")]
+
+
+def advice(algo, compiled, limit: int) -> list[str]:
+  """The settings to turn when a program's peak exceeds `limit` bytes, the largest consumer
+  first, with values computed where the scaling is known."""
+  exp = algo.exp
+  over = {n: m.peak - limit for n, m in compiled.programs.items() if m.peak > limit}
+  if not over:
+    return []
+  items = []
+  name = _activations_program(compiled.programs)
+  if name in over:
+    items += _microbatch_advice(algo, name, compiled.programs[name], over[name])
+  items += _state_advice(exp, compiled, max(over.values()))
+  sampling = [over[n] for n in ("start", "decode") if n in over]
+  if sampling:
+    items += _cache_advice(exp, compiled, max(sampling))
+  items.sort(key=lambda item: -item[0])
+  return [text for _, text in items]
+
+
+def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
+         names=programs_lib.NAMES) -> dict:
+  """The memory plan of `algo` (an RLOO algorithm object, built by `experiment.build` or
+  `build_abstract`): compiles its programs (`names`, default all) and returns the report."""
+  exp = algo.exp
+  c, m = exp.config, exp.model_config
+  compiled = programs_lib.compile_programs(algo, names)
+  limit = int(device_memory_gb * GIB)
+  peak = max(p.peak for p in compiled.programs.values())
+  shape = dict(num_prompts=c.rloo.num_prompts, prompt_len=c.data.max_prompt_len, k=c.rloo.k,
+               new_tokens=c.rloo.max_new_tokens, shared_prefix=bool(c.train.shared_prefix))
+  f = flops_lib.model_flops_per_iteration(m, **shape, num_epochs=c.train.num_epochs,
+                                          mode=c.rloo.sampler_mode)
+  f["remat_recompute"] = flops_lib.remat_recompute_flops(
+      m, **shape, num_epochs=c.train.num_epochs, remat=m.remat)
+  report = dict(
+      peak_gb_per_device=_gb(peak), fits=bool(peak <= limit),
+      params_gb=_gb(compiled.state_bytes["params"]),
+      opt_state_gb=_gb(compiled.state_bytes["opt_state"]),
+      ref_gb=_gb(compiled.state_bytes["ref_params"]),
+      kv_cache_gb=_gb(compiled.kv_cache_bytes),
+      rollout_gb={k: _gb(v) for k, v in compiled.rollout_bytes.items()},
+      programs={n: dict(peak_gb=_gb(p.peak), temp_gb=_gb(p.temp), argument_gb=_gb(p.argument),
+                        output_gb=_gb(p.output), alias_gb=_gb(p.alias),
+                        resident_gb=_gb(p.resident), compile_s=p.compile_s)
+                for n, p in compiled.programs.items()},
+      **microbatch(c),
+      rollout_chunk_prompts=programs_lib.chunk_prompts(c),
+      # Model FLOPs: rollout + reference + update (num_epochs passes over every row, i.e.
+      # epochs x minibatches steps); the backward's recompute is reported apart, not included.
+      flops_per_iteration=int(f["rollout"] + f["reference"] + f["update"]),
+      flops={k: int(v) for k, v in f.items()},
+      update_steps=int(c.train.num_epochs * c.train.num_minibatches),
+      devices=int(exp.layout.mesh.size), mesh=exp.layout.shape,
+      device_memory_gb=float(device_memory_gb), num_layers=int(m.num_layers),
+      num_params=int(m.num_params), remat=m.remat, dtype=m.dtype,
+      advice=advice(algo, compiled, limit))
+  return report
+
+
+def format_table(r: dict) -> str:
+  """The report as a readable table (GiB per device)."""
+  mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items())
+  lines = [f"memory plan per device (GiB) | {r['devices']} devices, mesh {mesh} | "
+           f"{r['num_layers']} layers, {r['num_params'] / 1e9:.3f}B params, {r['dtype']}, "
+           f"remat={r['remat']} | device memory {r['device_memory_gb']:g} GiB",
+           f"  params            {r['params_gb']:10.4g}",
+           f"  optimizer state   {r['opt_state_gb']:10.4g}",
+           f"  reference         {r['ref_gb']:10.4g}",
+           f"  KV cache          {r['kv_cache_gb']:10.4g}  (one rollout chunk of "
+           f"{r['rollout_chunk_prompts']} prompts)",
+           f"  {'program':16}{'peak':>10}{'temp':>10}{'args':>10}{'out':>10}{'alias':>10}"
+           f"{'resident':>10}{'compile_s':>11}"]
+  for name, p in r["programs"].items():
+    gb = "".join(f"{p[k]:10.4g}" for k in ("peak_gb", "temp_gb", "argument_gb", "output_gb",
+                                             "alias_gb", "resident_gb"))
+    lines.append(f"  {PROGRAM_LABELS[name]:16}{gb}{p['compile_s']:11.1f}")
+  f = r["flops"]
+  lines += [f"  microbatch: {r['microbatch_rows']} rows ({r['microbatch_groups']:g} groups), "
+            f"{r['microbatches']} per minibatch; {r['update_steps']} update steps an iteration",
+            f"  model FLOPs per iteration: {r['flops_per_iteration']:.3e} (rollout "
+            f"{f['rollout']:.3e}, reference {f['reference']:.3e}, update {f['update']:.3e}; "
+            f"remat recompute {f['remat_recompute']:.3e} not included)",
+            f"  peak {r['peak_gb_per_device']:.4g} GiB of {r['device_memory_gb']:g}: "
+            f"{'fits' if r['fits'] else 'DOES NOT FIT'}"]
+  lines += [f"  advice: {a}" for a in r["advice"]]
+  return "\n".join(lines)
+
+
+def device_memory_bytes(device=None) -> Optional[int]:
+  """The memory XLA may allocate on `device` (default: this process's first), or None when the
+  backend does not say."""
+  device = device or jax.local_devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  limit = (stats or {}).get("bytes_limit")
+  return int(limit) if limit else None
+
+
+def check(algo, *, log=print, backend: Optional[str] = None,
+          bytes_limit: Optional[int] = None) -> Optional[dict]:
+  """config.train.check_memory: on an accelerator, plans the RLOO job with the device's memory
+  and raises DoesNotFit naming the settings to turn; on CPU (or for PPO / DPO, which the plan
+  does not cover) it does nothing. `backend` / `bytes_limit` default to the running ones."""
+  exp = algo.exp
+  if not exp.config.train.get("check_memory", True):
+    return None
+  if (backend or jax.default_backend()) == "cpu":
+    return None
+  if getattr(algo, "name", "") != "rloo":
+    log(f"[plan] config.train.check_memory: the memory plan covers the RLOO programs only; "
+        f"{algo.name} is not checked")
+    return None
+  limit = bytes_limit or device_memory_bytes()
+  if limit is None:
+    limit = int(DEFAULT_DEVICE_MEMORY_GB * GIB)
+    log(f"[plan] the device reports no memory limit; planning for {DEFAULT_DEVICE_MEMORY_GB:g} "
+        "GiB")
+  report = plan(algo, device_memory_gb=limit / GIB)
+  log(format_table(report))
+  if not report["fits"]:
+    worst = max(report["programs"].items(), key=lambda kv: kv[1]["peak_gb"])
+    raise DoesNotFit(
+        f"the job needs {report['peak_gb_per_device']:.2f} GiB per device (the "
+        f"{PROGRAM_LABELS[worst[0]]}) but the device has {limit / GIB:.2f} GiB; set "
+        + "; or ".join(report["advice"] or ["a smaller batch"])
+        + " (config.train.check_memory=False skips this check)")
+  return report

@@ -1,0 +1,71 @@
+r"""Prints the memory plan of an RLOO job (a table, then one JSON line) without data or weights.
+
+    python -m rloo_jax.plan --config=configs/arithmetic.py:smoke
+    python -m rloo_jax.plan --config=configs/arithmetic.py --config.model.preset=qwen2.5-1.5b \
+        --config.model.dtype=bfloat16 --config.mesh.data=1 --config.mesh.fsdp=8 --devices=8
+
+--devices=N compiles for N simulated CPU devices (the mesh of an N-chip job; CPU temporaries
+approximate an accelerator's); without it the plan is for this machine's devices.
+--num_layers=L replaces the architecture's depth after the preset / checkpoint is resolved.
+Exits 0 whether or not the job fits (the JSON says); 1 on a config error.
+"""
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+from rloo_jax import cli  # registers the list parser before the config flag is defined
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "get_config(arg) file (path[:arg])",
+                                          lock_config=True)
+flags.mark_flags_as_required(["config"])
+_DEVICES = flags.DEFINE_integer("devices", None, "simulate this many CPU devices")
+_MEMORY = flags.DEFINE_float("device_memory_gb", 80.0, "memory per device, GiB")
+_LAYERS = flags.DEFINE_integer("num_layers", None, "override the architecture's depth")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  if _DEVICES.value:
+    # Before any device is touched: the device set is fixed once the backend starts, and an
+    # accelerator left out of it is never initialised (nor its memory preallocated).
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", int(_DEVICES.value))
+  # Imported after the device set is fixed (nothing they import may touch a device, but the
+  # order keeps it so).
+  from rloo_jax import algorithms, experiment, plan  # pylint: disable=import-outside-toplevel
+  try:
+    _, config = algorithms.resolve(_CONFIG.value)
+    if config.get("algorithm", "rloo") != "rloo":
+      raise ValueError(f"config.algorithm={config.algorithm!r}: the memory plan covers the RLOO "
+                       "programs only (config.algorithm='rloo')")
+    exp = experiment.build_abstract(config, num_layers=_LAYERS.value)
+    report = plan.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=_MEMORY.value)
+  except (ValueError, FileNotFoundError) as e:
+    if os.environ.get("RLOO_JAX_TRACEBACK"):
+      raise
+    print(f"rloo_jax.plan: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  print(plan.format_table(report))
+  print(json.dumps(report), flush=True)
+
+
+def run():
+  try:
+    cli.check_overrides(sys.argv[1:])
+  except (ValueError, FileNotFoundError) as e:
+    print(f"rloo_jax.plan: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

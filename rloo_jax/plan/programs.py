@@ -1,0 +1,210 @@
+"""The programs an RLOO iteration runs, lowered on abstract inputs (ShapeDtypeStructs carrying
+the real shardings) and compiled, with what each holds in device memory.
+
+    update   `RLOO.step_fn` on one minibatch of rows (worst case: T = max_new_tokens); when
+             it runs as several programs (`update.TrainStep.lower` gives them by name:
+             update_gradients, update_apply), each is measured under its own name
+    score    `RLOO.score_fn` on the whole rollout (reference log-probs, KL, advantages)
+    start    `sampler.start` on one rollout chunk (prefill + the first token)
+    decode   `sampler.decode_loop` on that chunk's SamplingState (donated)
+
+A program's peak on a device is its arguments + outputs - the donated (aliased) bytes + XLA's
+temporaries (`Compiled.memory_analysis`, per device for a partitioned program), plus what stays
+resident beside it: the parts of the persistent train state (params, reference, optimizer state)
+it does not take as arguments, and during the scoring pass and the update the rollout's own
+arrays (its sample output, rows and scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rloo_jax import experiment, rollout, sampler
+from rloo_jax.sharding import per_device_bytes
+
+NAMES = ("update", "score", "start", "decode")
+# The train state's parts each update program takes as arguments (the rest stays resident
+# beside it): the gradient program reads the params only, the optimizer step the whole state.
+_UPDATE_STATE_ARGS = {"update": ("params", "ref_params", "opt_state"),
+                      "update_gradients": ("params",),
+                      "update_apply": ("params", "ref_params", "opt_state")}
+
+
+@dataclasses.dataclass
+class Measured:
+  """One compiled program's bytes per device, and its compile time."""
+  name: str
+  argument: int
+  output: int
+  alias: int
+  temp: int
+  resident: int  # persistent state not among its arguments + the rollout arrays alive beside it
+  compile_s: float
+
+  @property
+  def peak(self) -> int:
+    return self.resident + self.argument + self.output - self.alias + self.temp
+
+
+def _with(tree, sharding):
+  """ShapeDtypeStructs of `tree` (abstract values) all carrying `sharding`."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def _with_shardings(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def _struct(shape, dtype, sharding):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+@dataclasses.dataclass
+class Inputs:
+  """The abstract arguments of the four programs of one experiment."""
+  state: Any  # TrainState of ShapeDtypeStructs with the state's shardings
+  rows: Any  # the whole rollout's rows (GroupedRows or SequenceRows)
+  minibatch: Any  # one minibatch of them
+  prompts: tuple  # (prompt tokens [C, P], lengths [C]) of one rollout chunk
+  rng: Any
+  token_id: Any  # an int32 scalar: eos_id and pad_id
+
+
+def chunk_prompts(config) -> int:
+  """Prompts per sampler call: config.rloo.rollout_chunk_prompts below the batch, else all."""
+  chunk = int(config.rloo.get("rollout_chunk_prompts", 0) or 0)
+  return chunk if 0 < chunk < config.rloo.num_prompts else int(config.rloo.num_prompts)
+
+
+def inputs(exp) -> Inputs:
+  """The shapes training runs: P = config.data.max_prompt_len, T = config.rloo.max_new_tokens
+  (before trimming), minibatches of num_prompts * k / num_minibatches rows."""
+  c, layout = exp.config, exp.layout
+  rows_sh, rep = layout.batch_sharding, layout.replicated
+  b, k, p, t = c.rloo.num_prompts, c.rloo.k, c.data.max_prompt_len, c.rloo.max_new_tokens
+  n = b * k
+  make = functools.partial(rollout.make_rows, k=k, shared_prefix=bool(c.train.shared_prefix))
+  rows = jax.eval_shape(make, jax.ShapeDtypeStruct((b, p), jnp.int32),
+                        jax.ShapeDtypeStruct((b,), jnp.int32),
+                        jax.ShapeDtypeStruct((n, t), jnp.int32),
+                        jax.ShapeDtypeStruct((n, t), jnp.bool_),
+                        jax.ShapeDtypeStruct((n, t), jnp.float32))
+  # Every field's leading axis is prompts or rows; a minibatch holds 1 / num_minibatches of
+  # each (whole groups with GroupedRows, single samples with SequenceRows).
+  m = c.train.num_minibatches
+  minibatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]),
+                                                          x.dtype), rows)
+  chunk = chunk_prompts(c)
+  return Inputs(state=experiment.abstract_state(exp), rows=_with(rows, rows_sh),
+                minibatch=_with(minibatch, rows_sh),
+                prompts=(_struct((chunk, p), jnp.int32, rows_sh),
+                         _struct((chunk,), jnp.int32, rows_sh)),
+                rng=_with(jax.eval_shape(lambda: jax.random.PRNGKey(0)), rep),
+                token_id=_struct((), jnp.int32, rep))
+
+
+def _sampler_static(exp) -> dict:
+  """The static arguments `sampler.sample` passes (`rollout._sample_rows`)."""
+  c = exp.config
+  return dict(method=exp.method, mode=c.rloo.sampler_mode,
+              batch_sharding=exp.layout.batch_sharding)
+
+
+def _compile(lowered):
+  t0 = time.perf_counter()
+  compiled = lowered().compile()
+  return compiled, time.perf_counter() - t0
+
+
+def _measure(name, compiled, seconds, resident) -> Measured:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    raise RuntimeError(f"the {jax.default_backend()} backend reports no memory analysis of the "
+                       f"{name} program, so it cannot be planned")
+  return Measured(name, int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+                  int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes), int(resident),
+                  round(seconds, 3))
+
+
+@dataclasses.dataclass
+class Compiled:
+  """What `compile_programs` found: each program measured, and the abstract sampler state."""
+  programs: dict  # name -> Measured
+  state_bytes: dict  # params / ref_params / opt_state -> bytes per device
+  kv_cache_bytes: int  # one rollout chunk's cache, per device
+  rollout_bytes: dict  # sample_output / rows / scores -> bytes per device
+  sampling_state: Any
+  ref_itemsize: int  # bytes per element of the reference's floating weights (the widest)
+
+
+def compile_programs(algo, names=NAMES) -> Compiled:
+  """Compiles the RLOO programs `names` (a subset of NAMES; the decode loop needs the start
+  compiled too) of `algo` (an `algorithms.rloo.RLOO`) on abstract inputs."""
+  exp = algo.exp
+  c = exp.config
+  x = inputs(exp)
+  state = x.state
+  parts = {name: per_device_bytes(getattr(state, name))
+           for name in ("params", "ref_params", "opt_state")}
+  persistent = sum(parts.values())
+  tok, static = x.token_id, _sampler_static(exp)
+  start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
+                      noise_budget_bytes=sampler.NOISE_BUDGET_BYTES)
+  start_args = (state.params, *x.prompts, x.rng, tok, tok)
+  shapes = jax.eval_shape(functools.partial(sampler.start, exp.fns, **start_static),
+                          *start_args)
+  found = {}
+  if "start" in names or "decode" in names:
+    compiled, s = _compile(lambda: sampler.start.lower(exp.fns, *start_args, **start_static))
+    found["start"] = _measure("start", compiled, s, persistent - parts["params"])
+    # The decode loop's input is the start's output, with the shardings the start gives it.
+    samp = _with_shardings(shapes, compiled.output_shardings)
+    kv_cache, sample_output = per_device_bytes(samp.cache), per_device_bytes(samp.output())
+  else:
+    # Uncompiled: the sampler splits every per-prompt array over the batch axes.
+    samp, ways = shapes, exp.layout.batch_parallelism
+    kv_cache, sample_output = (sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) // ways
+                               for t in (shapes.cache, shapes.output()))
+  # The whole rollout's sample output (this chunk's, times the chunks) stays alive until the
+  # iteration's metrics are taken.
+  sample_output *= c.rloo.num_prompts // chunk_prompts(c)
+  rows_bytes = per_device_bytes(x.rows)
+  if "decode" in names:
+    compiled, s = _compile(lambda: sampler.decode_loop.lower(exp.fns, state.params, samp, tok,
+                                                             tok, **static))
+    found["decode"] = _measure("decode", compiled, s, persistent - parts["params"])
+  rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
+  score_args = (state.ref_params, state.adv_state, x.rows,
+                _struct(shape_bk, jnp.float32, rows_sh), _struct(shape_bk, jnp.bool_, rows_sh))
+  # The scoring pass's outputs (KL, advantages, reference log-probs), split like the rows.
+  scores = per_device_bytes(_with(jax.eval_shape(algo.score_fn, *score_args)[0], rows_sh))
+  if "score" in names:
+    compiled, s = _compile(lambda: algo.score_fn.lower(*score_args))
+    found["score"] = _measure("score", compiled, s,
+                              persistent - parts["ref_params"] + sample_output)
+  if "update" in names:
+    # With one minibatch the rows are the step's argument; with more, the whole rollout's rows
+    # stay alive beside each minibatch gathered from them.
+    beside = sample_output + scores + (rows_bytes if c.train.num_minibatches > 1 else 0)
+    lowered = algo.step_fn.lower(state, x.minibatch)
+    for name, one in (lowered if isinstance(lowered, dict) else {"update": lowered}).items():
+      if name not in _UPDATE_STATE_ARGS:
+        raise ValueError(f"the memory plan does not know which train state the update program "
+                         f"{name!r} takes (plan.programs._UPDATE_STATE_ARGS)")
+      compiled, s = _compile(lambda one=one: one)
+      held = persistent - sum(parts[p] for p in _UPDATE_STATE_ARGS[name])
+      found[name] = _measure(name, compiled, s, held + beside)
+  ref_itemsize = max((x.dtype.itemsize for x in jax.tree.leaves(state.ref_params)
+                      if jnp.issubdtype(x.dtype, jnp.floating)), default=0)
+  order = sorted((n for n in found if n.split("_")[0] in names),
+                 key=lambda n: NAMES.index(n.split("_")[0]))  # stable: gradients, then apply
+  return Compiled({n: found[n] for n in order}, parts, kv_cache,
+                  dict(sample_output=sample_output, rows=rows_bytes, scores=scores), samp,
+                  ref_itemsize)

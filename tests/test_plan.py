@@ -1,0 +1,187 @@
+"""The memory planner (`python -m rloo_jax.plan`, `rloo_jax.plan`): the training programs
+compiled on abstract inputs with no data or weights, and what their numbers must be.
+
+One subprocess plans on a simulated 2-device FSDP mesh (the device count is fixed when jax
+starts); the rest plan in this process on its one CPU device, the update alone where only it
+matters. The compiles hit conftest's on-disk cache on a rerun.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, load_config
+from rloo_jax import experiment, plan
+from rloo_jax.algorithms.rloo import RLOO
+from rloo_jax.models import presets
+from rloo_jax.plan import flops
+
+GIB = plan.GIB
+PROGRAMS = {"update", "score", "start", "decode"}  # the update may be several: update_<part>
+NUMBER_KEYS = ("peak_gb_per_device", "params_gb", "opt_state_gb", "ref_gb", "kv_cache_gb",
+               "device_memory_gb")
+INT_KEYS = ("microbatch_size", "microbatch_rows", "microbatches", "flops_per_iteration",
+            "devices", "num_layers", "num_params", "rollout_chunk_prompts", "update_steps")
+
+# A config file: the smoke config with every parameter split over fsdp (norm scales included,
+# which the default rules replicate), so the policy's bytes per device are exactly 1 / fsdp.
+FSDP_CONFIG = f"""
+from rloo_jax import config_utils
+
+
+def get_config(arg=None):
+  c = config_utils.load_config_file({os.path.join(REPO, "configs", "arithmetic.py")!r}, "smoke")
+  c.mesh.rules = [("batch", ("data", "fsdp")), ("embed", "fsdp"), ("norm", "fsdp")]
+  return c
+"""
+
+
+def run_plan(*args):
+  out = subprocess.run([sys.executable, "-m", "rloo_jax.plan", *args], check=True,
+                       capture_output=True, text=True, cwd=REPO).stdout
+  return out, json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def fsdp_plan(tmp_path_factory):
+  path = tmp_path_factory.mktemp("plan") / "fsdp.py"
+  path.write_text(FSDP_CONFIG)
+  return run_plan(f"--config={path}", "--devices=2", "--config.mesh.data=1",
+                  "--config.mesh.fsdp=2", "--device_memory_gb=0.0001")
+
+
+def test_the_json_line_has_every_key_with_its_type(fsdp_plan):
+  table, r = fsdp_plan
+  assert "update step" in table and "sampler decode" in table  # the table comes first
+  for key in NUMBER_KEYS:
+    assert isinstance(r[key], float) and r[key] >= 0, key
+  for key in INT_KEYS:
+    assert isinstance(r[key], int) and not isinstance(r[key], bool), key
+  assert isinstance(r["fits"], bool) and isinstance(r["advice"], list)
+  assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1} and r["devices"] == 2
+  assert {name.split("_")[0] for name in r["programs"]} == PROGRAMS
+  for p in r["programs"].values():
+    assert set(p) >= {"peak_gb", "temp_gb", "compile_s"} and p["compile_s"] > 0
+    # A peak holds at least the program's own temporaries and arguments.
+    assert p["peak_gb"] >= p["temp_gb"] + p["argument_gb"] - p["alias_gb"] - 1e-12
+  assert r["peak_gb_per_device"] == max(p["peak_gb"] for p in r["programs"].values())
+
+
+def test_state_bytes_split_over_fsdp(fsdp_plan):
+  _, r = fsdp_plan
+  c = load_config()
+  assert r["num_params"] == experiment.build_abstract(c).model_config.num_params
+  assert r["params_gb"] * GIB == 4 * r["num_params"] / 2  # float32, halved by fsdp=2
+  assert r["ref_gb"] == r["params_gb"]  # config.model.ref_dtype '' keeps float32
+  # Adam's two moments per parameter, plus a few scalar counters.
+  assert 0 <= r["opt_state_gb"] * GIB - 8 * r["num_params"] / 2 < 64
+  # The smoke prompts (16 columns) are copied into each stream's cache: K and V of
+  # [L, B, k, Hkv, D, P + T] float32, split over the batch's 2 devices (plus the prompt mask).
+  m = c.model
+  kv = 2 * m.num_layers * c.rloo.num_prompts * c.rloo.k * m.num_kv_heads * m.head_dim * (
+      c.data.max_prompt_len + c.rloo.max_new_tokens) * 4 / 2
+  assert r["kv_cache_gb"] * GIB == pytest.approx(kv, rel=0.01)
+
+
+def test_a_tiny_device_does_not_fit_and_the_advice_names_a_knob(fsdp_plan):
+  table, r = fsdp_plan
+  assert r["fits"] is False and r["peak_gb_per_device"] > r["device_memory_gb"]
+  assert r["advice"] and all(a.startswith("--config.") for a in r["advice"])
+  knob = lambda name: next(a for a in r["advice"] if a.startswith(f"--config.{name}="))
+  value = lambda name: int(knob(name).split("=")[1].split()[0])
+  # Every program is over: the update's microbatch (a smaller size dividing the minibatch's
+  # groups), the rollout's chunk (dividing the prompts, a multiple of the 2 batch devices), the
+  # state (fsdp cannot grow past the 2 devices) and the float32 reference are all named.
+  size = value("train.microbatch_size")
+  assert size < r["microbatch_size"] and r["microbatch_size"] % size == 0
+  chunk = value("rloo.rollout_chunk_prompts")
+  assert chunk < r["rollout_chunk_prompts"] and 4 % chunk == 0 and chunk % 2 == 0
+  assert knob("mesh.fsdp").startswith("--config.mesh.fsdp=<more>")
+  assert knob("model.ref_dtype").startswith("--config.model.ref_dtype=bfloat16")
+  assert "DOES NOT FIT" in table
+
+
+def small_config(**overrides):
+  c = load_config()
+  with c.unlocked():
+    c.rloo.update(num_prompts=8, max_new_tokens=16)
+    c.model.max_seq_len = 32
+    for name, value in overrides.items():
+      section, key = name.split(".")
+      c[section][key] = value
+  return c
+
+
+def update_plan(**overrides):
+  return plan.plan(RLOO(experiment.build_abstract(small_config(**overrides))),
+                   names=("update",))
+
+
+def update_max(r, key):
+  """The largest `key` among the update's programs."""
+  return max(p[key] for p in r["programs"].values())
+
+
+def test_the_update_peak_falls_with_the_microbatch_and_with_remat():
+  full = update_plan(**{"model.remat": "full"})
+  micro = update_plan(**{"model.remat": "full", "train.microbatch_size": 1})
+  none = update_plan(**{"model.remat": "none"})
+  assert update_max(micro, "peak_gb") < update_max(full, "peak_gb") < update_max(none, "peak_gb")
+  assert update_max(micro, "temp_gb") < update_max(full, "temp_gb")
+  # The reported microbatch: one group of k = 4 rows, 8 of them per (single) minibatch.
+  assert (micro["microbatch_size"], micro["microbatch_rows"], micro["microbatch_groups"],
+          micro["microbatches"]) == (1, 4, 1, 8)
+  assert (full["microbatch_size"], full["microbatch_rows"], full["microbatches"]) == (8, 32, 1)
+  # Only what was asked is compiled; the state is counted all the same.
+  assert {n.split("_")[0] for n in full["programs"]} == {"update"} and full["params_gb"] > 0
+
+
+@pytest.fixture(scope="module")
+def preset_algo():
+  c = load_config()
+  with c.unlocked():
+    c.model.update(preset="qwen2.5-0.5b", dtype="bfloat16")
+    # One prompt: no smaller microbatch exists, so a plan that does not fit compiles nothing
+    # more to advise on it.
+    c.rloo.update(num_prompts=1, k=2, max_new_tokens=8)
+  return RLOO(experiment.build_abstract(c, num_layers=2))
+
+
+def test_a_preset_plans_with_no_weights_and_no_data(preset_algo, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  r = plan.plan(preset_algo)
+  assert os.listdir(tmp_path) == []  # no data directory, no download
+  arch = presets.get("qwen2.5-0.5b", num_layers=2)
+  assert r["num_layers"] == 2 and r["num_params"] == arch.num_params
+  assert r["params_gb"] * GIB == 4 * arch.num_params  # float32 params on one device
+  assert r["fits"] is True and r["advice"] == []
+  assert {name.split("_")[0] for name in r["programs"]} == PROGRAMS
+  f = r["flops"]
+  assert r["flops_per_iteration"] == f["rollout"] + f["reference"] + f["update"]
+  assert f["update"] == 3 * 2 * f["reference"]  # forward + backward, num_epochs = 2
+
+
+def test_check_memory_refuses_a_job_that_does_not_fit(preset_algo):
+  assert plan.check(preset_algo) is None  # on CPU: nothing planned
+  logged = []
+  with pytest.raises(plan.DoesNotFit, match=r"config\.train\.check_memory=False") as e:
+    plan.check(preset_algo, log=logged.append, backend="gpu", bytes_limit=2 ** 20)
+  assert "--config." in str(e.value) and "GiB per device" in str(e.value)
+  assert "DOES NOT FIT" in logged[-1]
+  report = plan.check(preset_algo, log=logged.append, backend="gpu", bytes_limit=80 * GIB)
+  assert report["fits"] is True
+
+
+def test_the_prefill_applies_the_head_at_one_position_per_prompt():
+  """The rollout's head FLOPs: one position per prompt (the prefill) and one per stream at each
+  of the new_tokens - 1 decode steps; a tied embedding leaves the trunk unchanged."""
+  base = presets.get("qwen2.5-0.5b", num_layers=2)
+  wider = base.replace(vocab_size=base.vocab_size + 1000)
+  b, p, k, t = 4, 32, 3, 10
+  delta = (flops.rollout_flops(wider, b, p, k, t) - flops.rollout_flops(base, b, p, k, t))
+  assert delta == 2 * base.hidden_size * 1000 * (b + b * k * (t - 1))
+  # Prefilling each stream ('unshared') costs k - 1 more prompt passes than sharing it.
+  assert flops.rollout_flops(base, b, p, k, t, "unshared") > flops.rollout_flops(base, b, p, k, t)
