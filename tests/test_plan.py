@@ -185,3 +185,20 @@ def test_the_prefill_applies_the_head_at_one_position_per_prompt():
   assert delta == 2 * base.hidden_size * 1000 * (b + b * k * (t - 1))
   # Prefilling each stream ('unshared') costs k - 1 more prompt passes than sharing it.
   assert flops.rollout_flops(base, b, p, k, t, "unshared") > flops.rollout_flops(base, b, p, k, t)
+
+
+def test_fsdp_gathers_one_layer_at_a_time():
+  """On an 8-way FSDP mesh the update's temporaries hold a layer's gathered weights at a time,
+  not the whole gathered tree: far below the float32 bytes of all the parameters, which a
+  whole-tree gather (the code before the layer scan) held in every program."""
+  model = dict(hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=4, head_dim=64,
+               intermediate_size=1024)
+  _, r = run_plan("--config=configs/arithmetic.py:smoke", "--devices=8", "--config.mesh.data=1",
+                  "--config.mesh.fsdp=8", "--config.rloo.num_prompts=8", "--config.rloo.k=2",
+                  "--config.train.eval_batch_size=8", "--config.sft.batch_size=8",
+                  *(f"--config.model.{k}={v}" for k, v in model.items()))
+  whole_tree_gb = 4 * r["num_params"] / GIB
+  update = [v for name, v in r["programs"].items() if name.startswith("update")]
+  assert r["params_gb"] == pytest.approx(whole_tree_gb / 8, rel=0.05)
+  assert max(v["temp_gb"] for v in update) < 0.5 * whole_tree_gb, (update, whole_tree_gb)
+  assert r["programs"]["decode"]["temp_gb"] < 0.5 * whole_tree_gb, r["programs"]["decode"]

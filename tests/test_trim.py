@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config
-from rloo_jax import experiment, models, rollout, sampler
+from rloo_jax import experiment, models, rollout, sampler, update
 from rloo_jax.algorithms.rloo import RLOO, rollout_rows, trim_rollout
 from rloo_jax.data import pipeline
 
@@ -240,3 +240,47 @@ def test_chunks_are_sampled_alone_and_concatenated(chunk_setup, chunk):
   # The chunks draw other samples than the unchunked rollout (with rng), not the same ones.
   unchunked, _ = sample_with_chunks(exp, params, batch, rng, 0)
   assert not np.array_equal(np.asarray(unchunked.tokens_bkt), np.asarray(out.tokens_bkt))
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False], ids=["grouped", "sequence"])
+@pytest.mark.parametrize("aggregation", ["sequence_sum", "token_mean"])
+def test_microbatched_reference_pass_and_gradient_equal_one_pass(tmp_path, shared_prefix,
+                                                                 aggregation):
+  """train.microbatch_size changes memory, not the algorithm: the reference log-probs, the
+  gradient, the loss and the metrics of 2 and 4 microbatches equal one pass over the rows."""
+  config = tiny_config()
+  config.train.shared_prefix = shared_prefix
+  config.loss.aggregation = aggregation
+  exp = experiment.build(config, str(tmp_path))
+  algo = RLOO(exp)
+  state = algo.init_state(models.create(exp.model_config)[1])
+  batch = first_batch(exp)
+  out, _ = rollout.sample_batch(exp, state.params, batch, jax.random.PRNGKey(0), k=algo.k)
+  b, k = out.lengths_bk.shape
+  # Ragged lengths, so token_mean's whole-minibatch normaliser differs from each microbatch's.
+  out = stopped_early(out, np.random.default_rng(3).integers(1, MAX_NEW_TOKENS + 1, (b, k)),
+                      exp.tokenizer.pad_id)
+  rows = rollout_rows(algo, batch, out)
+  rows = rows.replace(advantages_n=jnp.asarray(
+      np.random.default_rng(4).standard_normal(b * k), jnp.float32))
+  units = rows.num_units
+  results = {}
+  for m in (1, 2, 4):
+    ref = update.reference_logprobs(state.ref_params, rows, fns=exp.fns, k=k, chunk_size=5,
+                                    microbatches=m)
+    grads, value, metrics = update.gradients(state.params, rows, fns=exp.fns,
+                                             spec=exp.loss_spec, k=k, chunk_size=5,
+                                             microbatches=m)
+    results[m] = ref, grads, value, metrics
+    assert units % m == 0
+  ref1, grads1, value1, metrics1 = results[1]
+  assert float(jnp.abs(value1)) > 0
+  for m in (2, 4):
+    ref, grads, value, metrics = results[m]
+    np.testing.assert_allclose(ref, ref1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(value, value1, rtol=1e-5, atol=1e-7)
+    for name in metrics1:
+      np.testing.assert_allclose(metrics[name], metrics1[name], rtol=1e-4, atol=1e-6,
+                                 err_msg=name)
+    for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+      np.testing.assert_allclose(g, g1, rtol=1e-4, atol=1e-6)
