@@ -24,6 +24,8 @@ setup(
         "numpy>=1.26",
         "absl-py",
         "tokenizers>=0.20",
+        # config.data.chat_template: instruct models' Jinja chat templates (rloo_jax.data.chat).
+        "jinja2>=3.1",
         "safetensors>=0.4",
         # config.model.init_from / load_policy given a hub id 'org/name' (snapshot_download).
         "huggingface_hub>=0.23",

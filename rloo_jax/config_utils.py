@@ -83,7 +83,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       min_digits=1, max_digits=2, num_train=4500, num_test=256, data_seed=0,
       jsonl_train="", jsonl_test="",  # task=jsonl: prompts with optional answers
-      max_prompt_len=16, overlong="drop"))
+      max_prompt_len=16, overlong="drop",
+      # '' (prompts as they are) | 'auto' (the tokenizer's own) | a .jinja path: each prompt is
+      # rendered as one user turn with add_generation_prompt=True (rloo_jax.data.chat).
+      chat_template=""))
 
   # The policy. `init_from`: a local Hugging Face checkpoint directory, or '' to train the task's
   # own small model from scratch with the SFT stage below.
@@ -167,3 +170,17 @@ def base_config() -> ml_collections.ConfigDict:
              ("mlp", "tensor"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
              ("head_dim", None), ("norm", None)]))
   return c
+
+
+# config.model settings that change how the same model is computed or stored, not what it
+# computes: left out of the fingerprints of cached SFT policies and preference pairs.
+_LAYOUT_ONLY_MODEL_KEYS = ("remat", "ref_dtype")
+
+
+def model_fingerprint(config) -> dict:
+  """config.model as a cache key: without the layout-only settings, and without an unset
+  preset, so a cache written before those keys existed still matches."""
+  out = {k: v for k, v in config.model.to_dict().items() if k not in _LAYOUT_ONLY_MODEL_KEYS}
+  if not out.get("preset"):
+    out.pop("preset", None)
+  return out

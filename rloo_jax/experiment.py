@@ -23,7 +23,7 @@ import optax
 from rloo_jax import advantage, loss, rollout, sampling, tasks
 from rloo_jax import sharding as sharding_lib
 from rloo_jax.config_utils import sequence_length
-from rloo_jax.data import pipeline
+from rloo_jax.data import chat, pipeline
 from rloo_jax.models import config as model_config_lib
 from rloo_jax.models import hf, presets, transformer
 from rloo_jax.optim import make_optimizer
@@ -189,6 +189,7 @@ def validate_config(config) -> None:
                             f"{'' if local == init else f' (in {local})'}; point it at a "
                             "Hugging Face checkpoint directory (config.json + "
                             "model.safetensors, as save_pretrained writes it) or hub id")
+  chat.check(config, local)
 
 
 def validate_layout(config, layout: sharding_lib.Layout) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 from rloo_jax import algorithms, rollout, sampler, sampling
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
-from rloo_jax.data import pipeline
+from rloo_jax.data import chat, pipeline
 from rloo_jax.models import hf, transformer
 from rloo_jax.rewards import RewardSet
 
@@ -97,7 +97,7 @@ class Policy:
     self.run_method = run_method or sampling.Greedy()
     # The sampler needs integer ids: a tokenizer without EOS never stops early (-1 matches no
     # token), and one without pad pads with 0 (padding is masked everywhere).
-    self._eos = -1 if tokenizer.eos_id is None else int(tokenizer.eos_id)
+    self._stops = rollout.stop_ids(tokenizer)
     self._pad = 0 if tokenizer.pad_id is None else int(tokenizer.pad_id)
 
   def __repr__(self) -> str:
@@ -110,8 +110,7 @@ class Policy:
     """Right-padded (tokens [N, P], lengths [N]) with BOS first, as the data pipeline and so the
     trainer encode them. P: the run's max_prompt_len when every prompt fits it, else the next
     power of two (capped to leave `room` new tokens in the context when it can)."""
-    bos = 0 if getattr(self.tokenizer, "bos_id", None) is None else 1
-    longest = max(bos + len(self.tokenizer.encode(p)) for p in prompts)
+    longest = max(len(chat.prompt_ids(self.tokenizer, p, add_bos=True)) for p in prompts)
     if self.max_prompt_len and longest <= self.max_prompt_len:
       width = int(self.max_prompt_len)
     else:
@@ -146,7 +145,7 @@ class Policy:
       out = sampler.sample(self.fns, self.params, _pad_rows(tokens[lo:hi], b),
                            _pad_rows(lengths[lo:hi], b),
                            jax.random.fold_in(jax.random.PRNGKey(seed), i), k=k,
-                           max_new_tokens=t, method=method, eos_id=self._eos, pad_id=self._pad,
+                           max_new_tokens=t, method=method, eos_id=self._stops, pad_id=self._pad,
                            mode=self.sampler_mode, max_seq_len=self.max_seq_len)
       n = hi - lo
       texts += rollout.decode_completions(self.tokenizer,
@@ -242,17 +241,20 @@ def _load_workdir(workdir: str, step: Optional[int]) -> Policy:
                 run_method=exp.method)
 
 
-def _load_hf(path_or_id: str) -> Policy:
+def _load_hf(path_or_id: str, chat_template: str) -> Policy:
   local = hf.resolve_path(path_or_id, what="load_policy path")
   mcfg, graphdef, params = hf.load_model(local)
-  return Policy(transformer.model_fns(graphdef), params, hf.load_tokenizer(local),
+  tokenizer = chat.attach(hf.load_tokenizer(local), chat_template)
+  return Policy(transformer.model_fns(graphdef), params, tokenizer,
                 max_new_tokens=min(64, max(1, mcfg.max_seq_len // 2)), path=local)
 
 
-def load_policy(path: str, step: Optional[int] = None) -> Policy:
+def load_policy(path: str, step: Optional[int] = None, chat_template: str = "") -> Policy:
   """A `Policy` from a training workdir (one holding run_config.json: its newest checkpoint, or
   `step`'s), or from a Hugging Face checkpoint (a local directory or a hub id 'org/name',
-  fetched through the hub cache: rloo_jax.models.hf.resolve_path)."""
+  fetched through the hub cache: rloo_jax.models.hf.resolve_path). `chat_template` (an HF
+  checkpoint; a workdir uses its run's config.data.chat_template): '', 'auto' or a .jinja path,
+  as config.data.chat_template, rendering each prompt `generate` / `logprobs` get."""
   path = os.path.expanduser(os.fspath(path))
   if os.path.isfile(os.path.join(path, "run_config.json")):  # rloo_jax.workdir.CONFIG_FILE
     return _load_workdir(os.path.abspath(path), step)
@@ -262,4 +264,4 @@ def load_policy(path: str, step: Optional[int] = None) -> Policy:
   if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
     raise FileNotFoundError(f"{path} holds neither run_config.json (a training workdir) nor "
                             "config.json (a Hugging Face checkpoint)")
-  return _load_hf(path)
+  return _load_hf(path, chat_template)

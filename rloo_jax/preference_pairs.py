@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from rloo_jax import config_utils
 from rloo_jax import rollout, sampling
 from rloo_jax.rewards import registry
 from rloo_jax.rewards.preferences import bradley_terry_prefer
@@ -84,7 +85,8 @@ def json_dump(obj, path):
 def pairs_settings(config) -> dict:
   r = config.rlhf
   return dict(version=PAIRS_VERSION, seed=config.seed, sft=config.sft.to_dict(),
-              model=config.model.to_dict(), data=config.data.to_dict(), task=config.task,
+              model=config_utils.model_fingerprint(config), data=config.data.to_dict(),
+              task=config.task,
               max_new_tokens=config.rloo.max_new_tokens, num_pair_prompts=r.num_pair_prompts,
               samples_per_prompt=r.samples_per_prompt, sample_temperature=r.sample_temperature,
               pairs_per_prompt=r.pairs_per_prompt,

@@ -187,11 +187,23 @@ def make_rows(prompt_tokens_bp, prompt_lengths_b, completions_nt, cmask_nt, old_
 # Host side: sampling, decoding, rewards
 
 
+def stop_ids(tokenizer) -> tuple[int, ...]:
+  """Every id that ends a completion: the tokenizer's `stop_ids`, else (eos_id,); (-1,), which
+  matches no token, for a tokenizer without EOS (its completions run to max_new_tokens)."""
+  ids = getattr(tokenizer, "stop_ids", None)
+  if not ids:
+    ids = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+  return tuple(int(i) for i in ids) or (-1,)
+
+
 def decode_completions(tokenizer, tokens_nt, lengths_n) -> list[str]:
-  eos = tokenizer.eos_id
+  """Each completion's text, cut at its first stop id (the end token is not part of the text)."""
+  stops = set(stop_ids(tokenizer))
   out = []
   for row, n in zip(np.asarray(tokens_nt), np.asarray(lengths_n)):
-    out.append(tokenizer.decode([int(t) for t in row[:n] if int(t) != eos]))
+    ids = [int(t) for t in row[:n]]
+    cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    out.append(tokenizer.decode(ids[:cut]))
   return out
 
 
@@ -277,7 +289,7 @@ def _sample_rows(exp, params, prompt_tokens, prompt_lengths, rng, *, k: int, met
   return sampler.sample(exp.fns, params, layout.shard_batch(prompt_tokens),
                         layout.shard_batch(prompt_lengths), rng,
                         k=k, max_new_tokens=c.rloo.max_new_tokens,
-                        method=method or exp.method, eos_id=exp.tokenizer.eos_id,
+                        method=method or exp.method, eos_id=stop_ids(exp.tokenizer),
                         pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
                         max_seq_len=exp.model_config.max_seq_len,
                         batch_sharding=layout.batch_sharding)

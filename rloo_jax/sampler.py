@@ -22,16 +22,15 @@ copied on entry). The loop stops when every stream has emitted EOS or after max_
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from rloo_jax import sampling
+from rloo_jax import sampler_args, sampling
 
-MODES = ('shared', 'unshared', 'recompute')
+MODES = sampler_args.MODES
 NOISE_BUDGET_BYTES = sampling.NOISE_BUDGET_BYTES  # sample()'s default noise_budget_bytes
 
 
@@ -220,7 +219,8 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 # The two jitted programs
 
 
-# eos_id and pad_id are traced, not static: a new end token must not recompile the sampler.
+# eos_id (int32 [S] stop ids) and pad_id are traced, not static: new end tokens must not
+# recompile the sampler (a different number of them does).
 @functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
                                              'batch_sharding', 'noise_budget_bytes'))
 def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *,
@@ -278,80 +278,9 @@ def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
 # Public entry point
 
 
-def _model_max_seq_len(fns):
-  for source in (fns, getattr(fns, 'config', None)):
-    value = getattr(source, 'max_seq_len', None)
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-      return int(value)
-  return None
-
-
-def _check_int(name, value, minimum=None):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f'sample: {name} must be an integer, got {value!r}')
-  if minimum is not None and value < minimum:
-    raise ValueError(f'sample: {name} must be >= {minimum}, got {value}')
-  return int(value)
-
-
-def _validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, eos_id, pad_id,
-              mode, max_seq_len):
-  if mode not in MODES:
-    raise ValueError(f'sample: mode must be one of {MODES}, got {mode!r}')
-  if not callable(getattr(method, 'process', None)) or not hasattr(method, 'is_greedy'):
-    raise ValueError(
-        f'sample: method must be a rloo_jax.sampling method (Greedy, Temperature, TopK, TopP), '
-        f'got {method!r}')
-  k = _check_int('k', k, 1)
-  max_new_tokens = _check_int('max_new_tokens', max_new_tokens, 1)
-  eos_id = _check_int('eos_id', eos_id)
-  pad_id = _check_int('pad_id', pad_id)
-  tokens_shape = np.shape(prompt_tokens_bp)
-  lengths_shape = np.shape(prompt_lengths_b)
-  if len(tokens_shape) != 2:
-    raise ValueError(
-        f'sample: prompt_tokens_bp must be 2-D [batch, prompt_len], got shape {tokens_shape}')
-  num_prompts, num_cols = tokens_shape
-  if num_prompts < 1 or num_cols < 1:
-    raise ValueError(f'sample: prompt_tokens_bp must be non-empty, got shape {tokens_shape}')
-  if lengths_shape != (num_prompts,):
-    raise ValueError(
-        f'sample: prompt_lengths_b must have shape ({num_prompts},) to match prompt_tokens_bp '
-        f'{tokens_shape}, got {lengths_shape}')
-  for name, arr in (('prompt_tokens_bp', prompt_tokens_bp), ('prompt_lengths_b', prompt_lengths_b)):
-    if not jnp.issubdtype(jnp.result_type(arr), jnp.integer):
-      raise ValueError(f'sample: {name} must be integers, got {jnp.result_type(arr)}')
-  if isinstance(prompt_lengths_b, jax.core.Tracer):
-    return k, max_new_tokens, eos_id, pad_id  # Traced under an outer jit: values unknown here.
-  if isinstance(prompt_lengths_b, jax.Array) and not prompt_lengths_b.is_fully_addressable:
-    # Multi-process: each process checks the rows it holds (indices below are local).
-    lengths = np.concatenate([np.asarray(s.data).reshape(-1)
-                              for s in prompt_lengths_b.addressable_shards])
-  else:
-    lengths = np.asarray(jax.device_get(prompt_lengths_b))
-  empty = np.flatnonzero(lengths < 1)
-  if empty.size:
-    raise ValueError(f'sample: empty prompt (length {lengths[empty[0]]}) at batch index '
-                     f'{empty[0]}; every prompt needs at least one token')
-  too_long = np.flatnonzero(lengths > num_cols)
-  if too_long.size:
-    raise ValueError(f'sample: prompt {too_long[0]} has length {lengths[too_long[0]]} > the '
-                     f'{num_cols} columns of prompt_tokens_bp')
-  if max_seq_len is not None:
-    longest = int(lengths.max())
-    if longest > max_seq_len:
-      raise ValueError(
-          f'sample: prompt {int(lengths.argmax())} has {longest} tokens, longer than the model '
-          f'context max_seq_len={max_seq_len}')
-    if longest + max_new_tokens > max_seq_len:
-      raise ValueError(
-          f'sample: prompt length {longest} + max_new_tokens {max_new_tokens} = '
-          f'{longest + max_new_tokens} exceeds the model context max_seq_len={max_seq_len}')
-  return k, max_new_tokens, eos_id, pad_id
-
-
 def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_new_tokens: int,
-           method: sampling.Method, eos_id: int, pad_id: int, mode: str = 'shared',
+           method: sampling.Method, eos_id: int | Sequence[int], pad_id: int,
+           mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
            noise_budget_bytes: int = NOISE_BUDGET_BYTES) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
@@ -367,7 +296,8 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     k: streams (completions) per prompt.
     max_new_tokens: T, the completion buffer length.
     method: a rloo_jax.sampling method (static).
-    eos_id, pad_id: the end token, and the token written after it.
+    eos_id: the end token, or several (a stream stops at the first of any of them).
+    pad_id: the token written after the end.
     mode: 'shared' | 'unshared' | 'recompute' (see the module docstring).
     max_seq_len: the model context; taken from `fns.max_seq_len` or `fns.config.max_seq_len` when
       not given. The longest prompt plus max_new_tokens must fit in it.
@@ -385,11 +315,11 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       before anything is compiled.
   """
   if max_seq_len is None:
-    max_seq_len = _model_max_seq_len(fns)
-  k, max_new_tokens, eos_id, pad_id = _validate(
+    max_seq_len = sampler_args.model_max_seq_len(fns)
+  k, max_new_tokens, eos_id, pad_id = sampler_args.validate(
       prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens, method=method,
       eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
-  eos_id, pad_id = jnp.int32(eos_id), jnp.int32(pad_id)
+  eos_id, pad_id = jnp.asarray(eos_id, jnp.int32), jnp.int32(pad_id)
   state = start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
                 eos_id, pad_id,
                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,

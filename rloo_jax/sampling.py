@@ -122,14 +122,17 @@ Method = Union[Greedy, Temperature, TopK, TopP]
 # Drawing tokens (the sampler's per-step draw, EOS masking included)
 
 
-def mask_after_eos(tokens_bk: jax.Array, done_bk: jax.Array, *, eos_id: int, pad_id: int):
+def mask_after_eos(tokens_bk: jax.Array, done_bk: jax.Array, *, eos_id, pad_id: int):
   """One step of EOS masking: streams already done emit pad_id and are masked out.
 
+  eos_id: one end token or an int array [S] of stop ids; a stream ends at any of them.
   Returns (tokens_bk, valid_bk, done_bk): the EOS token itself is valid; done after it.
   """
   valid_bk = ~done_bk
   tokens_bk = jnp.where(valid_bk, tokens_bk, jnp.asarray(pad_id).astype(tokens_bk.dtype))
-  return tokens_bk, valid_bk, done_bk | (valid_bk & (tokens_bk == eos_id))
+  stops_s = jnp.atleast_1d(jnp.asarray(eos_id)).astype(tokens_bk.dtype)
+  is_stop_bk = jnp.any(tokens_bk[..., None] == stops_s, axis=-1)
+  return tokens_bk, valid_bk, done_bk | (valid_bk & is_stop_bk)
 
 
 def stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:

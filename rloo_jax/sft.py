@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from rloo_jax import config_utils
 from rloo_jax import loss
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import pipeline
@@ -115,7 +116,7 @@ def _settings(config) -> dict:
   sft_config = {k: v for k, v in config.sft.to_dict().items()
                 if k not in ("cache_key", "log_every", "checkpoint_every")}
   return dict(task=config.task, seed=config.seed, sft=sft_config,
-              model=config.model.to_dict(), data=config.data.to_dict(),
+              model=config_utils.model_fingerprint(config), data=config.data.to_dict(),
               max_new_tokens=config.rloo.max_new_tokens)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from rloo_jax.data import arithmetic, jsonl, summarize
+from rloo_jax.data import arithmetic, chat, jsonl, summarize
 from rloo_jax.data.builder import load_split
 from rloo_jax.data.tokenizer import ByteTokenizer
 
@@ -141,4 +141,8 @@ def names() -> Sequence[str]:
 def make(config, data_dir: str) -> Task:
   if config.task not in _TASKS:
     raise ValueError(f"unknown task {config.task!r}; choose one of {list(names())} (config.task)")
-  return _TASKS[config.task](config, data_dir)
+  task = _TASKS[config.task](config, data_dir)
+  # Every prompt (rollouts, evaluation, SFT) is then rendered by it in the data pipeline.
+  if task.tokenizer is not None:
+    chat.attach(task.tokenizer, config.data.get("chat_template", ""))
+  return task

@@ -24,11 +24,13 @@ import os
 
 import numpy as np
 
-FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox')
+# A fixture per architecture flavour; the directory name, not always the model family (llama3 and
+# mistral load as family 'llama').
+FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox', 'llama3', 'qwen3', 'mistral')
 VOCAB = 128
 NEW_TOKENS = 8
 # Seeds picked so the greedy paths are varied (not one repeated token) and far from ties.
-SEEDS = {'llama': 2, 'qwen2': 2, 'gpt2': 1, 'gpt_neox': 0}
+SEEDS = {'llama': 2, 'qwen2': 2, 'gpt2': 1, 'gpt_neox': 0, 'llama3': 0, 'qwen3': 2, 'mistral': 1}
 SPECIALS = ['<pad>', '<s>', '</s>', '<unk>']  # ids 0..3
 SENTENCES = [
     'the quick brown fox jumps over the lazy dog',
@@ -88,6 +90,35 @@ def build_model(family: str, seed: int = 0, **overrides):
         use_parallel_residual=True, hidden_act='gelu', layer_norm_eps=1e-5,
         tie_word_embeddings=False, initializer_range=0.3, **common)
     cls = transformers.GPTNeoXForCausalLM
+  elif family == 'llama3':
+    # Llama 3.1+ rope scaling with a short original context, so that within the fixture's
+    # positions the scaling bites: head_dim 16 at theta 1e4 has wavelengths 6.3, 20, 63, ...,
+    # i.e. with original context 32 (band 8..32) one kept, one blended, the rest divided by 8.
+    # Tied embeddings, as Llama 3.2.
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        rope_parameters=dict(rope_type='llama3', rope_theta=10000.0, factor=8.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=32),
+        rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.3, **common)
+    cls = transformers.LlamaForCausalLM
+  elif family == 'qwen3':
+    # q_norm / k_norm per head, no qkv bias, head_dim 16 != hidden / heads = 8, tied.
+    cfg = transformers.Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.3, **common)
+    cls = transformers.Qwen3ForCausalLM
+  elif family == 'mistral':
+    # MQA, head_dim 12 != hidden / heads = 8, untied; a sliding window equal to the context
+    # (so never reached: a Llama).
+    cfg = transformers.MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=12, max_position_embeddings=64, sliding_window=64,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        initializer_range=0.3, **common)
+    cls = transformers.MistralForCausalLM
   else:
     raise ValueError(family)
   for k, v in overrides.items():

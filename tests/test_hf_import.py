@@ -17,9 +17,13 @@ from rloo_jax import sampler, sampling
 from rloo_jax.models import hf, model_fns
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
-FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox')
+# Fixture directories (make_hf_fixtures.FAMILIES); llama3 and mistral load as family 'llama'.
+FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox', 'llama3', 'qwen3', 'mistral')
 ARCH = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'gpt2': 'GPT2LMHeadModel',
-        'gpt_neox': 'GPTNeoXForCausalLM'}
+        'gpt_neox': 'GPTNeoXForCausalLM', 'llama3': 'LlamaForCausalLM',
+        'qwen3': 'Qwen3ForCausalLM', 'mistral': 'MistralForCausalLM'}
+MODEL_FAMILY = {'llama3': 'llama', 'mistral': 'llama'}
+TIED = {'qwen2', 'gpt2', 'llama3', 'qwen3'}
 
 
 @pytest.fixture(scope='module', params=FAMILIES)
@@ -93,28 +97,102 @@ def test_config_mapping(loaded):
   family, path, config, params, _, _, _ = loaded
   with open(os.path.join(path, 'config.json')) as f:
     raw = json.load(f)
-  assert config.family == family and config.vocab_size == raw['vocab_size']
-  assert config.tie_embeddings == {'llama': False, 'qwen2': True, 'gpt2': True,
-                                   'gpt_neox': False}[family]
-  assert config.qkv_bias == (family != 'llama')
+  assert raw['architectures'] == [ARCH[family]]
+  assert config.family == MODEL_FAMILY.get(family, family)
+  assert config.vocab_size == raw['vocab_size']
+  assert config.tie_embeddings == (family in TIED)
+  assert config.qkv_bias == (family in ('qwen2', 'gpt2', 'gpt_neox'))
+  assert config.qk_norm == (family == 'qwen3')
   if family != 'gpt2':
-    assert config.rope_theta == raw['rope_parameters']['rope_theta']
-    # transformers < 5 wrote a top-level rope_theta instead of rope_parameters, and GPT-NeoX
-    # (Pythia's config.json) rotary_emb_base and rotary_pct.
+    if 'head_dim' in raw:
+      assert config.head_dim == raw['head_dim']
+    rope = raw['rope_parameters']
+    assert config.rope_theta == rope['rope_theta'] and config.rope_type == rope['rope_type']
+    # transformers < 5 wrote a top-level rope_theta (+ rope_scaling) instead of rope_parameters,
+    # and GPT-NeoX (Pythia's config.json) rotary_emb_base and rotary_pct.
     old = {k: v for k, v in raw.items() if k != 'rope_parameters'}
     if family == 'gpt_neox':
-      old.update(rotary_emb_base=raw['rope_parameters']['rope_theta'],
-                 rotary_pct=raw['rope_parameters']['partial_rotary_factor'])
+      old.update(rotary_emb_base=rope['rope_theta'], rotary_pct=rope['partial_rotary_factor'])
     else:
-      old['rope_theta'] = raw['rope_parameters']['rope_theta']
+      old['rope_theta'] = rope['rope_theta']
+      if rope['rope_type'] != 'default':
+        old['rope_scaling'] = {k: v for k, v in rope.items() if k != 'rope_theta'}
     assert hf.config_from_hf(old) == config
-    with pytest.raises(ValueError, match='rope_type'):
-      hf.config_from_hf({**old, 'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}})
+    for rope_type in ('yarn', 'dynamic', 'longrope'):
+      with pytest.raises(ValueError, match=f"{ARCH[family]}: rope_type '{rope_type}' is not"):
+        hf.config_from_hf({**old, 'rope_scaling': {'rope_type': rope_type, 'factor': 4.0}})
   assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params
   if family == 'gpt_neox':
-    # head_dim 8 with rotary_pct 0.25: RoPE on 2 dims of each head, the other 6 passed through.
+    # head_dim 8 with rotary_pct 0.25: RoPE on 2 of each head, the other 6 passed through.
     assert (config.rotary_dim, config.parallel_residual, config.out_bias) == (2, True, True)
     assert config.norm_eps == raw['layer_norm_eps']
+  if family == 'llama3':
+    assert (config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+            config.rope_original_max_len) == (8.0, 1.0, 4.0, 32)
+  if family in ('qwen3', 'mistral'):
+    # Both fixtures' heads are wider or narrower than hidden / heads.
+    assert config.head_dim != config.hidden_size // config.num_heads
+
+
+def test_llama3_rope_scaling_bites(tmp_path):
+  """The llama3 fixture's scaling changes its logits at the fixture's positions: loaded as
+  default RoPE, the parity with transformers is lost by far; as 'linear' too (another rule)."""
+  path = os.path.join(FIXTURES, 'llama3')
+  ref = dict(np.load(os.path.join(path, 'reference.npz')))
+  mask = ref['right_mask']
+  for rope_type in ('default', 'linear'):
+    _, graphdef, params = hf.load_model(path, rope_type=rope_type)
+    logits = jax.jit(model_fns(graphdef).forward)(params, ref['right_tokens'],
+                                                  ref['right_positions'], mask)
+    assert np.abs(np.asarray(logits)[mask] - ref['right_logits'][mask]).max() > 0.1, rope_type
+
+
+def test_inv_freq_scaling_rules():
+  """layers.inv_freq against transformers' rules written out by hand: 'linear' divides every
+  frequency by the factor; 'llama3' keeps those whose wavelength is under original/high,
+  divides those over original/low, and blends between."""
+  from rloo_jax.models import layers
+  base = np.asarray(layers.inv_freq(16, 10000.0))
+  np.testing.assert_allclose(base, 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16), rtol=1e-6)
+  np.testing.assert_allclose(layers.inv_freq(16, 10000.0, ('linear', 4.0)), base / 4, rtol=1e-6)
+  got = np.asarray(layers.inv_freq(16, 10000.0, ('llama3', 8.0, 1.0, 4.0, 32)))
+  wavelen = 2 * np.pi / base
+  kept, divided = wavelen < 32 / 4, wavelen > 32 / 1
+  medium = ~kept & ~divided
+  assert kept.sum() == 1 and medium.sum() == 1 and divided.sum() == 6
+  np.testing.assert_allclose(got[kept], base[kept], rtol=1e-6)
+  np.testing.assert_allclose(got[divided], base[divided] / 8, rtol=1e-6)
+  smooth = (32 / wavelen[medium] - 1) / (4 - 1)
+  np.testing.assert_allclose(got[medium], (1 - smooth) * base[medium] / 8
+                             + smooth * base[medium], rtol=1e-6)
+  assert base[medium] / 8 < got[medium] < base[medium]
+
+
+def test_sliding_window_within_or_refused():
+  """Mistral's window: a Llama while it covers the context (or no window); shorter than the
+  context, refused with the window and the context named, unless max_seq_len fits inside."""
+  with open(os.path.join(FIXTURES, 'mistral', 'config.json')) as f:
+    raw = json.load(f)
+  want = hf.config_from_hf(raw)
+  assert want.family == 'llama' and want.max_seq_len == raw['sliding_window'] == 64
+  assert hf.config_from_hf({**raw, 'sliding_window': None}) == want
+  assert hf.config_from_hf({**raw, 'sliding_window': 4096}) == want
+  with pytest.raises(ValueError, match='MistralForCausalLM: sliding_window=16 is shorter than '
+                                       'the max context 64.*max_seq_len=16'):
+    hf.config_from_hf({**raw, 'sliding_window': 16})
+  assert hf.config_from_hf({**raw, 'sliding_window': 16}, max_seq_len=16) == want.replace(
+      max_seq_len=16)
+  # Qwen's window only counts with use_sliding_window (and its layer_types then say so).
+  with open(os.path.join(FIXTURES, 'qwen3', 'config.json')) as f:
+    qwen3 = json.load(f)
+  assert hf.config_from_hf({**qwen3, 'sliding_window': 8}).family == 'qwen3'
+  with pytest.raises(ValueError, match='Qwen3ForCausalLM: sliding_window=8 is shorter'):
+    hf.config_from_hf({**qwen3, 'sliding_window': 8, 'use_sliding_window': True})
+  with pytest.raises(ValueError, match="layer_types.*'sliding_attention'"):
+    hf.config_from_hf({**qwen3, 'layer_types': ['full_attention', 'sliding_attention']})
+  # No architectures list: the model_type names it.
+  bare = {k: v for k, v in raw.items() if k != 'architectures'}
+  assert hf.architecture(bare) == 'MistralForCausalLM' and hf.config_from_hf(bare) == want
 
 
 def test_tokenizer():
@@ -184,10 +262,10 @@ def test_unsupported_architecture_is_named(tmp_path):
   cfg_file = os.path.join(path, 'config.json')
   with open(cfg_file) as f:
     cfg = json.load(f)
-  cfg['architectures'] = ['MistralForCausalLM']
+  cfg['architectures'] = ['GemmaForCausalLM']
   with open(cfg_file, 'w') as f:
     json.dump(cfg, f)
-  with pytest.raises(ValueError, match='MistralForCausalLM.*supported: LlamaForCausalLM'):
+  with pytest.raises(ValueError, match='GemmaForCausalLM.*supported: LlamaForCausalLM'):
     hf.load_checkpoint(path)
   with pytest.raises(ValueError, match='no model.safetensors'):
     os.remove(os.path.join(path, 'model.safetensors'))

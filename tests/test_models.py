@@ -23,6 +23,13 @@ CONFIGS = {
     'gpt_neox': TransformerConfig.gpt_neox(**TINY),
     # The sequential-residual GPT-NeoX flavour, RoPE on half of each head.
     'gpt_neox_seq': TransformerConfig.gpt_neox(rotary_pct=0.5, parallel_residual=False, **TINY),
+    # Llama 3.1+ RoPE scaling, its band (original context 4 / {1, 4}) inside the test positions.
+    'llama3': TransformerConfig.llama(num_kv_heads=2, rope_type='llama3', rope_factor=8.0,
+                                      rope_original_max_len=4, **TINY),
+    # Qwen3: q/k RMSNorm per head, no qkv bias, heads wider than hidden / heads; GQA.
+    'qwen3': TransformerConfig.qwen3(num_kv_heads=2, **{**TINY, 'head_dim': 16}),
+    # Mistral's shape (a Llama): MQA, heads narrower than hidden / heads.
+    'mistral': TransformerConfig.llama(num_kv_heads=1, **{**TINY, 'head_dim': 6}),
 }
 AXES = {'layers', 'vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim', 'mlp', 'norm', None}
 B, P, K, T = 2, 6, 3, 4
@@ -292,6 +299,65 @@ def test_gpt_neox_config():
   for pct, dims in ((0.375, 3), (0.1, 0), (1.5, 12)):
     with pytest.raises(ValueError, match=f'rotary_pct={pct} gives {dims} rotary dims'):
       c.replace(rotary_pct=pct)
+
+
+def test_qk_norm_makes_the_scores_scale_free():
+  """Qwen3 RMS-normalises each q and k head before RoPE: scaling the q and k kernels leaves the
+  logits unchanged, where without qk_norm (Llama) it sharpens every softmax."""
+  c = CONFIGS['qwen3']
+  assert c.qk_norm and not c.qkv_bias and c.num_heads * c.head_dim != c.hidden_size
+  tokens, mask, positions, _ = prompts(np.random.default_rng(9), c.vocab_size)
+  for config, invariant in ((c, True), (CONFIGS['llama'], False)):
+    graphdef, params = random_params(config, seed=4)
+    forward = jax.jit(model_fns(graphdef).forward)
+    ref = np.asarray(forward(params, tokens, positions, mask))
+    attn = params['layers']['attn']
+    for name in ('q_kernel', 'k_kernel'):
+      attn[name].set_value(attn[name][...] * 3.0)
+    got = np.asarray(forward(params, tokens, positions, mask))
+    assert np.allclose(got[mask], ref[mask], atol=1e-4) == invariant, config.family
+  assert params['layers']['attn'].get('q_norm_scale') is None  # Llama has none
+  _, qwen3_params = abstract(c)
+  assert qwen3_params['layers']['attn']['q_norm_scale'].shape == (c.num_layers, c.head_dim)
+
+
+def test_rope_scaling_config():
+  """rope_type is validated; defaults leave every existing family on plain RoPE."""
+  assert all(CONFIGS[f].rope_type == 'default' for f in ('llama', 'qwen2', 'gpt_neox', 'qwen3'))
+  with pytest.raises(ValueError, match="rope_type='yarn'"):
+    TransformerConfig.llama(rope_type='yarn')
+  with pytest.raises(ValueError, match='rope_high_freq_factor'):
+    TransformerConfig.llama(rope_type='llama3', rope_low_freq_factor=4.0)
+  c = CONFIGS['llama3']
+  assert c.rope_scaling == ('llama3', 8.0, 1.0, 4.0, 4) and hash(c) == hash(c.replace())
+  # The scaling changes the logits of the same weights.
+  graphdef, params = random_params(c, seed=5)
+  plain = c.replace(rope_type='default')
+  tokens, mask, positions, _ = prompts(np.random.default_rng(5), c.vocab_size)
+  a = jax.jit(model_fns(graphdef).forward)(params, tokens, positions, mask)
+  b = jax.jit(model_fns(abstract(plain)[0]).forward)(params, tokens, positions, mask)
+  assert np.abs(np.asarray(a) - np.asarray(b))[mask].max() > 1e-3
+
+
+def test_qwen3_and_llama3_presets():
+  """The Qwen3 presets' sizes: exactly KerasHub's 596,049,920 for 0.6B, the model cards'
+  1.7B / 4.0B / 8.2B totals and 0.44B / 1.4B / 3.6B / 6.95B without the embeddings; the
+  Llama 3.2 presets carry their config.json's rope scaling."""
+  from rloo_jax.models import presets
+  assert presets.get('qwen3-0.6b').num_params == 596_049_920
+  published = {'qwen3-0.6b': (0.6e9, 0.44e9), 'qwen3-1.7b': (1.72e9, 1.4e9),
+               'qwen3-4b': (4.02e9, 3.6e9), 'qwen3-8b': (8.19e9, 6.95e9)}
+  for name, (total, body) in published.items():
+    c = presets.get(name)
+    assert (c.family, c.qk_norm, c.qkv_bias, c.head_dim) == ('qwen3', True, False, 128)
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
+    assert abs(c.num_params / total - 1) < 0.01, name
+    assert abs((c.num_params - embeddings) / body - 1) < 0.01, name
+    assert c.tie_embeddings == (name != 'qwen3-8b')
+  assert presets.get('qwen3-4b').num_heads * 128 != presets.get('qwen3-4b').hidden_size
+  for name in ('llama-3.2-1b', 'llama-3.2-3b'):
+    assert presets.get(name).rope_scaling == ('llama3', 32.0, 1.0, 4.0, 8192)
+  assert presets.get('llama-3-8b').rope_type == 'default'
 
 
 def test_config_validation():

@@ -274,6 +274,63 @@ def test_tokens_after_eos_are_pad_and_masked():
   np.testing.assert_array_equal(np.cumsum(is_eos, -1) - is_eos == 0, out.mask_bkt)
 
 
+def _cut_at_first(raw_bkt, stops):
+  """(tokens, mask, lengths) expected when raw_bkt (sampled with no stop) stops at `stops`."""
+  is_stop = np.isin(raw_bkt, stops)
+  first = np.where(is_stop.any(-1), is_stop.argmax(-1) + 1, raw_bkt.shape[-1])
+  mask = np.arange(raw_bkt.shape[-1]) < first[..., None]
+  return np.where(mask, raw_bkt, PAD), mask, first
+
+
+def test_stream_stops_at_a_second_stop_id():
+  params = fake_params(scale=0.5)
+  tokens, lengths = prompts()
+  raw = np_out(run(params, tokens, lengths, eos_id=99)).tokens_bkt  # 99: never sampled
+  # A stop id that some streams emit mid-completion and others never do.
+  second = next(int(v) for v in raw[:, :, 1:].reshape(-1)
+                if 0 < np.isin(raw, [v]).any(-1).sum() < raw.shape[0] * raw.shape[1])
+  out = np_out(run(params, tokens, lengths, eos_id=(99, second)))
+  want_tokens, want_mask, want_lengths = _cut_at_first(raw, [99, second])
+  assert (want_lengths < raw.shape[-1]).any() and (want_lengths == raw.shape[-1]).any()
+  np.testing.assert_array_equal(out.tokens_bkt, want_tokens)
+  np.testing.assert_array_equal(out.mask_bkt, want_mask)
+  np.testing.assert_array_equal(out.lengths_bk, want_lengths)
+  assert (out.logprobs_bkt[~want_mask] == 0).all()
+
+
+def test_one_stop_id_as_int_or_sequence_is_the_same():
+  bias = np.zeros(16)
+  bias[EOS] = 1.5
+  params = fake_params(scale=0.5, bias=bias)
+  tokens, lengths = prompts()
+  single = np_out(run(params, tokens, lengths, eos_id=EOS))
+  assert (single.lengths_bk < 6).any()  # some streams did stop
+  for eos_id in ((EOS,), [EOS], np.array([EOS]), (EOS, EOS)):
+    out = np_out(run(params, tokens, lengths, eos_id=eos_id))
+    for field in ('tokens_bkt', 'mask_bkt', 'lengths_bk', 'logprobs_bkt'):
+      np.testing.assert_array_equal(getattr(out, field), getattr(single, field))
+
+
+def test_new_stop_ids_do_not_recompile():
+  params = fake_params()
+  tokens, lengths = prompts()
+  run(params, tokens, lengths, eos_id=(5, 7))
+  before = sampler.start._cache_size(), sampler.decode_loop._cache_size()
+  run(params, tokens, lengths, eos_id=(3, 11))
+  assert (sampler.start._cache_size(), sampler.decode_loop._cache_size()) == before
+
+
+@pytest.mark.parametrize('eos_id, match', [
+    ((), 'empty sequence'), ((1, 'a'), 'eos_id must be an integer'), (1.5, 'eos_id must be'),
+    ((1, True), 'eos_id must be an integer'),
+])
+def test_bad_stop_ids(eos_id, match):
+  tokens, lengths = prompts()
+  with pytest.raises(ValueError, match=match):
+    sampler.sample(FNS, None, tokens, lengths, jax.random.key(0), k=2, max_new_tokens=4,
+                   method=sampling.Greedy(), eos_id=eos_id, pad_id=PAD)
+
+
 def test_loop_stops_when_all_streams_end():
   bias = np.zeros(16)
   bias[EOS] = 50.0  # Every stream ends at its first token.

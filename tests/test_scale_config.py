@@ -22,6 +22,8 @@ PUBLISHED = {
     "qwen2.5-7b": 7.61e9, "qwen2-7b": 7.62e9, "llama-3-8b": 8.03e9, "llama-3.2-1b": 1.24e9,
     "llama-3.2-3b": 3.21e9, "pythia-160m": 162_322_944, "pythia-410m": 405_334_016,
     "pythia-1b": 1_011_781_632, "pythia-2.8b": 2_775_208_960, "pythia-6.9b": 6_857_302_016,
+    # Qwen3's model cards: 0.6B (596,049,920 exact), 1.7B, 4.0B, 8.2B with embeddings.
+    "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1.72e9, "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9,
 }
 
 
@@ -41,8 +43,9 @@ def test_every_required_preset_is_there():
 def test_preset_parameter_count_matches_the_published_one(name):
   cfg = _get(name)
   assert abs(cfg.num_params / PUBLISHED[name] - 1) < 0.01, (cfg.num_params, PUBLISHED[name])
-  # Every one of these has hidden_size = heads x head_dim (no Llama-3.2-style override).
-  assert cfg.num_heads * cfg.head_dim == cfg.hidden_size
+  # hidden_size = heads x head_dim, except Qwen3, whose head_dim is 128 at every size.
+  if cfg.family != "qwen3":
+    assert cfg.num_heads * cfg.head_dim == cfg.hidden_size
   assert cfg.num_heads % cfg.num_kv_heads == 0
 
 
@@ -268,3 +271,17 @@ def test_default_reference_takes_the_activation_dtype_and_changes_no_logit(tmp_p
   np.testing.assert_array_equal(
       np.asarray(exp.fns.forward(state.ref_params, tokens, positions, mask)),
       np.asarray(exp.fns.forward(state.params, tokens, positions, mask)))
+
+
+def test_layout_settings_keep_the_cached_sft_policy():
+  """remat and ref_dtype change how the model is computed and stored, not the SFT policy: its
+  cache key ignores them (and an unset preset), but not the architecture."""
+  from rloo_jax import sft  # pylint: disable=import-outside-toplevel
+  config = load_config()
+  key = sft.cache_dir(config, "/w")
+  config.model.update(remat="none", ref_dtype="bfloat16")
+  assert sft.cache_dir(config, "/w") == key
+  fingerprint = config_utils.model_fingerprint(config)
+  assert not {"remat", "ref_dtype", "preset"} & set(fingerprint)
+  config.model.hidden_size += 8
+  assert sft.cache_dir(config, "/w") != key

@@ -29,6 +29,8 @@ from absl import logging
 import grain
 import numpy as np
 
+from rloo_jax.data import chat
+
 OVERLONG_MODES = ("drop", "error")
 _STATE_VERSION = 1
 
@@ -40,9 +42,12 @@ def _encode(tokenizer, text: str, what: str) -> list[int]:
     raise ValueError(f"cannot tokenize {what}: {e}") from None
 
 
-def _bos(tokenizer, add_bos: bool) -> list[int]:
-  bos = getattr(tokenizer, "bos_id", None)
-  return [bos] if add_bos and bos is not None else []
+def _prompt_ids(tokenizer, text: str, what: str, add_bos: bool) -> list[int]:
+  """A prompt's ids, bos first; rendered first by the tokenizer's chat template if it has one."""
+  try:
+    return chat.prompt_ids(tokenizer, text, add_bos)
+  except ValueError as e:
+    raise ValueError(f"cannot tokenize {what}: {e}") from None
 
 
 def encode_prompts(prompts: Sequence[str], tokenizer, max_prompt_len: int,
@@ -52,7 +57,7 @@ def encode_prompts(prompts: Sequence[str], tokenizer, max_prompt_len: int,
   tokens = np.full((len(prompts), max_prompt_len), tokenizer.pad_id, np.int32)
   lengths = np.zeros((len(prompts),), np.int32)
   for i, p in enumerate(prompts):
-    ids = _bos(tokenizer, add_bos) + _encode(tokenizer, p, f"prompt {i}")
+    ids = _prompt_ids(tokenizer, p, f"prompt {i}", add_bos)
     if len(ids) > max_prompt_len:
       raise ValueError(f"prompt {i} has {len(ids)} tokens > max_prompt_len={max_prompt_len}: "
                        f"{p[:80]!r}")
@@ -81,7 +86,7 @@ def make_sft_batch(prompts: Sequence[str], answers: Sequence[str], tokenizer, ma
   prompt_lengths = np.zeros((b,), np.int32)
   lengths = np.zeros((b,), np.int32)
   for i, (p, a) in enumerate(zip(prompts, answers)):
-    prompt_ids = _bos(tokenizer, add_bos) + _encode(tokenizer, p, f"prompt {i}")
+    prompt_ids = _prompt_ids(tokenizer, p, f"prompt {i}", add_bos)
     answer_ids = _encode(tokenizer, a, f"answer {i}") + [tokenizer.eos_id]
     ids = prompt_ids + answer_ids
     if len(ids) > max_seq_len:
@@ -261,10 +266,8 @@ def prompt_batches(source, tokenizer, *, global_batch_size: int, max_prompt_len:
   Training: the defaults (shuffled, endless). Evaluation on a held-out split: `shuffle=False,
   num_epochs=1, drop_remainder=False`, where the last batch is padded with `valid=False` rows.
   """
-  bos = _bos(tokenizer, add_bos)
-
   def length(record):
-    return len(bos) + len(_encode(tokenizer, record["prompt"], "prompt"))
+    return len(_prompt_ids(tokenizer, record["prompt"], "prompt", add_bos))
 
   def make(records):
     prompts = [r["prompt"] for r in records]
@@ -285,8 +288,6 @@ def sft_batches(source, tokenizer, *, global_batch_size: int, max_seq_len: int, 
 
   A record without an answer cannot teach anything and is an error naming the record.
   """
-  bos = _bos(tokenizer, add_bos)
-
   def answer_of(record):
     a = record.get(answer_field, "")
     if not a:
@@ -294,7 +295,7 @@ def sft_batches(source, tokenizer, *, global_batch_size: int, max_seq_len: int, 
     return a
 
   def length(record):
-    return (len(bos) + len(_encode(tokenizer, record["prompt"], "prompt"))
+    return (len(_prompt_ids(tokenizer, record["prompt"], "prompt", add_bos))
             + len(_encode(tokenizer, answer_of(record), "answer")) + 1)
 
   def make(records):

@@ -4,9 +4,10 @@ All three share one id layout: 0 = pad, 1 = bos, 2 = eos, then the vocabulary. P
 zero-initialised buffer is already padding, and the special ids are the same across tokenizers so
 a config can name `pad_id`/`eos_id` without knowing which tokenizer a task uses.
 
-Any object with `encode(str) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `pad_id`, `eos_id`
-and `bos_id` (may be None) works with `rloo_jax.data.pipeline`, so a Hugging Face tokenizer wrapper
-from `rloo_jax.models` can stand in for these.
+Any object with `encode(str) -> list[int]`, `decode(ids) -> str`, `vocab_size`, `pad_id`, `eos_id`,
+`bos_id` (may be None), optionally `stop_ids` (every id that ends a completion), works with
+`rloo_jax.data.pipeline`, so a Hugging Face tokenizer wrapper from `rloo_jax.models` can stand in
+for these.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ class _FixedVocab:
   @property
   def eos_id(self) -> int:
     return EOS_ID
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (EOS_ID,)
+
+  # No template of their own (config.data.chat_template='auto' is an error); `chat` is the
+  # template a task attaches (rloo_jax.data.chat.attach), which the pipeline renders prompts with.
+  chat_template = None
+  chat = None
 
   @property
   def name(self) -> str:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rloo_jax.models.config import TransformerConfig, dtype_of
-from rloo_jax.models.layers import _cast, _dense, _param, _project, _rope
+from rloo_jax.models.layers import _cast, _dense, _param, _project, _rope, apply_norm
 
 # Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
 # finite distribution instead of NaNs that would leak into gradients through a masked mean.
@@ -40,12 +40,16 @@ class Attention(nnx.Module):
       self.v_bias = _param(rngs, zeros, (hkv, d), ('kv_heads', 'head_dim'), pdt)
     if c.out_bias:
       self.o_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
+    if c.qk_norm:
+      # One [D] scale shared by every head (Qwen3's q_norm / k_norm).
+      self.q_norm_scale = _param(rngs, nnx.initializers.ones, (d,), ('head_dim',), pdt)
+      self.k_norm_scale = _param(rngs, nnx.initializers.ones, (d,), ('head_dim',), pdt)
 
   def qkv(self, x_bse: jax.Array, rotary, fused: bool = False):
     """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D].
 
     `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2); it rotates the
-    first `config.rotary_dim` dims of q and k.
+    first `config.rotary_dim` dims of q and k, after their per-head RMSNorm with config.qk_norm.
     fused: one matmul against the three kernels concatenated per kv head (see `_fused_qkv`)
     instead of three. Same values; faster for the few rows of a decode step.
     """
@@ -61,6 +65,9 @@ class Attention(nnx.Module):
       q = q + _cast(self.q_bias, dt)
       k = k + _cast(self.k_bias, dt)
       v = v + _cast(self.v_bias, dt)
+    if c.qk_norm:
+      q = apply_norm(q, self.q_norm_scale, None, c.norm_eps)
+      k = apply_norm(k, self.k_norm_scale, None, c.norm_eps)
     if not c.is_gpt2:
       q = _rope(q, rotary)
       k = _rope(k, rotary)

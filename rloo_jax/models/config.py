@@ -7,7 +7,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox')
+FAMILIES = ('llama', 'qwen2', 'qwen3', 'gpt2', 'gpt_neox')
+# RoPE variants `layers.inv_freq` implements (transformers' rope_type names).
+ROPE_TYPES = ('default', 'linear', 'llama3')
 HEADS = ('lm', 'scalar')
 # Rematerialisation of the scanned layer body (`transformer.remat_policy`): 'none' keeps every
 # intermediate for the backward, 'full' keeps only each layer's input and recomputes the rest,
@@ -31,6 +33,12 @@ class TransformerConfig:
   int(head_dim * rotary_pct), the rest pass through). parallel_residual: attention and MLP both
   read the layer input, x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX / Pythia), instead of the MLP
   reading the attention's output.
+
+  rope_type: 'default', 'linear' (every inverse frequency divided by rope_factor) or 'llama3'
+  (Llama 3.1+: a frequency whose wavelength exceeds rope_original_max_len / rope_low_freq_factor
+  is divided by rope_factor, one shorter than rope_original_max_len / rope_high_freq_factor is
+  kept, those between are blended smoothly). Scalar fields rather than a dict so the config
+  stays hashable; the rope_* fields other than rope_type are read only by the type using them.
   """
 
   family: str = 'llama'
@@ -52,6 +60,11 @@ class TransformerConfig:
   remat: str = 'none'
   rotary_pct: float = 1.0
   parallel_residual: bool = False
+  rope_type: str = 'default'
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -63,6 +76,13 @@ class TransformerConfig:
     for name in ('dtype', 'param_dtype'):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f'{name}={getattr(self, name)!r}; supported: {tuple(_DTYPES)}')
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f'rope_type={self.rope_type!r}; supported: {ROPE_TYPES}')
+    if self.rope_type == 'llama3' and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+      # The blend divides by their difference.
+      raise ValueError(f'rope_type llama3 needs rope_high_freq_factor '
+                       f'({self.rope_high_freq_factor}) > rope_low_freq_factor '
+                       f'({self.rope_low_freq_factor})')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}')
@@ -84,6 +104,13 @@ class TransformerConfig:
   def qwen2(cls, **overrides) -> 'TransformerConfig':
     kw = dict(family='qwen2', norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=True,
               qkv_bias=True)
+    return cls(**{**kw, **overrides})
+
+  @classmethod
+  def qwen3(cls, **overrides) -> 'TransformerConfig':
+    """Qwen2's layout without the qkv bias, with an RMSNorm on each q and k head (qk_norm)."""
+    kw = dict(family='qwen3', norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=True,
+              qkv_bias=False)
     return cls(**{**kw, **overrides})
 
   @classmethod
@@ -124,13 +151,25 @@ class TransformerConfig:
   @property
   def gated_mlp(self) -> bool:
     """SwiGLU without biases (else a GELU MLP with biases)."""
-    return self.family in ('llama', 'qwen2')
+    return self.family in ('llama', 'qwen2', 'qwen3')
+
+  @property
+  def qk_norm(self) -> bool:
+    """RMSNorm over head_dim on every q and k head, before RoPE (Qwen3's q_norm / k_norm)."""
+    return self.family == 'qwen3'
 
   @property
   def out_bias(self) -> bool:
     """Whether the attention's output projection has a bias: GPT-NeoX ties it to the qkv one
     (transformers' attention_bias)."""
     return self.is_gpt2 or (self.family == 'gpt_neox' and self.qkv_bias)
+
+  @property
+  def rope_scaling(self) -> tuple:
+    """(rope_type, factor, low_freq_factor, high_freq_factor, original_max_len): what
+    `layers.inv_freq` reads."""
+    return (self.rope_type, self.rope_factor, self.rope_low_freq_factor,
+            self.rope_high_freq_factor, self.rope_original_max_len)
 
   @property
   def rotary_dim(self) -> int:
@@ -148,6 +187,8 @@ class TransformerConfig:
       attn += q + 2 * kv
     if self.out_bias:
       attn += e
+    if self.qk_norm:
+      attn += 2 * hd
     mlp = 3 * e * f if self.gated_mlp else 2 * e * f + f + e
     total = self.num_layers * (2 * norm + attn + mlp) + norm + v * e
     if self.is_gpt2:

@@ -1,5 +1,5 @@
-"""Import Hugging Face checkpoints (Llama, Qwen2, GPT-2, GPT-NeoX / Pythia) and their tokenizer.json
-(`HFTokenizer`, in hf_tokenizer).
+"""Import Hugging Face checkpoints (Llama incl. 3.1+ rope scaling, Mistral, Qwen2, Qwen3, GPT-2,
+GPT-NeoX / Pythia) and their tokenizer.json (`HFTokenizer`, in hf_tokenizer).
 
 Reads config.json and safetensors (single file or sharded index) straight into our Transformer's
 params; needs neither torch nor transformers. A local directory is read as it is; a hub id
@@ -18,16 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rloo_jax.models.hf_config import (  # noqa: F401  (re-exported)
+    CAUSAL_LM, SEQ_CLS, SUPPORTED, architecture, config_from_hf)
 from rloo_jax.models.hf_tokenizer import HFTokenizer  # noqa: F401  (re-exported)
 from rloo_jax.models.transformer import _DTYPES, Transformer, TransformerConfig, abstract
-
-CAUSAL_LM = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'GPT2LMHeadModel': 'gpt2',
-             'GPTNeoXForCausalLM': 'gpt_neox'}
-# A reward model saved as *ForSequenceClassification (num_labels=1) maps onto head='scalar'.
-SEQ_CLS = {'LlamaForSequenceClassification': 'llama', 'Qwen2ForSequenceClassification': 'qwen2',
-           'GPT2ForSequenceClassification': 'gpt2', 'GPTNeoXForSequenceClassification': 'gpt_neox'}
-SUPPORTED = tuple(CAUSAL_LM) + tuple(SEQ_CLS)
-_MODEL_TYPES = {family: arch for arch, family in CAUSAL_LM.items()}
 
 
 # What snapshot_download fetches: the config, the weights and the tokenizer files, nothing else
@@ -94,78 +88,6 @@ def resolve_path(path_or_id: str, *, what: str = 'config.model.init_from') -> st
 def _read_json(path: str) -> dict:
   with open(path) as f:
     return json.load(f)
-
-
-def architecture(hf_config: dict) -> str:
-  archs = hf_config.get('architectures') or []
-  if not archs and hf_config.get('model_type') in _MODEL_TYPES:
-    archs = [_MODEL_TYPES[hf_config['model_type']]]
-  if len(archs) != 1 or archs[0] not in SUPPORTED:
-    raise ValueError(f'Unsupported architecture {archs or hf_config.get("model_type")!r}; '
-                     f'supported: {", ".join(SUPPORTED)}')
-  return archs[0]
-
-
-def _rope_theta(hf: dict, arch: str, default: float | None = None) -> float:
-  # transformers >= 5 writes rope_parameters; older versions rope_theta (+ rope_scaling), or
-  # for GPT-NeoX rotary_emb_base.
-  params = hf.get('rope_parameters') or {}
-  scaling = hf.get('rope_scaling') or {}
-  rope_type = params.get('rope_type') or scaling.get('rope_type') or scaling.get('type') or 'default'
-  if rope_type != 'default':
-    raise ValueError(f'{arch}: rope_type {rope_type!r} is not supported (only default RoPE)')
-  theta = params.get('rope_theta', hf.get('rope_theta', hf.get('rotary_emb_base', default)))
-  if theta is None:
-    raise ValueError(f'{arch}: config.json has neither rope_parameters.rope_theta nor rope_theta')
-  return float(theta)
-
-
-def config_from_hf(hf: dict, **overrides) -> TransformerConfig:
-  """TransformerConfig from a config.json dict; overrides (dtype, param_dtype, head...) win."""
-  arch = architecture(hf)
-  family = CAUSAL_LM.get(arch) or SEQ_CLS[arch]
-  head = 'scalar' if arch in SEQ_CLS else 'lm'
-  if family == 'gpt2':
-    act = hf.get('activation_function', 'gelu_new')
-    if act not in ('gelu_new', 'gelu_pytorch_tanh'):
-      raise ValueError(f'{arch}: activation_function {act!r} not supported (gelu_new only)')
-    if hf.get('scale_attn_by_inverse_layer_idx') or hf.get('reorder_and_upcast_attn'):
-      raise ValueError(f'{arch}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn '
-                       'are not supported')
-    e, h = hf['n_embd'], hf['n_head']
-    kw = dict(vocab_size=hf['vocab_size'], hidden_size=e, num_layers=hf['n_layer'], num_heads=h,
-              num_kv_heads=h, head_dim=e // h, intermediate_size=hf.get('n_inner') or 4 * e,
-              max_seq_len=hf['n_positions'], norm_eps=hf.get('layer_norm_epsilon', 1e-5),
-              tie_embeddings=True, qkv_bias=True, head=head)
-    return TransformerConfig.gpt2(**{**kw, **overrides})
-  # GPT-NeoX shares the Llama keys but for its norm eps and extras; a missing key takes the
-  # transformers config class's default.
-  neox = family == 'gpt_neox'
-  act = 'gelu' if neox else 'silu'
-  if hf.get('hidden_act', act) != act:
-    raise ValueError(f'{arch}: hidden_act {hf["hidden_act"]!r} not supported ({act} only)')
-  if hf.get('mlp_bias') or (family == 'llama' and hf.get('attention_bias')):
-    raise ValueError(f'{arch}: attention_bias / mlp_bias are not supported for llama')
-  if (family == 'qwen2' and hf.get('use_sliding_window')) or any(
-      t != 'full_attention' for t in hf.get('layer_types') or ()):
-    raise ValueError(f'{arch}: sliding-window attention is not supported')
-  heads = hf['num_attention_heads']
-  kw = dict(vocab_size=hf['vocab_size'], hidden_size=hf['hidden_size'],
-            num_layers=hf['num_hidden_layers'], num_heads=heads,
-            num_kv_heads=hf.get('num_key_value_heads') or heads,
-            head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
-            intermediate_size=hf['intermediate_size'],
-            max_seq_len=hf.get('max_position_embeddings', 2048),
-            norm_eps=hf.get('layer_norm_eps', 1e-5) if neox else hf.get('rms_norm_eps', 1e-6),
-            rope_theta=_rope_theta(hf, arch, 10000.0 if neox else None),
-            tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
-            qkv_bias=(family == 'qwen2') or (neox and bool(hf.get('attention_bias', True))),
-            head=head)
-  if neox:
-    # transformers 5 moved rotary_pct into rope_parameters.partial_rotary_factor.
-    pct = (hf.get('rope_parameters') or {}).get('partial_rotary_factor', hf.get('rotary_pct', 0.25))
-    kw.update(rotary_pct=float(pct), parallel_residual=bool(hf.get('use_parallel_residual', True)))
-  return getattr(TransformerConfig, family)(**{**kw, **overrides})
 
 
 class _Tensors:
@@ -249,6 +171,9 @@ def _load_llama(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, 
     layer(blk.attn.q_bias, p + 'self_attn.q_proj.bias', lambda w: w.reshape(hq, d))
     layer(blk.attn.k_bias, p + 'self_attn.k_proj.bias', lambda w: w.reshape(hkv, d))
     layer(blk.attn.v_bias, p + 'self_attn.v_proj.bias', lambda w: w.reshape(hkv, d))
+  if c.qk_norm:
+    layer(blk.attn.q_norm_scale, p + 'self_attn.q_norm.weight')
+    layer(blk.attn.k_norm_scale, p + 'self_attn.k_norm.weight')
   layer(blk.mlp.gate_kernel, p + 'mlp.gate_proj.weight', lambda w: w.T)
   layer(blk.mlp.up_kernel, p + 'mlp.up_proj.weight', lambda w: w.T)
   layer(blk.mlp.down_kernel, p + 'mlp.down_proj.weight', lambda w: w.T)
@@ -321,7 +246,7 @@ def _load_gpt_neox(model: Transformer, get: _Tensors, c: TransformerConfig, dtyp
         lambda w: w.T)
 
 
-_LOADERS = {'llama': _load_llama, 'qwen2': _load_llama, 'gpt2': _load_gpt2,
+_LOADERS = {'llama': _load_llama, 'qwen2': _load_llama, 'qwen3': _load_llama, 'gpt2': _load_gpt2,
             'gpt_neox': _load_gpt_neox}
 
 

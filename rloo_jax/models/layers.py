@@ -57,17 +57,44 @@ def apply_norm(x_bse: jax.Array, scale, bias, eps: float) -> jax.Array:
   return scale[...].astype(x_bse.dtype) * y.astype(x_bse.dtype)
 
 
-def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: int):
+def inv_freq(head_dim: int, theta: float, scaling: tuple = ('default',)) -> jax.Array:
+  """RoPE's [head_dim / 2] inverse frequencies, rescaled per `TransformerConfig.rope_scaling`
+  as transformers' modeling_rope_utils does ('linear': _compute_linear_scaling_rope_parameters,
+  'llama3': _compute_llama3_parameters), in float32 as there."""
+  freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  rope_type = scaling[0]
+  if rope_type == 'default':
+    return freq
+  factor = scaling[1]
+  if rope_type == 'linear':
+    return freq / factor
+  if rope_type != 'llama3':
+    raise ValueError(f'rope_type {rope_type!r} is not implemented')
+  low, high, old_len = scaling[2:5]
+  wavelen = 2 * math.pi / freq
+  # Long wavelengths (beyond the original context / low) are interpolated by the factor, short
+  # ones (under original context / high) kept; the band between blends the two linearly in
+  # original context / wavelength.
+  scaled = jnp.where(wavelen > old_len / low, freq / factor, freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.where(medium, blended, scaled)
+
+
+def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: int,
+            scaling: tuple = ('default',)):
   """cos / sin [B, S, 1, D/2] of every position's rotary angles, computed once per forward.
-  `head_dim`: the rotated dims (all of a head's, or GPT-NeoX's first rotary_dim).
+  `head_dim`: the rotated dims (all of a head's, or GPT-NeoX's first rotary_dim); `scaling`:
+  `TransformerConfig.rope_scaling` (see `inv_freq`).
 
   Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array.
   Computed from the positions directly, XLA fused cos and sin into every consumer (q and k of
   every layer) and recomputed them per element, i.e. per head: a visible share of a CPU decode
   step and of the update. (XLA evaluates the table only at the gathered rows.)
   """
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_sf = jnp.arange(max_seq_len, dtype=jnp.float32)[:, None] * inv_freq
+  angles_sf = (jnp.arange(max_seq_len, dtype=jnp.float32)[:, None]
+               * inv_freq(head_dim, theta, scaling))
   take = lambda table: jnp.take(table, positions_bs, axis=0, mode='clip')[:, :, None, :]
   return take(jnp.cos(angles_sf)), take(jnp.sin(angles_sf))
 

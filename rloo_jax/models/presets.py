@@ -11,15 +11,18 @@ Sources: each model's config.json on the Hugging Face hub (base models, not -Ins
 configs differ only in max_position_embeddings: 32768 for every Qwen2.5-*-Instruct). Seen in
 copies in public code (the stored-code search): Qwen2.5-0.5B's config.json, transcriptions of
 the Qwen2.5-1.5B / 3B(-Instruct) configs, Qwen2-7B-Instruct's config and module printout,
-Llama-3.2-1B's config.json, Pythia-6.9B's config and the Pythia model card's parameter table.
+Llama-3.2-1B's config.json, Llama-3.2-3B's (with its rope_scaling), Pythia-6.9B's config and
+the Pythia model card's parameter table, Qwen3-0.6B's config.json, transcriptions of Qwen3-4B's
+config and of the Qwen3 0.6B / 1.7B / 4B shapes (levanter's Qwen3 presets), and KerasHub's
+Qwen3 presets (0.6B: 596,049,920 parameters). Qwen3-8B's shapes are from its model card
+(8.2B parameters, untied).
 The rest (the base models' 131072 contexts, Llama-3-8B, Llama-3.2-3B, the smaller Pythias'
 shapes) are from memory of the model cards, each pinned by its published parameter count,
 which tests/test_scale_config.py asserts within 1%.
 
-Known gaps to the real models, irrelevant to shapes and memory: Llama 3.2 applies 'llama3'
-rope scaling (factor 32, original context 8192) that `rloo_jax.models` does not implement
-(hf.py refuses such checkpoints for the same reason); Qwen2's sliding window is off in every
-config below (use_sliding_window=false).
+Llama 3.2's 'llama3' rope scaling (factor 32, original context 8192) is part of its presets.
+Known gap to the real models, irrelevant to shapes and memory: none; Qwen's sliding window is
+off in every config below (use_sliding_window=false).
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ from rloo_jax.models import config as config_lib
 _QWEN2 = dict(family='qwen2', norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True)
 _LLAMA3 = dict(family='llama', norm_eps=1e-5, rope_theta=500000.0, qkv_bias=False,
                vocab_size=128256)
+# Llama 3.1+ (rope_scaling of their config.json); Llama-3-8B has none.
+_LLAMA3_ROPE = dict(rope_type='llama3', rope_factor=32.0, rope_low_freq_factor=1.0,
+                    rope_high_freq_factor=4.0, rope_original_max_len=8192)
+# Qwen/Qwen3-*: q/k norms, no qkv bias, head_dim 128 whatever the width (so heads x head_dim is
+# not the hidden size), context 40960; tied embeddings up to 4B.
+_QWEN3 = dict(family='qwen3', norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=False,
+              vocab_size=151936, max_seq_len=40960, head_dim=128)
 # GPT-NeoX (Pythia): parallel residual (attention and MLP both read the layer input), rotary on
 # the first 25% of each head's dims, LayerNorm with bias, gelu MLP with biases, untied
 # embeddings. Pythia's vocab is padded to a multiple of 128 x the training model parallelism,
@@ -42,7 +52,7 @@ _PYTHIA = dict(family='gpt_neox', norm_eps=1e-5, rope_theta=10000.0, tie_embeddi
 
 def _arch(base, *, e, layers, heads, kv, ff, **kw):
   return {**base, 'hidden_size': e, 'num_layers': layers, 'num_heads': heads,
-          'num_kv_heads': kv, 'head_dim': kw.pop('head_dim', e // heads),
+          'num_kv_heads': kv, 'head_dim': kw.pop('head_dim', base.get('head_dim', e // heads)),
           'intermediate_size': ff, **kw}
 
 
@@ -64,9 +74,16 @@ PRESETS = types.MappingProxyType({
     'llama-3-8b': _arch(_LLAMA3, e=4096, layers=32, heads=32, kv=8, ff=14336,
                         max_seq_len=8192, tie_embeddings=False),
     'llama-3.2-1b': _arch(_LLAMA3, e=2048, layers=16, heads=32, kv=8, ff=8192,
-                          max_seq_len=131072, tie_embeddings=True),
+                          max_seq_len=131072, tie_embeddings=True, **_LLAMA3_ROPE),
     'llama-3.2-3b': _arch(_LLAMA3, e=3072, layers=28, heads=24, kv=8, ff=8192,
-                          max_seq_len=131072, tie_embeddings=True),
+                          max_seq_len=131072, tie_embeddings=True, **_LLAMA3_ROPE),
+    'qwen3-0.6b': _arch(_QWEN3, e=1024, layers=28, heads=16, kv=8, ff=3072,
+                        tie_embeddings=True),
+    'qwen3-1.7b': _arch(_QWEN3, e=2048, layers=28, heads=16, kv=8, ff=6144,
+                        tie_embeddings=True),
+    'qwen3-4b': _arch(_QWEN3, e=2560, layers=36, heads=32, kv=8, ff=9728, tie_embeddings=True),
+    'qwen3-8b': _arch(_QWEN3, e=4096, layers=36, heads=32, kv=8, ff=12288,
+                      tie_embeddings=False),
     # EleutherAI/pythia-* (no GQA: kv heads = heads).
     'pythia-160m': _arch(_PYTHIA, e=768, layers=12, heads=12, kv=12, ff=3072,
                          vocab_size=50304),
@@ -111,6 +128,7 @@ def available(name: str) -> bool:
 # The family constructors config.model.family names (their defaults, the section's sizes).
 _FAMILY_CONSTRUCTORS = {'llama': config_lib.TransformerConfig.llama,
                         'qwen2': config_lib.TransformerConfig.qwen2,
+                        'qwen3': config_lib.TransformerConfig.qwen3,
                         'gpt2': config_lib.TransformerConfig.gpt2,
                         'gpt_neox': config_lib.TransformerConfig.gpt_neox}
 

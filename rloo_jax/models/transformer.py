@@ -148,7 +148,7 @@ class Transformer(nnx.Module):
     c = self.config
     if c.is_gpt2:
       return None
-    return _rotary(positions_bs, c.rotary_dim, c.rope_theta, c.max_seq_len)
+    return _rotary(positions_bs, c.rotary_dim, c.rope_theta, c.max_seq_len, c.rope_scaling)
 
   def head_params(self) -> dict:
     """This module's `HEAD_KEYS` parameters, laid out as `model_fns(...).head_params` gives them."""

@@ -1,0 +1,101 @@
+r"""Exported checkpoints against transformers: every committed HF fixture with its weights
+perturbed (a "trained" policy), exported with `rloo_jax.models.hf_export.save_pretrained` in
+float32 and bfloat16, loaded by transformers' AutoModelForCausalLM, and its logits compared with
+rloo_jax's on the fixture's right- and left-padded batches (bfloat16: against rloo_jax on the
+same bfloat16-rounded weights). Also reports transformers' missing / unexpected keys.
+
+Two interpreters: this one (jax) exports and writes rloo_jax's logits; the TRL virtual
+environment's (torch + transformers, no jax) loads and compares. Prints one JSON line per export.
+
+    python experiments/export_parity.py [--trl_python .venv-trl/bin/python] [--out /tmp/parity]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURES = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "hf")
+DTYPES = ("float32", "bfloat16")
+
+
+def export_side(out_root):
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from rloo_jax.models import hf, hf_export, transformer  # pylint: disable=import-outside-toplevel
+
+  families = sorted(f for f in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, f)))
+  for fam in families:
+    src = os.path.join(FIXTURES, fam)
+    config, graphdef, params = hf.load_model(src)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    params = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape)
+                                          for x, k in zip(leaves, keys)])
+    ref = np.load(os.path.join(src, "reference.npz"))
+    fns = transformer.model_fns(graphdef)
+    for dtype in DTYPES:
+      out = os.path.join(out_root, f"{fam}_{dtype}")
+      shutil.rmtree(out, ignore_errors=True)
+      hf_export.save_pretrained(params, config, out, dtype=dtype, tokenizer_dir=src)
+      rounded = params if dtype == "float32" else jax.tree.map(
+          lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+      ours = {}
+      for side in ("right", "left"):
+        args = [ref[f"{side}_{k}"] for k in ("tokens", "positions", "mask")]
+        ours[f"{side}_logits"] = np.asarray(fns.forward(rounded, *args))
+        for k in ("tokens", "positions", "mask"):
+          ours[f"{side}_{k}"] = ref[f"{side}_{k}"]
+      np.savez(os.path.join(out, "rloo_jax_logits.npz"), **ours)
+  return families
+
+
+def torch_side(out_root):
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  for name in sorted(os.listdir(out_root)):
+    out = os.path.join(out_root, name)
+    if not os.path.isfile(os.path.join(out, "rloo_jax_logits.npz")):
+      continue
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True)
+    ours = np.load(os.path.join(out, "rloo_jax_logits.npz"))
+    worst = 0.0
+    for side in ("right", "left"):
+      mask = ours[f"{side}_mask"]
+      with torch.no_grad():
+        got = model(input_ids=torch.tensor(ours[f"{side}_tokens"], dtype=torch.long),
+                    attention_mask=torch.tensor(mask.astype(np.int64)),
+                    position_ids=torch.tensor(ours[f"{side}_positions"], dtype=torch.long)
+                    ).logits.numpy()
+      worst = max(worst, float(np.abs(got[mask] - ours[f"{side}_logits"][mask]).max()))
+    fam, dtype = name.rsplit("_", 1)
+    print(json.dumps({"family": fam, "dtype": dtype, "architecture": type(model).__name__,
+                      "max_abs_logit_diff": worst,
+                      "logit_scale": float(np.abs(ours["right_logits"]).max()),
+                      "loading_problems": {k: v for k, v in info.items() if v},
+                      "transformers": transformers.__version__}), flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--trl_python", default=os.path.join(os.path.dirname(HERE), ".venv-trl", "bin",
+                                                      "python"))
+  p.add_argument("--out", default="/tmp/rloo_jax_export_parity")
+  p.add_argument("--side", default="both", choices=("both", "torch"))
+  args = p.parse_args()
+  if args.side == "torch":
+    return torch_side(args.out)
+  export_side(args.out)
+  subprocess.run([args.trl_python, os.path.abspath(__file__), "--side", "torch", "--out",
+                  args.out], check=True)
+  return None
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,100 @@
+"""Argument checks of `rloo_jax.sampler.sample`, run on the host before anything is compiled."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODES = ('shared', 'unshared', 'recompute')
+
+
+def model_max_seq_len(fns):
+  """The context `fns` (or its config) declares, or None."""
+  for source in (fns, getattr(fns, 'config', None)):
+    value = getattr(source, 'max_seq_len', None)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+      return int(value)
+  return None
+
+
+def _check_int(name, value, minimum=None):
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f'sample: {name} must be an integer, got {value!r}')
+  if minimum is not None and value < minimum:
+    raise ValueError(f'sample: {name} must be >= {minimum}, got {value}')
+  return int(value)
+
+
+def stop_ids(eos_id: int | Sequence[int]) -> tuple[int, ...]:
+  """eos_id as a non-empty tuple of ints: one end token or several (an instruct model's list)."""
+  ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else eos_id
+  if isinstance(ids, np.ndarray):
+    ids = ids.reshape(-1).tolist()
+  try:
+    ids = tuple(ids)
+  except TypeError:
+    raise ValueError(f'sample: eos_id must be an integer or a sequence of them, '
+                     f'got {eos_id!r}') from None
+  if not ids:
+    raise ValueError('sample: eos_id is an empty sequence; give at least one stop id')
+  return tuple(_check_int('eos_id', i) for i in ids)
+
+
+def validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, eos_id, pad_id,
+              mode, max_seq_len):
+  """Checks `sample`'s arguments; returns (k, max_new_tokens, stop ids tuple, pad_id) as ints."""
+  if mode not in MODES:
+    raise ValueError(f'sample: mode must be one of {MODES}, got {mode!r}')
+  if not callable(getattr(method, 'process', None)) or not hasattr(method, 'is_greedy'):
+    raise ValueError(
+        f'sample: method must be a rloo_jax.sampling method (Greedy, Temperature, TopK, TopP), '
+        f'got {method!r}')
+  k = _check_int('k', k, 1)
+  max_new_tokens = _check_int('max_new_tokens', max_new_tokens, 1)
+  eos_id = stop_ids(eos_id)
+  pad_id = _check_int('pad_id', pad_id)
+  tokens_shape = np.shape(prompt_tokens_bp)
+  lengths_shape = np.shape(prompt_lengths_b)
+  if len(tokens_shape) != 2:
+    raise ValueError(
+        f'sample: prompt_tokens_bp must be 2-D [batch, prompt_len], got shape {tokens_shape}')
+  num_prompts, num_cols = tokens_shape
+  if num_prompts < 1 or num_cols < 1:
+    raise ValueError(f'sample: prompt_tokens_bp must be non-empty, got shape {tokens_shape}')
+  if lengths_shape != (num_prompts,):
+    raise ValueError(
+        f'sample: prompt_lengths_b must have shape ({num_prompts},) to match prompt_tokens_bp '
+        f'{tokens_shape}, got {lengths_shape}')
+  for name, arr in (('prompt_tokens_bp', prompt_tokens_bp), ('prompt_lengths_b', prompt_lengths_b)):
+    if not jnp.issubdtype(jnp.result_type(arr), jnp.integer):
+      raise ValueError(f'sample: {name} must be integers, got {jnp.result_type(arr)}')
+  if isinstance(prompt_lengths_b, jax.core.Tracer):
+    return k, max_new_tokens, eos_id, pad_id  # Traced under an outer jit: values unknown here.
+  if isinstance(prompt_lengths_b, jax.Array) and not prompt_lengths_b.is_fully_addressable:
+    # Multi-process: each process checks the rows it holds (indices below are local).
+    lengths = np.concatenate([np.asarray(s.data).reshape(-1)
+                              for s in prompt_lengths_b.addressable_shards])
+  else:
+    lengths = np.asarray(jax.device_get(prompt_lengths_b))
+  empty = np.flatnonzero(lengths < 1)
+  if empty.size:
+    raise ValueError(f'sample: empty prompt (length {lengths[empty[0]]}) at batch index '
+                     f'{empty[0]}; every prompt needs at least one token')
+  too_long = np.flatnonzero(lengths > num_cols)
+  if too_long.size:
+    raise ValueError(f'sample: prompt {too_long[0]} has length {lengths[too_long[0]]} > the '
+                     f'{num_cols} columns of prompt_tokens_bp')
+  if max_seq_len is not None:
+    longest = int(lengths.max())
+    if longest > max_seq_len:
+      raise ValueError(
+          f'sample: prompt {int(lengths.argmax())} has {longest} tokens, longer than the model '
+          f'context max_seq_len={max_seq_len}')
+    if longest + max_new_tokens > max_seq_len:
+      raise ValueError(
+          f'sample: prompt length {longest} + max_new_tokens {max_new_tokens} = '
+          f'{longest + max_new_tokens} exceeds the model context max_seq_len={max_seq_len}')
+  return k, max_new_tokens, eos_id, pad_id
