@@ -37,7 +37,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rloo_jax import sampler, sampling  # noqa: E402
+from rloo_jax import sampler, sampler_args, sampling  # noqa: E402
 from rloo_jax.models import transformer  # noqa: E402
 
 ALL_MODES = ('shared', 'unshared', 'recompute', 'hf', 'copied', 'kept')
@@ -87,7 +87,9 @@ def make_method(args):
 
 def compile_sampler(fns, params, tokens, lengths, rng, *, mode, **kw):
   """AOT-compiles both sampler programs (fills jit's cache) without running a rollout."""
-  eos, pad = jnp.int32(kw['eos_id']), jnp.int32(kw['pad_id'])
+  # As sampler.sample passes them: the stop ids an int32 [S] array, pad an int32 scalar.
+  eos = jnp.asarray(sampler_args.stop_ids(kw['eos_id']), jnp.int32)
+  pad = jnp.int32(kw['pad_id'])
   # The same static keywords as sampler.sample passes, or jit's cache would miss on the real call.
   static = dict(method=kw['method'], mode=mode)
   if 'batch_sharding' in inspect.signature(sampler.sample).parameters:

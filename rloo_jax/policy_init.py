@@ -21,7 +21,10 @@ def initial_params(exp, *, log=print):
   """config.model.init_from's weights, or SFT from scratch on the task's demonstrations."""
   config = exp.config
   if config.model.init_from:
-    _, params = hf.load_checkpoint(config.model.init_from, dtype=config.model.dtype)
+    # Straight onto the mesh, each process reading only its own devices' slices of the files:
+    # the host never holds the whole model (an 8B model is 32 GB in float32).
+    _, params = hf.load_checkpoint(config.model.init_from, dtype=config.model.dtype,
+                                   shardings=exp.state_shardings.params)
     return params
   return sft.train(config, exp.workdir, exp.fns, create_params(exp, seed=config.seed), exp.task,
                    log=log, shard_batch=exp.layout.shard_batch)

@@ -74,7 +74,8 @@ class Inputs:
   minibatch: Any  # one minibatch of them
   prompts: tuple  # (prompt tokens [C, P], lengths [C]) of one rollout chunk
   rng: Any
-  token_id: Any  # an int32 scalar: eos_id and pad_id
+  token_id: Any  # an int32 scalar: pad_id
+  stop_ids: Any  # int32 [S]: the tokenizer's stop ids, as sampler.sample passes them
 
 
 def chunk_prompts(config) -> int:
@@ -107,7 +108,14 @@ def inputs(exp) -> Inputs:
                 prompts=(_struct((chunk, p), jnp.int32, rows_sh),
                          _struct((chunk,), jnp.int32, rows_sh)),
                 rng=_with(jax.eval_shape(lambda: jax.random.PRNGKey(0)), rep),
-                token_id=_struct((), jnp.int32, rep))
+                token_id=_struct((), jnp.int32, rep),
+                stop_ids=_struct((_num_stop_ids(exp),), jnp.int32, rep))
+
+
+def _num_stop_ids(exp) -> int:
+  """How many stop ids the rollout passes (1 when planned without a tokenizer)."""
+  task = getattr(exp, "task", None)
+  return len(rollout.stop_ids(task.tokenizer)) if task is not None else 1
 
 
 def _sampler_static(exp) -> dict:
@@ -157,7 +165,7 @@ def compile_programs(algo, names=NAMES) -> Compiled:
   tok, static = x.token_id, _sampler_static(exp)
   start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
                       noise_budget_bytes=sampler.NOISE_BUDGET_BYTES)
-  start_args = (state.params, *x.prompts, x.rng, tok, tok)
+  start_args = (state.params, *x.prompts, x.rng, x.stop_ids, tok)
   shapes = jax.eval_shape(functools.partial(sampler.start, exp.fns, **start_static),
                           *start_args)
   found = {}
@@ -177,8 +185,8 @@ def compile_programs(algo, names=NAMES) -> Compiled:
   sample_output *= c.rloo.num_prompts // chunk_prompts(c)
   rows_bytes = per_device_bytes(x.rows)
   if "decode" in names:
-    compiled, s = _compile(lambda: sampler.decode_loop.lower(exp.fns, state.params, samp, tok,
-                                                             tok, **static))
+    compiled, s = _compile(lambda: sampler.decode_loop.lower(exp.fns, state.params, samp,
+                                                             x.stop_ids, tok, **static))
     found["decode"] = _measure("decode", compiled, s, persistent - parts["params"])
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
   score_args = (state.ref_params, state.adv_state, x.rows,
