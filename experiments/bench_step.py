@@ -4,7 +4,7 @@ Prints one JSON line. The workload follows issue 4's comparison with TRL: a Llam
 random weights, vocab 256, 8 prompts of 16 tokens per iteration, k = 4, 32 new tokens, one gradient
 step per rollout batch, beta = 0.05, and a cheap synthetic reward (the same one TRL gets in
 experiments/bench_trl_rloo.py). For the FLOP/s figure, the model FLOPs the iteration executes are
-counted (`rloo_jax.plan.flops`, the memory planner's count): 2 x params per token fed forward, 6 x
+counted (`rloo_jax.memory.flops`, the memory planner's count): 2 x params per token fed forward, 6 x
 per token trained, attention added, and the prompt counted once per group when it is shared
 (`--shared_prefix 1`, the default, as in the trainer); rematerialisation is not counted.
 
@@ -37,7 +37,7 @@ from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.config_utils import base_config
 from rloo_jax.data import pipeline
 from rloo_jax.models import transformer
-from rloo_jax.plan.flops import model_flops_per_iteration
+from rloo_jax.memory.flops import model_flops_per_iteration
 
 
 class IdTokenizer:

@@ -1,4 +1,4 @@
-r"""The memory plan (`rloo_jax.plan`) of one job over several depths and remat policies, in one
+r"""The memory plan (`rloo_jax.memory`, as `python -m rloo_jax.plan` prints it) of one job over several depths and remat policies, in one
 process: each setting's peak per device and update-step compile time, then the growth per layer
 (a least-squares line through the depths) and the compile-time ratio of the deepest to the
 shallowest, per remat policy. No data and no weights: architecture presets, abstract inputs.
@@ -45,7 +45,7 @@ def main():
   # Before any device is touched: the simulated device count is fixed at backend start.
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", args.devices)
-  from rloo_jax import algorithms, experiment, plan  # pylint: disable=import-outside-toplevel
+  from rloo_jax import algorithms, experiment, memory  # pylint: disable=import-outside-toplevel
   from rloo_jax.config_utils import load_config_file  # pylint: disable=import-outside-toplevel
 
   depths = [int(x) for x in args.layers.split(",") if x] or [None]
@@ -63,7 +63,7 @@ def main():
       _, config = algorithms.resolve(config)
       t0 = time.perf_counter()
       exp = experiment.build_abstract(config, num_layers=depth)
-      report = plan.plan(algorithms.ALGORITHMS["rloo"](exp),
+      report = memory.plan(algorithms.ALGORITHMS["rloo"](exp),
                          device_memory_gb=args.device_memory_gb)
       update = {name: v for name, v in report["programs"].items() if name.startswith("update")}
       row = dict(preset=args.preset, remat=remat, num_layers=report["num_layers"],

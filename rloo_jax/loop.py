@@ -15,7 +15,7 @@ lost (docs/RELIABILITY.md). Side effects live here and only here; an algorithm
     algo.log_line(step, metrics)      one line for the log when there is no progress bar
     algo.summary_extra()              optional: more summary.json fields
 
-Before anything runs, an accelerator job of the RLOO family is planned (`rloo_jax.plan.check`,
+Before anything runs, an accelerator job of the RLOO family is planned (`rloo_jax.memory.check`,
 config.train.check_memory) and refused when it would not fit in device memory.
 """
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rloo_jax import evaluation, plan, policy_init, workdir as workdir_lib
+from rloo_jax import evaluation, memory, policy_init, workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
 from rloo_jax.metrics import MetricWriter
@@ -137,7 +137,7 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
   t = c.train
   # config.train.check_memory: on an accelerator a job that cannot fit is refused here, before
   # the SFT stage and the first iteration compile anything.
-  plan.check(algo, log=log)
+  memory.check(algo, log=log)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
                       keep=t.keep_checkpoints if keep_checkpoints is None else keep_checkpoints)
   writer = None

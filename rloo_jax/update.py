@@ -27,6 +27,18 @@ def constrain(tree, shardings):
   return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
+def microbatches(config, *, per: str) -> int:
+  """How many microbatches `config.train.microbatch_size` cuts a minibatch (per='minibatch':
+  the update) or the whole rollout (per='rollout': the reference pass) into; 1 when it is 0.
+  The size counts groups (prompts) with train.shared_prefix, rows otherwise."""
+  c = config
+  size = int(c.train.get("microbatch_size", 0))
+  units = c.rloo.num_prompts if c.train.shared_prefix else c.rloo.num_prompts * c.rloo.k
+  if per == "minibatch":
+    units //= c.train.num_minibatches
+  return max(units // size, 1) if size else 1
+
+
 def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
   """Sums `fn(microbatch)` (a pytree of arrays: losses, gradients, metrics) over `microbatches`
   slices of the rows with a `lax.scan`, so one microbatch's activations live at a time; with 1

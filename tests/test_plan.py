@@ -13,10 +13,11 @@ import sys
 import pytest
 
 from conftest import REPO, load_config
-from rloo_jax import experiment, plan
+from rloo_jax import experiment
+from rloo_jax import memory as plan
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.models import presets
-from rloo_jax.plan import flops
+from rloo_jax.memory import flops
 
 GIB = plan.GIB
 PROGRAMS = {"update", "score", "start", "decode"}  # the update may be several: update_<part>

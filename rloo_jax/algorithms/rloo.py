@@ -84,18 +84,6 @@ def rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite: int, parts: 
   return m
 
 
-def microbatches(config, *, per: str) -> int:
-  """How many microbatches `config.train.microbatch_size` cuts a minibatch (per='minibatch':
-  the update) or the whole rollout (per='rollout': the reference pass) into; 1 when it is 0.
-  The size counts groups (prompts) with train.shared_prefix, rows otherwise."""
-  c = config
-  size = int(c.train.get("microbatch_size", 0))
-  units = c.rloo.num_prompts if c.train.shared_prefix else c.rloo.num_prompts * c.rloo.k
-  if per == "minibatch":
-    units //= c.train.num_minibatches
-  return max(units // size, 1) if size else 1
-
-
 class RLOO:
   """The algorithm object the loop drives: state, jitted programs and one iteration."""
 
@@ -111,14 +99,14 @@ class RLOO:
     chunk = int(c.train.logprob_chunk_size)
     self.step_fn = update.TrainStep(
         fns=exp.fns, tx=exp.tx, spec=exp.loss_spec, k=self.k, chunk_size=chunk,
-        microbatches=microbatches(c, per="minibatch"), state_shardings=state_sh,
+        microbatches=update.microbatches(c, per="minibatch"), state_shardings=state_sh,
         rows_sharding=rows_sh, replicated=rep)
     self.score_fn = jax.jit(functools.partial(
         update.score_rollout, fns=exp.fns, beta=float(c.kl.beta),
         kl_estimator=c.kl.estimator, kl_reduction=c.kl.reduction,
         estimator=c.advantage.estimator,
         options=tuple(sorted(dict(c.advantage.options).items())), chunk_size=chunk,
-        microbatches=microbatches(c, per="rollout"), rows_sharding=rows_sh),
+        microbatches=update.microbatches(c, per="rollout"), rows_sharding=rows_sh),
         in_shardings=(state_sh.ref_params, state_sh.adv_state, rows_sh, rows_sh, rows_sh),
         out_shardings=(rows_sh, state_sh.adv_state))
     self.rows_fn = jax.jit(functools.partial(rollout.make_rows, k=self.k,

@@ -4,7 +4,7 @@ the real shardings (no data, no weights), and what it needs per device.
     python -m rloo_jax.plan --config=configs/arithmetic.py --config.model.preset=qwen2.5-1.5b \
         --config.mesh.data=1 --config.mesh.fsdp=8 --devices=8 [--device_memory_gb=80]
 
-    report = plan.plan(RLOO(experiment.build_abstract(config)), device_memory_gb=80)
+    report = memory.plan(RLOO(experiment.build_abstract(config)), device_memory_gb=80)
 
 Sizes are GiB (2^30 bytes) per device. A program's peak is what it holds at once (`programs`);
 the plan's peak is the largest. When it does not fit, `advice` names the settings to turn,
@@ -20,8 +20,9 @@ from typing import Optional
 
 import jax
 
-from rloo_jax.plan import flops as flops_lib
-from rloo_jax.plan import programs as programs_lib
+from rloo_jax import update
+from rloo_jax.memory import flops as flops_lib
+from rloo_jax.memory import programs as programs_lib
 
 GIB = 2 ** 30
 DEFAULT_DEVICE_MEMORY_GB = 80.0
@@ -49,12 +50,10 @@ def _divisors(n: int) -> list[int]:
 def microbatch(config) -> dict:
   """The update's microbatch: in config.train.microbatch_size's units (groups with
   train.shared_prefix, rows otherwise), in rows, in groups, and how many make a minibatch."""
-  # Imported here: the algorithms package imports the loop, which imports this package.
-  from rloo_jax.algorithms.rloo import microbatches  # pylint: disable=import-outside-toplevel
   c = config
   k, grouped = c.rloo.k, bool(c.train.shared_prefix)
   units = (c.rloo.num_prompts if grouped else c.rloo.num_prompts * k) // c.train.num_minibatches
-  m = microbatches(c, per="minibatch")
+  m = update.microbatches(c, per="minibatch")
   size = units // m
   rows = size * k if grouped else size
   return dict(microbatch_size=size, microbatch_rows=rows,

@@ -41,20 +41,20 @@ def main(argv):
     jax.config.update("jax_num_cpu_devices", int(_DEVICES.value))
   # Imported after the device set is fixed (nothing they import may touch a device, but the
   # order keeps it so).
-  from rloo_jax import algorithms, experiment, plan  # pylint: disable=import-outside-toplevel
+  from rloo_jax import algorithms, experiment, memory  # pylint: disable=import-outside-toplevel
   try:
     _, config = algorithms.resolve(_CONFIG.value)
     if config.get("algorithm", "rloo") != "rloo":
       raise ValueError(f"config.algorithm={config.algorithm!r}: the memory plan covers the RLOO "
                        "programs only (config.algorithm='rloo')")
     exp = experiment.build_abstract(config, num_layers=_LAYERS.value)
-    report = plan.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=_MEMORY.value)
+    report = memory.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=_MEMORY.value)
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("RLOO_JAX_TRACEBACK"):
       raise
     print(f"rloo_jax.plan: error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
-  print(plan.format_table(report))
+  print(memory.format_table(report))
   print(json.dumps(report), flush=True)
 
 
