@@ -53,7 +53,10 @@ def tree_bytes(tree) -> int:
 
 
 def memory_of(jitted, *args) -> dict:
-  m = jitted.lower(*args).compile().memory_analysis()
+  lowered = jitted.lower(*args)
+  if isinstance(lowered, dict):  # RLOO's update.TrainStep: its gradient program, the larger
+    lowered = lowered["update_gradients"]
+  m = lowered.compile().memory_analysis()
   return dict(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
               temp=int(m.temp_size_in_bytes), alias=int(m.alias_size_in_bytes))
 
