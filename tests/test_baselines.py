@@ -146,16 +146,19 @@ def test_one_dpo_step_raises_the_margin(tiny):
   pairs = [dict(prompt="1+2=", chosen="3", rejected="4"),
            dict(prompt="5+5=", chosen="10", rejected="1")]
   rows = dpo.pair_rows(pairs, exp.tokenizer, seq_len=12)
-  ref = dpo.reference_logprobs(exp.fns, params, rows, batch_size=4)
+  ref = dpo.reference_logprobs(exp.fns, params, rows, batch_size=4,
+                              chunk_size=exp.config.train.logprob_chunk_size)
   c = dpo.with_defaults(config)
   c.optim.update(learning_rate=1e-2, warmup_steps=0)
   tx = make_optimizer(c.optim, 10)
   state = dpo.DPOState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, params),
                        jax.tree.map(jnp.copy, params), tx.init(params))
   batch = dict(rows, ref_logp=ref)
-  state, m = dpo.train_step(state, batch, fns=exp.fns, tx=tx, beta=0.5)
+  state, m = dpo.train_step(state, batch, fns=exp.fns, tx=tx, beta=0.5,
+                             chunk_size=exp.config.train.logprob_chunk_size)
   np.testing.assert_allclose(m["dpo_loss"], math.log(2), atol=1e-5)  # policy == reference
-  _, m2 = dpo.train_step(state, batch, fns=exp.fns, tx=tx, beta=0.5)
+  _, m2 = dpo.train_step(state, batch, fns=exp.fns, tx=tx, beta=0.5,
+                         chunk_size=exp.config.train.logprob_chunk_size)
   assert float(m2["reward_margin"]) > 0 and float(m2["dpo_loss"]) < math.log(2)
 
 

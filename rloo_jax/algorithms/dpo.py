@@ -83,7 +83,7 @@ def dpo_loss(policy_chosen_b, policy_rejected_b, ref_chosen_b, ref_rejected_b, *
                  "rejected_reward": jnp.mean(rejected)}
 
 
-def sequence_logprobs(fns, params, tokens_bs, token_mask_bs, loss_mask_bs, chunk_size=32):
+def sequence_logprobs(fns, params, tokens_bs, token_mask_bs, loss_mask_bs, *, chunk_size: int):
   """Summed log-prob of the completion (+ eos) tokens of `[bos] prompt completion eos` rows,
   from hidden states in chunks of positions (no [B, S, V] logits)."""
   positions = jnp.broadcast_to(jnp.arange(tokens_bs.shape[1]), tokens_bs.shape)
@@ -102,13 +102,13 @@ class DPOState:
   opt_state: Any
 
 
-def train_step(state: DPOState, batch, *, fns, tx, beta: float):
+def train_step(state: DPOState, batch, *, fns, tx, beta: float, chunk_size: int):
   """One DPO step on `2B` rows (chosen then rejected) with precomputed reference log-probs."""
   b = batch["ref_logp"].shape[0] // 2
 
   def loss_fn(params):
     logp = sequence_logprobs(fns, params, batch["tokens"], batch["token_mask"],
-                             batch["loss_mask"])
+                             batch["loss_mask"], chunk_size=chunk_size)
     return dpo_loss(logp[:b], logp[b:], batch["ref_logp"][:b], batch["ref_logp"][b:], beta=beta)
 
   (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -182,9 +182,10 @@ def build_pairs(config, exp, sft_params, workdir: str, *, log=print) -> list[dic
   return pairs
 
 
-def reference_logprobs(fns, ref_params, rows: dict, batch_size: int) -> np.ndarray:
+def reference_logprobs(fns, ref_params, rows: dict, batch_size: int, chunk_size: int
+                       ) -> np.ndarray:
   """Frozen reference log-probs of every row, in fixed-size batches (one compile)."""
-  f = jax.jit(functools.partial(sequence_logprobs, fns))
+  f = jax.jit(functools.partial(sequence_logprobs, fns, chunk_size=chunk_size))
   n = rows["tokens"].shape[0]
   out = []
   for s in range(0, n, batch_size):
@@ -232,8 +233,9 @@ class DPO:
     self.exp = exp
     d = exp.config.dpo
     self.tx = make_optimizer(with_learning_rate(exp.config.optim, d.learning_rate), d.steps)
-    self.step_fn = jax.jit(functools.partial(train_step, fns=exp.fns, tx=self.tx,
-                                             beta=float(d.beta)), donate_argnums=0)
+    self.step_fn = jax.jit(functools.partial(
+        train_step, fns=exp.fns, tx=self.tx, beta=float(d.beta),
+        chunk_size=int(exp.config.train.logprob_chunk_size)), donate_argnums=0)
     self.eval_every = int(d.eval_every)
     self.rows = self.ref_logp = None
     self.num_pairs = 0
@@ -257,7 +259,8 @@ class DPO:
     self.rows = pair_rows(pairs, exp.tokenizer, sequence_length(exp.config, with_eos=True))
     self.num_pairs = n = len(pairs)
     self.ref_logp = reference_logprobs(exp.fns, state.ref_params, self.rows,
-                                       batch_size=min(2 * d.batch_size, 2 * n))
+                                       batch_size=min(2 * d.batch_size, 2 * n),
+                                       chunk_size=int(exp.config.train.logprob_chunk_size))
 
   def batches(self) -> PairBatches:
     return PairBatches(self.num_pairs, self.exp.config.dpo.batch_size, self.exp.config.seed)

@@ -136,8 +136,7 @@ class RLOO:
     b = rewards_bk.shape[0]  # the global batch
     n = b * k
     # Lengths (and so the rollout metrics) are unchanged by the trim; only columns go.
-    out = trim_rollout(exp, out, exp.loss_spec.aggregation,
-                       getattr(exp.loss_spec, "max_len", None))
+    out = trim_rollout(exp, out, exp.loss_spec.aggregation, exp.loss_spec.max_len)
     t = out.tokens_bkt.shape[2]
     rows = rollout_rows(self, batch, out)
     scored, adv_state = self.score_fn(state.ref_params, state.adv_state, rows,
