@@ -35,10 +35,10 @@ def _worker(out_path):
   from flax import nnx
   import numpy as np
   from rloo_jax import sharding
-  from rloo_jax.models import hf, transformer
+  from rloo_jax.models import hf, hf_read, transformer
 
   reads, whole = [], []  # (key, shape of each slice read) / keys read whole
-  read, call = hf._Tensors.read, hf._Tensors.__call__
+  read, call = hf_read._Tensors.read, hf_read._Tensors.__call__
 
   def recorded_read(self, key, index):
     value = read(self, key, index)
@@ -48,13 +48,13 @@ def _worker(out_path):
   def recorded_call(self, key):
     whole.append(key)
     return call(self, key)
-  hf._Tensors.read, hf._Tensors.__call__ = recorded_read, recorded_call
+  hf_read._Tensors.read, hf_read._Tensors.__call__ = recorded_read, recorded_call
 
   out = {}
   for family in FAMILIES:
     path = os.path.join(FIXTURES, family)
     config, want = hf.load_checkpoint(path)
-    raw = hf._Tensors(path, family)
+    raw = hf_read._Tensors(path, family)
     sizes = {k: math.prod(raw.shape(k)) for k in raw.file_of}
     abstract = transformer.abstract(config)[1]
     for name, mesh in MESHES.items():

@@ -157,7 +157,7 @@ def hf_config(c: TransformerConfig, *, dtype: str = 'bfloat16', bos_id=None, eos
 def tensors(params, c: TransformerConfig) -> list[Entry]:
   """Every tensor of the HF checkpoint of `c`, in the names and layouts transformers saves.
 
-  The inverse of hf._load_llama / _load_gpt2 / _load_gpt_neox: our kernels are [in, heads,
+  The inverse of hf_weights._load_llama / _load_gpt2 / _load_gpt_neox: our kernels are [in, heads,
   head_dim] (o: [heads, head_dim, out]) where torch Linear is [out, in], GPT-2's Conv1D [in, out]
   with q | k | v fused along out, and GPT-NeoX's query_key_value rows are per head (H, 3, D)."""
   check_exportable(c)
