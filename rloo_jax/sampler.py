@@ -183,7 +183,7 @@ def _decode(fns, params, state: SamplingState, *, mode):
 
 # Cache fields -> the axis of their prompt (or prompt x stream) rows: 1 for the stacked layers.
 _CACHE_ROW_AXES = dict(prefix_k_lbhdp=1, prefix_v_lbhpd=1, prefix_mask_bp=0, k_lbkhdt=1,
-                       v_lbkhtd=1, tokens_ns=0, positions_ns=0, mask_ns=0)
+                       v_lbkhtd=1, prefix_positions_bp=0, tokens_ns=0, positions_ns=0, mask_ns=0)
 
 
 def _shard_rows(x, axis, batch_sharding):

@@ -30,6 +30,20 @@ CONFIGS = {
     'qwen3': TransformerConfig.qwen3(num_kv_heads=2, **{**TINY, 'head_dim': 16}),
     # Mistral's shape (a Llama): MQA, heads narrower than hidden / heads.
     'mistral': TransformerConfig.llama(num_kv_heads=1, **{**TINY, 'head_dim': 6}),
+    # Mistral's sliding window (every layer), narrower than the test rows.
+    'mistral_window': TransformerConfig.llama(num_kv_heads=1, sliding_window=3, **TINY),
+    # Gemma 2: soft-capped scores and logits (caps the random logits reach), windows of 3 on
+    # alternate layers, a query scalar other than head_dim, sandwich norms, GeGLU.
+    'gemma2': TransformerConfig.gemma2(num_kv_heads=2, sliding_window=3, attn_softcap=1.5,
+                                       final_softcap=2.0, query_pre_attn_scalar=12.0,
+                                       **{**TINY, 'num_layers': 3}),
+    # Gemma 3: q/k (1 + w) norms, sliding layers with their own RoPE base, linear scaling on the
+    # global one.
+    'gemma3': TransformerConfig.gemma3(num_kv_heads=2, sliding_window=4, rope_type='linear',
+                                       rope_factor=4.0, local_rope_theta=100.0,
+                                       layer_types=('sliding_attention', 'full_attention',
+                                                    'sliding_attention'),
+                                       **{**TINY, 'num_layers': 3}),
 }
 AXES = {'layers', 'vocab', 'embed', 'q_heads', 'kv_heads', 'head_dim', 'mlp', 'norm', None}
 B, P, K, T = 2, 6, 3, 4
@@ -370,3 +384,24 @@ def test_config_validation():
   assert hash(CONFIGS['llama']) == hash(CONFIGS['llama'].replace())
   gpt2 = TransformerConfig.gpt2(num_heads=4)
   assert gpt2.num_kv_heads == 4 and gpt2.tie_embeddings and gpt2.family == 'gpt2'
+
+
+@pytest.mark.parametrize('name', ['mistral_window', 'gemma2'])
+def test_sliding_window_hides_only_keys_beyond_it(name):
+  """Positions within the window of every key see what an unwindowed model sees; later ones
+  differ (the window really masks), and only in the layers it applies to: a model whose every
+  layer is full is the unwindowed one."""
+  config = CONFIGS[name]
+  graphdef, params = random_params(config, seed=2)
+  wide = config.replace(sliding_window=0)
+  fwd = lambda c, *a: np.asarray(model_fns(abstract(c)[0]).forward(params, *a))
+  s = 10
+  tokens = np.random.default_rng(0).integers(3, config.vocab_size, (1, s)).astype(np.int32)
+  args = (tokens, np.arange(s, dtype=np.int32)[None], np.ones((1, s), bool))
+  got, want = fwd(config, *args), fwd(wide, *args)
+  w = config.sliding_window
+  np.testing.assert_allclose(got[:, :w], want[:, :w], rtol=1e-5, atol=1e-6)
+  assert np.abs(got[:, w:] - want[:, w:]).min(axis=-1).max() > 1e-4
+  if config.layer_types:
+    full = config.replace(layer_types=('full_attention',) * config.num_layers)
+    np.testing.assert_array_equal(fwd(full, *args), want)

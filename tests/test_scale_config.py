@@ -24,6 +24,8 @@ PUBLISHED = {
     "pythia-1b": 1_011_781_632, "pythia-2.8b": 2_775_208_960, "pythia-6.9b": 6_857_302_016,
     # Qwen3's model cards: 0.6B (596,049,920 exact), 1.7B, 4.0B, 8.2B with embeddings.
     "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1.72e9, "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9,
+    # The Gemma checkpoints' exact counts (tied embeddings, sandwich norms).
+    "gemma-2-2b": 2_614_341_888, "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952,
 }
 
 
@@ -43,8 +45,8 @@ def test_every_required_preset_is_there():
 def test_preset_parameter_count_matches_the_published_one(name):
   cfg = _get(name)
   assert abs(cfg.num_params / PUBLISHED[name] - 1) < 0.01, (cfg.num_params, PUBLISHED[name])
-  # hidden_size = heads x head_dim, except Qwen3, whose head_dim is 128 at every size.
-  if cfg.family != "qwen3":
+  # hidden_size = heads x head_dim, except Qwen3's and Gemma's (128 / 256 at every size).
+  if cfg.family not in ("qwen3", "gemma2", "gemma3"):
     assert cfg.num_heads * cfg.head_dim == cfg.hidden_size
   assert cfg.num_heads % cfg.num_kv_heads == 0
 
@@ -55,6 +57,8 @@ def test_exact_counts_and_the_config_json_numbers():
   assert presets.get("qwen2.5-1.5b").num_params == 1_543_714_304
   assert presets.get("qwen2.5-7b").num_params == 7_615_616_512
   assert presets.get("llama-3-8b").num_params == 8_030_261_248
+  for name in ("gemma-2-2b", "gemma-2-9b", "gemma-3-1b"):
+    assert presets.get(name).num_params == PUBLISHED[name]
   q = presets.get("qwen2.5-1.5b")
   assert (q.family, q.hidden_size, q.num_layers, q.num_heads, q.num_kv_heads, q.head_dim,
           q.intermediate_size, q.vocab_size) == ("qwen2", 1536, 28, 12, 2, 128, 8960, 151936)

@@ -7,6 +7,7 @@ Every kernel computes its scores and softmax in float32, whatever the activation
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,38 @@ from rloo_jax.models.layers import _cast, _dense, _param, _project, _rope, apply
 # Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
 # finite distribution instead of NaNs that would leak into gradients through a masked mean.
 _MASKED = -1e30
+
+
+class Scores(NamedTuple):
+  """How a layer's q.k products become the softmax's logits: scaled by `scale`, soft-capped to
+  softcap * tanh(s / softcap) when softcap > 0 (Gemma 2), and with a `window` (a traced int32
+  per layer; None: no layer slides) keys at positions <= query position - window masked, as
+  transformers' sliding_window_overlay masks them (a global layer gets a window no distance
+  reaches, so every layer runs the same scanned code)."""
+
+  scale: float
+  softcap: float = 0.0
+  window: jax.Array | None = None
+
+  @classmethod
+  def of(cls, config: TransformerConfig, window=None) -> 'Scores':
+    return cls(config.attn_scale, config.attn_softcap, window)
+
+  def logits(self, scores):
+    scores = scores * self.scale
+    if self.softcap:
+      scores = self.softcap * jnp.tanh(scores / self.softcap)
+    return scores
+
+
+def _plain(q) -> Scores:
+  return Scores(1.0 / math.sqrt(q.shape[-1]))
+
+
+def _in_window(q_pos, k_pos, window):
+  """[..., S, T] whether each key (positions k_pos [..., T]) is within the window of each query
+  (q_pos [..., S])."""
+  return (q_pos[..., :, None] - k_pos[..., None, :]) < window
 
 
 class Attention(nnx.Module):
@@ -41,9 +74,11 @@ class Attention(nnx.Module):
     if c.out_bias:
       self.o_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
     if c.qk_norm:
-      # One [D] scale shared by every head (Qwen3's q_norm / k_norm).
-      self.q_norm_scale = _param(rngs, nnx.initializers.ones, (d,), ('head_dim',), pdt)
-      self.k_norm_scale = _param(rngs, nnx.initializers.ones, (d,), ('head_dim',), pdt)
+      # One [D] scale shared by every head (Qwen3's and Gemma 3's q_norm / k_norm); Gemma's
+      # (1 + w) form is the identity at w = 0.
+      ones = nnx.initializers.zeros if c.is_gemma else nnx.initializers.ones
+      self.q_norm_scale = _param(rngs, ones, (d,), ('head_dim',), pdt)
+      self.k_norm_scale = _param(rngs, ones, (d,), ('head_dim',), pdt)
 
   def qkv(self, x_bse: jax.Array, rotary, fused: bool = False):
     """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D].
@@ -66,8 +101,8 @@ class Attention(nnx.Module):
       k = k + _cast(self.k_bias, dt)
       v = v + _cast(self.v_bias, dt)
     if c.qk_norm:
-      q = apply_norm(q, self.q_norm_scale, None, c.norm_eps)
-      k = apply_norm(k, self.k_norm_scale, None, c.norm_eps)
+      q = apply_norm(q, self.q_norm_scale, None, c.norm_eps, c.is_gemma)
+      k = apply_norm(k, self.k_norm_scale, None, c.norm_eps, c.is_gemma)
     if not c.is_gpt2:
       q = _rope(q, rotary)
       k = _rope(k, rotary)
@@ -113,35 +148,49 @@ def _softmax_f32(scores: jax.Array, mask: jax.Array) -> jax.Array:
   return jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1)
 
 
-def _full_attention(q_bshgd, k_bthd, v_bthd, mask_bt):
-  """Causal in index order, keys masked by mask_bt, so padding may sit anywhere in a row."""
+def _full_attention(q_bshgd, k_bthd, v_bthd, mask_bt, spec: Scores | None = None,
+                    positions_bt=None):
+  """Causal in index order, keys masked by mask_bt, so padding may sit anywhere in a row.
+  positions_bt (those of q and k alike) is read only by a sliding window (`Scores.window`)."""
   s, t = q_bshgd.shape[1], k_bthd.shape[1]
-  scale = 1.0 / math.sqrt(q_bshgd.shape[-1])
-  scores = jnp.einsum('bshgd,bthd->bhgst', q_bshgd, k_bthd,
-                      preferred_element_type=jnp.float32) * scale
+  spec = spec or _plain(q_bshgd)
+  scores = spec.logits(jnp.einsum('bshgd,bthd->bhgst', q_bshgd, k_bthd,
+                                  preferred_element_type=jnp.float32))
   causal_st = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
   mask = causal_st[None, None, None] & mask_bt.astype(bool)[:, None, None, None, :]
+  if spec.window is not None:
+    mask = mask & _in_window(positions_bt, positions_bt, spec.window)[:, None, None]
   probs = _softmax_f32(scores, mask).astype(v_bthd.dtype)
   return jnp.einsum('bhgst,bthd->bshgd', probs, v_bthd)
 
 
-def _decode_mask(prefix_mask_bp, k: int, t: int, index):
+def _decode_mask(prefix_mask_bp, k: int, t: int, index, spec: Scores | None = None,
+                 window_pos=None):
   """[B, K, 1, 1, P + T] keys a decode query sees: the prompt's valid columns, then the
-  stream's own slots 0..index."""
+  stream's own slots 0..index; with a sliding window (`Scores.window`) only those within it.
+  window_pos: (the queries' positions [B, K], the prompt's [B, P]); stream slot j sits
+  index - j positions before its query."""
   b, p = prefix_mask_bp.shape
-  mask_p = jnp.broadcast_to(prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
+  prefix_mask_bp = prefix_mask_bp.astype(bool)
+  mask_p = jnp.broadcast_to(prefix_mask_bp[:, None, :], (b, k, p))
   mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
+  if spec is not None and spec.window is not None:
+    q_pos_bk, pos_bp = window_pos
+    mask_p = mask_p & _in_window(q_pos_bk[..., None], pos_bp[:, None], spec.window)[:, :, 0]
+    mask_t = mask_t & (index - jnp.arange(t) < spec.window)
   return jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
 
 
 def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_bp,
-                             k_bkhdt, v_bkhtd, index):
+                             k_bkhdt, v_bkhtd, index, spec: Scores | None = None,
+                             window_pos=None):
   """K streams per row attend to the row's single prefix cache and to their own keys 0..index.
 
   The prefix is contracted against all K queries at once instead of being tiled per stream, so
   its memory traffic is paid once per row; both score blocks share one float32 softmax.
+  window_pos: positions, read only by a sliding window (see `_decode_mask`).
   """
-  scale = 1.0 / math.sqrt(q_bkhgd.shape[-1])
+  spec = spec or _plain(q_bkhgd)
   f32 = jnp.float32
   # With K > 1 streams the prefix products are written as broadcast-multiply-and-sum rather than
   # einsum: as a dot they are batched over (b, h) with only K*G rows each, which XLA:CPU runs far
@@ -158,8 +207,9 @@ def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_
     scores_p = jnp.einsum('bkhgd,bhdp->bkhgp', q_bkhgd, prefix_k_bhdp, preferred_element_type=f32)
   scores_t = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt, preferred_element_type=f32)
   p, t = scores_p.shape[-1], scores_t.shape[-1]
-  scores = jnp.concatenate([scores_p, scores_t], axis=-1) * scale
-  probs = _softmax_f32(scores, _decode_mask(prefix_mask_bp, q_bkhgd.shape[1], t, index))
+  scores = spec.logits(jnp.concatenate([scores_p, scores_t], axis=-1))
+  probs = _softmax_f32(scores, _decode_mask(prefix_mask_bp, q_bkhgd.shape[1], t, index, spec,
+                                            window_pos))
   probs = probs.astype(v_bkhtd.dtype)
   if reduce_form:
     out = jnp.sum(probs[..., :p, None].astype(f32) * prefix_v_bhpd.astype(f32)[:, None, :, None],
@@ -169,43 +219,53 @@ def _shared_prefix_attention(q_bkhgd, prefix_k_bhdp, prefix_v_bhpd, prefix_mask_
   return out + jnp.einsum('bkhgt,bkhtd->bkhgd', probs[..., p:], v_bkhtd)
 
 
-def _stream_attention(q_bkhgd, prefix_mask_bp, k_bkhdt, v_bkhtd, index, copied: int):
+def _stream_attention(q_bkhgd, prefix_mask_bp, k_bkhdt, v_bkhtd, index, copied: int,
+                      spec: Scores | None = None, window_pos=None):
   """Decode attention over each stream's own buffer, whose first `copied` slots hold the prompt
   (masked by prefix_mask_bp) and whose next slots hold its tokens 0..index."""
-  scale = 1.0 / math.sqrt(q_bkhgd.shape[-1])
-  scores = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt,
-                      preferred_element_type=jnp.float32) * scale
-  mask = _decode_mask(prefix_mask_bp, q_bkhgd.shape[1], k_bkhdt.shape[-1] - copied, index)
+  spec = spec or _plain(q_bkhgd)
+  scores = spec.logits(jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt,
+                                  preferred_element_type=jnp.float32))
+  mask = _decode_mask(prefix_mask_bp, q_bkhgd.shape[1], k_bkhdt.shape[-1] - copied, index, spec,
+                      window_pos)
   probs = _softmax_f32(scores, mask).astype(v_bkhtd.dtype)
   return jnp.einsum('bkhgt,bkhtd->bkhgd', probs, v_bkhtd)
 
 
-def _grouped_attention(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt: int):
+def _grouped_attention(q_bshgd, k_bshd, v_bshd, prompt_mask_bp, mask_bmt, num_prompt: int,
+                       spec: Scores | None = None, positions_bs=None):
   """Attention over rows laid out per prompt as [prompt (P) | T tokens x M completions], the
   completions token-major (row P + i*M + j: token i of completion j).
 
   The prompt's queries attend causally within the prompt; each completion's queries attend to the
   prompt's keys (computed once, never tiled M times) and causally to their own completion. Both
-  score blocks of a completion query share one float32 softmax.
+  score blocks of a completion query share one float32 softmax. positions_bs (laid out as the
+  rows) is read only by a sliding window (`Scores.window`).
   """
   p = num_prompt
+  spec = spec or _plain(q_bshgd)
   b, _, h, g, d = q_bshgd.shape
   m, t = mask_bmt.shape[1:]
   qp, kp, vp = q_bshgd[:, :p], k_bshd[:, :p], v_bshd[:, :p]
-  out_p = _full_attention(qp, kp, vp, prompt_mask_bp)
+  pos_p = None if positions_bs is None else positions_bs[:, :p]
+  out_p = _full_attention(qp, kp, vp, prompt_mask_bp, spec, pos_p)
   qc = q_bshgd[:, p:].reshape(b, t, m, h, g, d)
   kc = k_bshd[:, p:].reshape(b, t, m, h, d)
   vc = v_bshd[:, p:].reshape(b, t, m, h, d)
-  scale = 1.0 / math.sqrt(d)
   f32 = jnp.float32
   scores_p = jnp.einsum('btmhgd,bphd->bmhgtp', qc, kp, preferred_element_type=f32)
   scores_c = jnp.einsum('btmhgd,bsmhd->bmhgts', qc, kc, preferred_element_type=f32)
-  scores = jnp.concatenate([scores_p, scores_c], axis=-1) * scale
+  scores = spec.logits(jnp.concatenate([scores_p, scores_c], axis=-1))
   mask_p = jnp.broadcast_to(prompt_mask_bp.astype(bool)[:, None, None, None, None, :],
                             (b, m, 1, 1, t, p))
   causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
   mask_c = causal_ts[None, None, None, None] & mask_bmt.astype(bool)[:, :, None, None, None, :]
   mask = jnp.concatenate([mask_p, mask_c], axis=-1)
+  if spec.window is not None:
+    pos_bmt = positions_bs[:, p:].reshape(b, t, m).transpose(0, 2, 1)
+    near = jnp.concatenate([_in_window(pos_bmt, pos_p[:, None], spec.window),
+                            _in_window(pos_bmt, pos_bmt, spec.window)], axis=-1)
+    mask = mask & near[:, :, None, None]
   probs = _softmax_f32(scores, mask).astype(v_bshd.dtype)
   out_c = (jnp.einsum('bmhgtp,bphd->btmhgd', probs[..., :p], vp)
            + jnp.einsum('bmhgts,bsmhd->btmhgd', probs[..., p:], vc))

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class PrefixKV:
-  """Every layer's post-RoPE keys/values of a prefilled prompt batch."""
+  """Every layer's post-RoPE keys/values of a prefilled prompt batch, and the prompt's
+  positions (what a sliding window measures decode distances from; None: not recorded)."""
 
   k_lbphd: jax.Array
   v_lbphd: jax.Array
+  positions_bp: jax.Array | None = None
 
 
 # Prompts up to this many tokens are copied into each stream's cache by `init_cache` (see
@@ -52,6 +54,8 @@ class DecodeCache:
   k_lbkhdt: jax.Array  # [L, B, K, Hkv, D, copied_prefix + T]
   v_lbkhtd: jax.Array  # [L, B, K, Hkv, copied_prefix + T, D]
   index: jax.Array
+  # The prompt's positions, which a sliding window reads (None: the prefill recorded none).
+  prefix_positions_bp: jax.Array | None = None
   copied_prefix: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
@@ -83,9 +87,9 @@ def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
                                  axis=-1),
         v_lbkhtd=jnp.concatenate([streams(v_lbhpd), jnp.zeros((l, b, k, h, max_new_tokens, d), dt)],
                                  axis=-2),
-        index=index, copied_prefix=p)
+        index=index, prefix_positions_bp=prefix.positions_bp, copied_prefix=p)
   return DecodeCache(
       prefix_k_lbhdp=k_lbhdp, prefix_v_lbhpd=v_lbhpd, prefix_mask_bp=mask_bp,
       k_lbkhdt=jnp.zeros((l, b, k, h, d, max_new_tokens), dt),
       v_lbkhtd=jnp.zeros((l, b, k, h, max_new_tokens, d), dt),
-      index=index)
+      index=index, prefix_positions_bp=prefix.positions_bp)

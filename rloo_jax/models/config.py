@@ -7,7 +7,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-FAMILIES = ('llama', 'qwen2', 'qwen3', 'gpt2', 'gpt_neox')
+FAMILIES = ('llama', 'qwen2', 'qwen3', 'gpt2', 'gpt_neox', 'gemma2', 'gemma3')
+# transformers' layer_types names.
+LAYER_TYPES = ('full_attention', 'sliding_attention')
 # RoPE variants `layers.inv_freq` implements (transformers' rope_type names).
 ROPE_TYPES = ('default', 'linear', 'llama3')
 HEADS = ('lm', 'scalar')
@@ -39,6 +41,13 @@ class TransformerConfig:
   is divided by rope_factor, one shorter than rope_original_max_len / rope_high_freq_factor is
   kept, those between are blended smoothly). Scalar fields rather than a dict so the config
   stays hashable; the rope_* fields other than rope_type are read only by the type using them.
+
+  sliding_window: with W > 0 a query at position p sees only keys at positions > p - W, in the
+  layers `layer_types` marks 'sliding_attention' (every layer when layer_types is empty: Mistral).
+  local_rope_theta: the RoPE base of the sliding layers, which then rotate without rope scaling
+  (Gemma 3's rope_local_base_freq); 0: every layer uses rope_theta and the scaling.
+  attn_softcap / final_softcap: scores (logits) become cap * tanh(x / cap) (Gemma 2); 0: off.
+  query_pre_attn_scalar: the scores are scaled by its -1/2 power instead of head_dim's (Gemma).
   """
 
   family: str = 'llama'
@@ -65,6 +74,12 @@ class TransformerConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
+  sliding_window: int = 0
+  layer_types: tuple = ()
+  local_rope_theta: float = 0.0
+  attn_softcap: float = 0.0
+  final_softcap: float = 0.0
+  query_pre_attn_scalar: float = 0.0
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -83,6 +98,12 @@ class TransformerConfig:
       raise ValueError(f'rope_type llama3 needs rope_high_freq_factor '
                        f'({self.rope_high_freq_factor}) > rope_low_freq_factor '
                        f'({self.rope_low_freq_factor})')
+    if self.layer_types and (len(self.layer_types) != self.num_layers
+                             or set(self.layer_types) - set(LAYER_TYPES)):
+      raise ValueError(f'layer_types={self.layer_types!r}: needs one of {LAYER_TYPES} per layer '
+                       f'(num_layers={self.num_layers})')
+    if self.sliding_window < 0:
+      raise ValueError(f'sliding_window={self.sliding_window} must be >= 0 (0: no window)')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}')
@@ -135,6 +156,30 @@ class TransformerConfig:
       kw['num_kv_heads'] = kw['num_heads']
     return cls(**kw)
 
+  @classmethod
+  def gemma2(cls, **overrides) -> 'TransformerConfig':
+    """Gemma 2: scaled embeddings, (1 + w) RMSNorms around attention and MLP, GeGLU, soft-capped
+    scores and logits, sliding-window layers alternating with global ones (the first slides)."""
+    kw = dict(family='gemma2', norm_eps=1e-6, rope_theta=10000.0, tie_embeddings=True,
+              qkv_bias=False, sliding_window=4096, attn_softcap=50.0, final_softcap=30.0,
+              query_pre_attn_scalar=256.0)
+    kw = {**kw, **overrides}
+    kw.setdefault('layer_types', tuple(LAYER_TYPES[(i + 1) % 2] for i in range(
+        kw.get('num_layers', cls.num_layers))))
+    return cls(**kw)
+
+  @classmethod
+  def gemma3(cls, **overrides) -> 'TransformerConfig':
+    """Gemma 3 text: Gemma 2's layout with q/k (1 + w) RMSNorms and no soft-capping; five
+    sliding layers (RoPE base 10k) to each global one (base 1M)."""
+    kw = dict(family='gemma3', norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=True,
+              qkv_bias=False, sliding_window=512, local_rope_theta=10000.0,
+              query_pre_attn_scalar=256.0)
+    kw = {**kw, **overrides}
+    kw.setdefault('layer_types', tuple(LAYER_TYPES[int((i + 1) % 6 != 0)] for i in range(
+        kw.get('num_layers', cls.num_layers))))
+    return cls(**kw)
+
   def replace(self, **changes) -> 'TransformerConfig':
     return dataclasses.replace(self, **changes)
 
@@ -149,14 +194,39 @@ class TransformerConfig:
     return self.family in ('gpt2', 'gpt_neox')
 
   @property
+  def is_gemma(self) -> bool:
+    """Embeddings scaled by sqrt(hidden_size), RMSNorms scaling by (1 + w) in float32, a norm
+    after attention and after the MLP too (`sandwich_norm`), GeGLU with tanh GELU."""
+    return self.family in ('gemma2', 'gemma3')
+
+  @property
+  def sandwich_norm(self) -> bool:
+    """Each branch's output is normed before the residual add (Gemma's post_*_layernorm)."""
+    return self.is_gemma
+
+  @property
   def gated_mlp(self) -> bool:
-    """SwiGLU without biases (else a GELU MLP with biases)."""
-    return self.family in ('llama', 'qwen2', 'qwen3')
+    """A gated MLP without biases: SwiGLU, or GeGLU for Gemma (else a GELU MLP with biases)."""
+    return self.family in ('llama', 'qwen2', 'qwen3', 'gemma2', 'gemma3')
 
   @property
   def qk_norm(self) -> bool:
-    """RMSNorm over head_dim on every q and k head, before RoPE (Qwen3's q_norm / k_norm)."""
-    return self.family == 'qwen3'
+    """RMSNorm over head_dim on every q and k head, before RoPE (Qwen3's and Gemma 3's q_norm /
+    k_norm)."""
+    return self.family in ('qwen3', 'gemma3')
+
+  @property
+  def sliding_layers(self) -> tuple:
+    """Per layer, whether its attention slides (see `sliding_window`)."""
+    if not self.sliding_window:
+      return (False,) * self.num_layers
+    if not self.layer_types:
+      return (True,) * self.num_layers
+    return tuple(t == 'sliding_attention' for t in self.layer_types)
+
+  @property
+  def attn_scale(self) -> float:
+    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
   @property
   def out_bias(self) -> bool:
@@ -190,7 +260,8 @@ class TransformerConfig:
     if self.qk_norm:
       attn += 2 * hd
     mlp = 3 * e * f if self.gated_mlp else 2 * e * f + f + e
-    total = self.num_layers * (2 * norm + attn + mlp) + norm + v * e
+    norms = 4 * norm if self.sandwich_norm else 2 * norm
+    total = self.num_layers * (norms + attn + mlp) + norm + v * e
     if self.is_gpt2:
       total += self.max_seq_len * e
     if self.head == 'scalar':

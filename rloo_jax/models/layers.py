@@ -29,25 +29,32 @@ def _cast(param: nnx.Param, dtype) -> jax.Array:
 
 
 class Norm(nnx.Module):
-  """RMSNorm (llama/qwen2) or LayerNorm with bias (gpt2, gpt_neox), statistics in float32 as in
-  HF."""
+  """RMSNorm (llama/qwen2), Gemma's RMSNorm scaling by (1 + w), or LayerNorm with bias (gpt2,
+  gpt_neox), statistics in float32 as in HF."""
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     pdt = dtype_of(config.param_dtype)
     self.eps = config.norm_eps
     self.layer_norm = config.layer_norm
-    self.scale = _param(rngs, nnx.initializers.ones, (config.hidden_size,), ('norm',), pdt)
+    self.plus_one = config.is_gemma
+    # Gemma stores w of (1 + w): zeros are its identity, as ones are the others'.
+    ones = nnx.initializers.zeros if self.plus_one else nnx.initializers.ones
+    self.scale = _param(rngs, ones, (config.hidden_size,), ('norm',), pdt)
     if self.layer_norm:
       self.bias = _param(rngs, nnx.initializers.zeros, (config.hidden_size,), ('norm',), pdt)
 
   def __call__(self, x_bse: jax.Array) -> jax.Array:
-    return apply_norm(x_bse, self.scale, getattr(self, 'bias', None), self.eps)
+    return apply_norm(x_bse, self.scale, getattr(self, 'bias', None), self.eps, self.plus_one)
 
 
-def apply_norm(x_bse: jax.Array, scale, bias, eps: float) -> jax.Array:
+def apply_norm(x_bse: jax.Array, scale, bias, eps: float, plus_one: bool = False) -> jax.Array:
   """RMSNorm (bias None) or LayerNorm of x with a `Norm`'s parameters (Params or arrays): the
-  one norm of the layers, and of the head applied to chunks of hidden states."""
+  one norm of the layers, and of the head applied to chunks of hidden states. plus_one: Gemma's
+  RMSNorm, x_hat * (1 + w) all in float32 before the cast back (as transformers' GemmaRMSNorm)."""
   x = x_bse.astype(jnp.float32)
+  if plus_one:
+    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + eps)
+    return (y * (1.0 + jnp.asarray(scale[...], jnp.float32))).astype(x_bse.dtype)
   if bias is not None:
     x = x - x.mean(-1, keepdims=True)
     y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + eps)
@@ -131,8 +138,8 @@ def _project(x_bse: jax.Array, kernel_ehd: jax.Array) -> jax.Array:
 
 
 class MLP(nnx.Module):
-  """SwiGLU (llama/qwen2), or GELU with biases: tanh-approximated for gpt2 ('gelu_new'), exact
-  (erf) for gpt_neox (Pythia's 'gelu')."""
+  """SwiGLU (llama/qwen2), GeGLU with tanh GELU (Gemma's gelu_pytorch_tanh), or GELU with
+  biases: tanh-approximated for gpt2 ('gelu_new'), exact (erf) for gpt_neox (Pythia's 'gelu')."""
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     c = config
@@ -141,6 +148,7 @@ class MLP(nnx.Module):
     # experiments/variants/swiglu_vjp.py reads it to tell SwiGLU from GELU.
     self.gpt2 = not c.gated_mlp
     self.approximate = c.is_gpt2
+    self.geglu = c.is_gemma
     init = nnx.initializers.normal(0.02)
     e, f = c.hidden_size, c.intermediate_size
     self.up_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
@@ -158,7 +166,7 @@ class MLP(nnx.Module):
       h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=self.approximate)
     else:
       gate = _dense(x_bse, _cast(self.gate_kernel, dt))
-      h = jax.nn.silu(gate) * up
+      h = (jax.nn.gelu(gate, approximate=True) if self.geglu else jax.nn.silu(gate)) * up
     y = _dense(h, _cast(self.down_kernel, dt))
     if self.gpt2:
       y = y + _cast(self.down_bias, dt)

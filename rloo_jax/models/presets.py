@@ -21,6 +21,8 @@ shapes) are from memory of the model cards, each pinned by its published paramet
 which tests/test_scale_config.py asserts within 1%.
 
 Llama 3.2's 'llama3' rope scaling (factor 32, original context 8192) is part of its presets.
+Gemma's shapes are from the google/gemma-2-2b, gemma-2-9b and gemma-3-1b-pt configs, pinned by
+their exact parameter counts (2,614,341,888; 9,241,705,984; 999,885,952).
 Known gap to the real models, irrelevant to shapes and memory: none; Qwen's sliding window is
 off in every config below (use_sliding_window=false).
 """
@@ -48,6 +50,23 @@ _QWEN3 = dict(family='qwen3', norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=Fals
 # hence 50304 up to 2.8B and 50432 at 6.9B, above the tokenizer's 50277 tokens.
 _PYTHIA = dict(family='gpt_neox', norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False,
                qkv_bias=True, max_seq_len=2048, rotary_pct=0.25, parallel_residual=True)
+# google/gemma-2-*: (1 + w) sandwich norms, GeGLU, soft-capped scores (50) and logits (30),
+# 4096-token windows on every other layer (the first slides), head_dim 256, tied embeddings.
+_GEMMA2 = dict(family='gemma2', norm_eps=1e-6, rope_theta=10000.0, qkv_bias=False,
+               vocab_size=256000, max_seq_len=8192, head_dim=256, tie_embeddings=True,
+               sliding_window=4096, attn_softcap=50.0, final_softcap=30.0,
+               query_pre_attn_scalar=256.0)
+# google/gemma-3-1b-pt: q/k norms, no soft-capping, five 512-token sliding layers (RoPE base
+# 10k) to each global one (base 1M).
+_GEMMA3 = dict(family='gemma3', norm_eps=1e-6, rope_theta=1000000.0, local_rope_theta=10000.0,
+               qkv_bias=False, vocab_size=262144, max_seq_len=32768, head_dim=256,
+               tie_embeddings=True, sliding_window=512, query_pre_attn_scalar=256.0)
+
+
+def _layer_types(num_layers: int, every: int) -> tuple:
+  """Gemma's pattern: layer i is global when (i + 1) % every == 0, else it slides."""
+  return tuple('full_attention' if (i + 1) % every == 0 else 'sliding_attention'
+               for i in range(num_layers))
 
 
 def _arch(base, *, e, layers, heads, kv, ff, **kw):
@@ -94,6 +113,12 @@ PRESETS = types.MappingProxyType({
                          vocab_size=50304),
     'pythia-6.9b': _arch(_PYTHIA, e=4096, layers=32, heads=32, kv=32, ff=16384,
                          vocab_size=50432),
+    'gemma-2-2b': _arch(_GEMMA2, e=2304, layers=26, heads=8, kv=4, ff=9216,
+                        layer_types=_layer_types(26, 2)),
+    'gemma-2-9b': _arch(_GEMMA2, e=3584, layers=42, heads=16, kv=8, ff=14336,
+                        layer_types=_layer_types(42, 2)),
+    'gemma-3-1b': _arch(_GEMMA3, e=1152, layers=26, heads=4, kv=1, ff=6912,
+                        layer_types=_layer_types(26, 6)),
 })
 
 
@@ -130,7 +155,9 @@ _FAMILY_CONSTRUCTORS = {'llama': config_lib.TransformerConfig.llama,
                         'qwen2': config_lib.TransformerConfig.qwen2,
                         'qwen3': config_lib.TransformerConfig.qwen3,
                         'gpt2': config_lib.TransformerConfig.gpt2,
-                        'gpt_neox': config_lib.TransformerConfig.gpt_neox}
+                        'gpt_neox': config_lib.TransformerConfig.gpt_neox,
+                        'gemma2': config_lib.TransformerConfig.gemma2,
+                        'gemma3': config_lib.TransformerConfig.gemma3}
 
 
 def from_experiment_config(model_cfg, vocab_size: int) -> config_lib.TransformerConfig:

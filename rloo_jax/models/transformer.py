@@ -1,5 +1,5 @@
-"""One decoder-only transformer for the Llama, Qwen2, GPT-2 and GPT-NeoX (Pythia) families, with an
-explicit KV cache.
+"""One decoder-only transformer for the Llama, Qwen2/3, Gemma 2/3, GPT-2 and GPT-NeoX (Pythia)
+families, with an explicit KV cache.
 
 The module is Flax NNX; everything outside this package calls the pure functions of
 `model_fns(graphdef)` (forward / prefill / init_cache / decode / grouped) on a params `nnx.State`,
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rloo_jax.models.attention import (  # noqa: F401  (re-exported)
-    _MASKED, Attention, _decode_mask, _full_attention, _grouped_attention,
+    _MASKED, Attention, Scores, _decode_mask, _full_attention, _grouped_attention,
     _shared_prefix_attention, _softmax_f32, _stream_attention)
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
     COPY_PREFIX_MAX_LEN, DecodeCache, PrefixKV, init_cache)
@@ -50,25 +50,35 @@ class Block(nnx.Module):
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     self.parallel_residual = config.parallel_residual
+    self.sandwich_norm = config.sandwich_norm
     self.attn_norm = Norm(config, rngs)
     self.attn = Attention(config, rngs)
     self.mlp_norm = Norm(config, rngs)
     self.mlp = MLP(config, rngs)
+    if self.sandwich_norm:
+      self.post_attn_norm = Norm(config, rngs)
+      self.post_mlp_norm = Norm(config, rngs)
 
   def __call__(self, x_bse, rotary, attend, fused: bool = False):
     """x + attention + MLP (pre-norm). `attend(q, k, v) -> (o, aux)` applies the variant's
     attention to this layer's projections; aux (its K/V, an updated cache) is returned.
 
     Sequential (the MLP reads x + attention), or with config.parallel_residual both branches
-    read x: x + attn(norm1(x)) + mlp(norm2(x))."""
+    read x: x + attn(norm1(x)) + mlp(norm2(x)). With config.sandwich_norm (Gemma) each branch's
+    output is normed again before it joins the residual."""
     q, k, v = self.attn.qkv(self.attn_norm(x_bse), rotary, fused=fused)
     o, aux = attend(q, k, v)
     a_bse = self.attn.out(o)
+    if self.sandwich_norm:
+      a_bse = self.post_attn_norm(a_bse)
     if self.parallel_residual:
       # Summed in transformers' order (mlp + attn + x), for float parity.
       return self.mlp(self.mlp_norm(x_bse)) + a_bse + x_bse, aux
     x_bse = x_bse + a_bse
-    return x_bse + self.mlp(self.mlp_norm(x_bse)), aux
+    m_bse = self.mlp(self.mlp_norm(x_bse))
+    if self.sandwich_norm:
+      m_bse = self.post_mlp_norm(m_bse)
+    return x_bse + m_bse, aux
 
 
 def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
@@ -86,18 +96,22 @@ def apply_head(config: TransformerConfig, head_params, x_bse):
 
   A pure function of the `HEAD_KEYS` parameters (Params or arrays), so the chunked log-probs
   (`loss.chunked_logprobs`) run it one chunk of positions at a time and differentiate only
-  these. The contraction accumulates and returns float32 whatever the dtype."""
+  these. The contraction accumulates and returns float32 whatever the dtype; config.final_softcap
+  caps the logits (Gemma 2) in float32 too."""
   norm = head_params['final_norm']
   x = apply_norm(x_bse, norm['scale'], norm['bias'] if 'bias' in norm else None,
-                 config.norm_eps)
+                 config.norm_eps, config.is_gemma)
   f32 = jnp.float32
   if config.head == 'scalar':
     v = jnp.einsum('bse,eo->bso', x, _cast(head_params['score_kernel'], x.dtype),
                    preferred_element_type=f32)
     return v[..., 0] + jnp.asarray(head_params['score_bias'][...], f32)[0]
-  if config.tie_embeddings:
-    return _dense(x, _cast(head_params['embedding'], x.dtype).T, preferred_element_type=f32)
-  return _dense(x, _cast(head_params['lm_head'], x.dtype), preferred_element_type=f32)
+  kernel = (_cast(head_params['embedding'], x.dtype).T if config.tie_embeddings else
+            _cast(head_params['lm_head'], x.dtype))
+  logits = _dense(x, kernel, preferred_element_type=f32)
+  if config.final_softcap:
+    logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
+  return logits
 
 
 def _last_valid(x_bse, mask_bs):
@@ -142,13 +156,22 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embedding[...], tokens_bs, axis=0, mode='clip').astype(dt)
     if self.config.is_gpt2:
       x = x + jnp.take(self.pos_embedding[...], positions_bs, axis=0, mode='clip').astype(dt)
+    if self.config.is_gemma:
+      # Gemma scales by sqrt(hidden) rounded to the activation dtype, as transformers does.
+      x = x * jnp.asarray(self.config.hidden_size ** 0.5, dt)
     return x
 
   def _rotary(self, positions_bs):
+    """The layers' rotary tables: (global, local). local is None unless the sliding layers
+    have their own RoPE base (config.local_rope_theta, Gemma 3), which rotates unscaled."""
     c = self.config
     if c.is_gpt2:
-      return None
-    return _rotary(positions_bs, c.rotary_dim, c.rope_theta, c.max_seq_len, c.rope_scaling)
+      return None, None
+    rotary = _rotary(positions_bs, c.rotary_dim, c.rope_theta, c.max_seq_len, c.rope_scaling)
+    local = None
+    if c.local_rope_theta and any(c.sliding_layers):
+      local = _rotary(positions_bs, c.rotary_dim, c.local_rope_theta, c.max_seq_len)
+    return rotary, local
 
   def head_params(self) -> dict:
     """This module's `HEAD_KEYS` parameters, laid out as `model_fns(...).head_params` gives them."""
@@ -160,42 +183,58 @@ class Transformer(nnx.Module):
   def _head(self, x_bse):
     return apply_head(self.config, self.head_params(), x_bse)
 
-  def _scan(self, body, x, carry=None, xs=None, gather=None):
-    """Runs `body(block, x, carry, xs_l) -> (x, carry, y)` over the layers with lax.scan;
-    returns (x, carry, ys stacked on a leading layers axis)."""
+  def _scan(self, body, x, positions, carry=None, xs=None, gather=None):
+    """Runs `body(block, x, carry, xs_l, rotary, scores) -> (x, carry, y)` over the layers with
+    lax.scan; returns (x, carry, ys stacked on a leading layers axis). `rotary` is the layer's
+    table at `positions` (`_rotary`), `scores` its `attention.Scores` (scale, soft-cap and, with
+    sliding layers, the layer's window), so layers of two kinds share one scanned body."""
+    c = self.config
     graphdef, stacked = nnx.split(self.layers)
+    global_rot, local_rot = self._rotary(positions)
+    sliding = any(c.sliding_layers)
+    # A full layer's window: no distance reaches it.
+    windows_l = jnp.where(jnp.asarray(c.sliding_layers), c.sliding_window,
+                          jnp.iinfo(jnp.int32).max).astype(jnp.int32)
 
     def step(state, layer):
       x, carry = state
-      weights, xs_l = layer
+      weights, window, xs_l = layer
       if gather is not None:
         weights = gather.layer(weights)
-      x, carry, y = body(nnx.merge(graphdef, weights), x, carry, xs_l)
+      rotary = global_rot
+      if local_rot is not None:
+        local = window < jnp.iinfo(jnp.int32).max
+        rotary = tuple(jnp.where(local, a, b) for a, b in zip(local_rot, global_rot))
+      scores = Scores.of(c, window if sliding else None)
+      x, carry, y = body(nnx.merge(graphdef, weights), x, carry, xs_l, rotary, scores)
       return (x, carry), y
 
     policy = REMAT_POLICIES[self.config.remat]
     if self.config.remat != 'none':
       step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-    (x, carry), ys = jax.lax.scan(step, (x, carry), (stacked, xs))
+    (x, carry), ys = jax.lax.scan(step, (x, carry), (stacked, windows_l, xs))
     return x, carry, ys
 
   def _trunk(self, tokens_bs, positions_bs, mask_bs, gather=None, keep_kv=False):
     """Every layer over the full sequence: pre-norm final hidden states, and with keep_kv each
     layer's K/V stacked [L, B, S, Hkv, D]."""
-    rotary = self._rotary(positions_bs)
-
-    def body(block, x, carry, _):
-      x, kv = block(x, rotary, lambda q, k, v: (_full_attention(q, k, v, mask_bs), (k, v)))
+    def body(block, x, carry, _, rotary, scores):
+      attend = lambda q, k, v: (_full_attention(q, k, v, mask_bs, scores, positions_bs), (k, v))
+      x, kv = block(x, rotary, attend)
       return x, carry, kv if keep_kv else None
 
-    x, _, kv = self._scan(body, self._embed(tokens_bs, positions_bs), gather=gather)
+    x, _, kv = self._scan(body, self._embed(tokens_bs, positions_bs), positions_bs,
+                          gather=gather)
     return x, kv
 
   def prefill(self, tokens_bp, positions_bp, mask_bp, gather=None):
     """(logits [B, V] at each row's last valid prompt position, PrefixKV). Only that position
     goes through the head: it predicts the first completion token, the others nothing."""
     x, (k, v) = self._trunk(tokens_bp, positions_bp, mask_bp, gather, keep_kv=True)
-    return self._head(_last_valid(x, mask_bp))[:, 0], PrefixKV(k_lbphd=k, v_lbphd=v)
+    # Positions are kept only where a window reads them, so other caches are unchanged.
+    positions = positions_bp if any(self.config.sliding_layers) else None
+    return (self._head(_last_valid(x, mask_bp))[:, 0],
+            PrefixKV(k_lbphd=k, v_lbphd=v, positions_bp=positions))
 
   def hidden(self, tokens_bs, positions_bs, mask_bs, head_slice=None, gather=None):
     """Final hidden states before the final norm, [B, S, E]; with head_slice=(start, length)
@@ -237,13 +276,12 @@ class Transformer(nnx.Module):
     tokens = jnp.concatenate([prompt_tokens_bp, token_major(tokens_nt)], axis=1)
     positions = jnp.concatenate([prompt_positions_bp, token_major(positions_nt)], axis=1)
     mask_bmu = mask_nt[:, :u].reshape(b, m, u)
-    rotary = self._rotary(positions)
-
-    def body(block, x, carry, _):
-      attend = lambda q, k, v: (_grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p), None)
+    def body(block, x, carry, _, rotary, scores):
+      attend = lambda q, k, v: (_grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p, scores,
+                                                   positions), None)
       return (*block(x, rotary, attend), None)
 
-    x = self._scan(body, self._embed(tokens, positions), gather=gather)[0][:, p - 1:]
+    x = self._scan(body, self._embed(tokens, positions), positions, gather=gather)[0][:, p - 1:]
     e = x.shape[-1]
     # Token 0 of every completion is predicted from its prompt's last column (now row 0), token
     # i > 0 from completion position i - 1.
@@ -263,12 +301,12 @@ class Transformer(nnx.Module):
     idx = cache.index.astype(jnp.int32)
     slot = idx + cache.copied_prefix
     zero = jnp.zeros((), jnp.int32)
-    rotary = self._rotary(positions_bk)
     copied = cache.copied_prefix
     layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    window_pos = (positions_bk, cache.prefix_positions_bp)
     xs = (layer_ids, None if copied else (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
 
-    def body(block, x, kv, xs_l):
+    def body(block, x, kv, xs_l, rotary, scores):
       l, prefix = xs_l
 
       def attend(q, k, v):
@@ -281,16 +319,17 @@ class Transformer(nnx.Module):
         k_l = jax.lax.dynamic_index_in_dim(k_all, l, keepdims=False)
         v_l = jax.lax.dynamic_index_in_dim(v_all, l, keepdims=False)
         if copied:
-          o = _stream_attention(q, cache.prefix_mask_bp, k_l, v_l, idx, copied)
+          o = _stream_attention(q, cache.prefix_mask_bp, k_l, v_l, idx, copied, scores,
+                                window_pos)
         else:
           o = _shared_prefix_attention(q, prefix[0], prefix[1], cache.prefix_mask_bp, k_l, v_l,
-                                       idx)
+                                       idx, scores, window_pos)
         return o, (k_all, v_all)
 
       x, kv = block(x, rotary, attend, fused=True)
       return x, kv, None
 
-    x, (k_all, v_all), _ = self._scan(body, self._embed(tokens_bk, positions_bk),
+    x, (k_all, v_all), _ = self._scan(body, self._embed(tokens_bk, positions_bk), positions_bk,
                                       carry=(cache.k_lbkhdt, cache.v_lbkhtd), xs=xs, gather=gather)
     new_cache = cache.replace(k_lbkhdt=k_all, v_lbkhtd=v_all, index=idx + 1)
     return self._head(x), new_cache
