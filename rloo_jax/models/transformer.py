@@ -25,6 +25,7 @@ from flax import nnx
 from rloo_jax.models.attention import (  # noqa: F401  (re-exported)
     _MASKED, Attention, Scores, _decode_mask, _full_attention, _grouped_attention,
     _shared_prefix_attention, _softmax_f32, _stream_attention)
+from rloo_jax.models.block import Block, stacked_blocks  # noqa: F401  (re-exported)
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
     COPY_PREFIX_MAX_LEN, DecodeCache, PrefixKV, init_cache)
 from rloo_jax.models.config import (  # noqa: F401  (re-exported)
@@ -42,53 +43,6 @@ REMAT_POLICIES = {
 }
 # The parameters `head` reads (every other top-level entry is the embedding input or the layers).
 HEAD_KEYS = ('final_norm', 'embedding', 'lm_head', 'score_kernel', 'score_bias')
-
-
-class Block(nnx.Module):
-  """One decoder layer. Its one body (`__call__`) serves every forward variant; only the
-  attention pattern differs, passed in as `attend`."""
-
-  def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
-    self.parallel_residual = config.parallel_residual
-    self.sandwich_norm = config.sandwich_norm
-    self.attn_norm = Norm(config, rngs)
-    self.attn = Attention(config, rngs)
-    self.mlp_norm = Norm(config, rngs)
-    self.mlp = MLP(config, rngs)
-    if self.sandwich_norm:
-      self.post_attn_norm = Norm(config, rngs)
-      self.post_mlp_norm = Norm(config, rngs)
-
-  def __call__(self, x_bse, rotary, attend, fused: bool = False):
-    """x + attention + MLP (pre-norm). `attend(q, k, v) -> (o, aux)` applies the variant's
-    attention to this layer's projections; aux (its K/V, an updated cache) is returned.
-
-    Sequential (the MLP reads x + attention), or with config.parallel_residual both branches
-    read x: x + attn(norm1(x)) + mlp(norm2(x)). With config.sandwich_norm (Gemma) each branch's
-    output is normed again before it joins the residual."""
-    q, k, v = self.attn.qkv(self.attn_norm(x_bse), rotary, fused=fused)
-    o, aux = attend(q, k, v)
-    a_bse = self.attn.out(o)
-    if self.sandwich_norm:
-      a_bse = self.post_attn_norm(a_bse)
-    if self.parallel_residual:
-      # Summed in transformers' order (mlp + attn + x), for float parity.
-      return self.mlp(self.mlp_norm(x_bse)) + a_bse + x_bse, aux
-    x_bse = x_bse + a_bse
-    m_bse = self.mlp(self.mlp_norm(x_bse))
-    if self.sandwich_norm:
-      m_bse = self.post_mlp_norm(m_bse)
-    return x_bse + m_bse, aux
-
-
-def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
-  """num_layers Blocks as one, every parameter stacked on a leading 'layers' axis."""
-  @nnx.split_rngs(splits=config.num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers,
-            transform_metadata={nnx.PARTITION_NAME: 'layers'})
-  def make(rngs):
-    return Block(config, rngs)
-  return make(rngs)
 
 
 def apply_head(config: TransformerConfig, head_params, x_bse):
@@ -139,7 +93,7 @@ class Transformer(nnx.Module):
     if c.is_gpt2:
       self.pos_embedding = _param(rngs, nnx.initializers.normal(0.01),
                                   (c.max_seq_len, c.hidden_size), (None, 'embed'), pdt)
-    self.layers = _stacked_blocks(c, rngs)
+    self.layers = stacked_blocks(c, rngs)
     self.final_norm = Norm(c, rngs)
     if c.head == 'scalar':
       self.score_kernel = _param(rngs, nnx.initializers.normal(0.02), (c.hidden_size, 1),
