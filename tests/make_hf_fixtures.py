@@ -26,11 +26,13 @@ import numpy as np
 
 # A fixture per architecture flavour; the directory name, not always the model family (llama3 and
 # mistral load as family 'llama').
-FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox', 'llama3', 'qwen3', 'mistral')
+FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox', 'llama3', 'qwen3', 'mistral', 'gemma2',
+            'gemma3')
 VOCAB = 128
 NEW_TOKENS = 8
 # Seeds picked so the greedy paths are varied (not one repeated token) and far from ties.
-SEEDS = {'llama': 2, 'qwen2': 2, 'gpt2': 1, 'gpt_neox': 0, 'llama3': 0, 'qwen3': 2, 'mistral': 1}
+SEEDS = {'llama': 2, 'qwen2': 2, 'gpt2': 1, 'gpt_neox': 0, 'llama3': 0, 'qwen3': 2, 'mistral': 1,
+         'gemma2': 4, 'gemma3': 0}
 SPECIALS = ['<pad>', '<s>', '</s>', '<unk>']  # ids 0..3
 SENTENCES = [
     'the quick brown fox jumps over the lazy dog',
@@ -119,6 +121,33 @@ def build_model(family: str, seed: int = 0, **overrides):
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         initializer_range=0.3, **common)
     cls = transformers.MistralForCausalLM
+  elif family == 'gemma2':
+    # Layers slide, attend fully, slide; a window of 3, shorter than every reference sequence;
+    # head_dim 16 != hidden / heads = 8 and query_pre_attn_scalar 12 != head_dim; both soft-caps
+    # below the magnitudes they cap (scores up to ~15, logits up to ~3.4), so tanh bends them. Eager
+    # attention: sdpa cannot soft-cap.
+    cfg = transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, query_pre_attn_scalar=12,
+        sliding_window=3, attn_logit_softcapping=8.0, final_logit_softcapping=3.0,
+        rope_parameters=dict(rope_type='default', rope_theta=10000.0), rms_norm_eps=1e-6,
+        tie_word_embeddings=True, initializer_range=0.3, attn_implementation='eager', **common)
+    cls = transformers.Gemma2ForCausalLM
+  elif family == 'gemma3':
+    # q/k norms; explicit layer types (not the default every-sixth pattern) with both kinds and a
+    # window of 4; the global layers on linear-scaled RoPE at base 1e6, the sliding ones on
+    # plain RoPE at base 1e3 (rope_local_base_freq), both biting at the fixture's positions.
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, query_pre_attn_scalar=20,
+        sliding_window=4, layer_types=['sliding_attention', 'sliding_attention',
+                                       'full_attention', 'sliding_attention'],
+        rope_parameters=dict(
+            full_attention=dict(rope_type='linear', factor=4.0, rope_theta=1000000.0),
+            sliding_attention=dict(rope_type='default', rope_theta=1000.0)),
+        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.3,
+        attn_implementation='eager', **common)
+    cls = transformers.Gemma3ForCausalLM
   else:
     raise ValueError(family)
   for k, v in overrides.items():
@@ -131,6 +160,10 @@ def build_model(family: str, seed: int = 0, **overrides):
     for name, p in model.named_parameters():
       if name.endswith('bias') or 'norm' in name or name.split('.')[-2].startswith('ln'):
         p.add_(0.1 * torch.randn_like(p))
+    if family.startswith('gemma'):
+      # Gemma multiplies the embeddings by sqrt(hidden): at this init a token's own embedding
+      # then dominates the residual stream and the tied head just repeats the last token.
+      model.model.embed_tokens.weight.mul_(0.5)
   return model
 
 

@@ -20,9 +20,9 @@ from rloo_jax import algorithms, config_utils, export
 from rloo_jax.models import hf, hf_export, transformer
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
-# Plus the newer fixtures where they are committed (Qwen3's qk-norm, Llama 3.1's rope scaling).
-FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox') + tuple(
-    f for f in ('qwen3', 'llama3') if os.path.isdir(os.path.join(FIXTURES, f)))
+# Every committed fixture; Mistral (family llama with a sliding window) exports as Mistral.
+FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox', 'qwen3', 'llama3', 'mistral', 'gemma2',
+            'gemma3')
 LLAMA = os.path.join(FIXTURES, 'llama')
 # The config.json keys config_from_hf reads, per family (the rest are transformers' defaults).
 ARCH_KEYS = {
@@ -33,7 +33,9 @@ ARCH_KEYS = {
              'max_position_embeddings', 'rms_norm_eps', 'layer_norm_eps', 'rope_parameters',
              'rope_theta',
              'tie_word_embeddings', 'hidden_act', 'attention_bias', 'use_parallel_residual',
-             'use_sliding_window', 'layer_types'),
+             'use_sliding_window', 'layer_types', 'sliding_window', 'hidden_activation',
+             'query_pre_attn_scalar', 'attn_logit_softcapping', 'final_logit_softcapping',
+             'use_bidirectional_attention'),
 }
 
 
@@ -156,7 +158,36 @@ def test_refusals_name_the_problem(tmp_path):
     hf_export.hf_config(config.replace(head='scalar'))
   with pytest.raises(ValueError, match='export it as family qwen2'):
     hf_export.hf_config(config.replace(qkv_bias=True))
+  for field, value in (('attn_softcap', 30.0), ('final_softcap', 30.0),
+                       ('query_pre_attn_scalar', 16.0), ('local_rope_theta', 1e4)):
+    with pytest.raises(ValueError, match=f'{field}=.*only exported for gemma2 / gemma3'):
+      hf_export.hf_config(config.replace(**{field: value}))
+  with pytest.raises(ValueError, match='no MistralForCausalLM equivalent'):
+    hf_export.hf_config(config.replace(sliding_window=4, layer_types=(
+        'full_attention', 'sliding_attention')))
+  gemma2, _ = hf.load_checkpoint(os.path.join(FIXTURES, 'gemma2'))
+  with pytest.raises(ValueError, match='local_rope_theta=.*no Gemma2ForCausalLM.*family gemma3'):
+    hf_export.hf_config(gemma2.replace(local_rope_theta=1e4))
   assert not os.path.exists(tmp_path / 'a')  # nothing written before the refusal
+
+
+# (fixture, changes): windows and RoPE the fixtures do not have, each written in its class's keys.
+VARIANTS = [('qwen2', dict(sliding_window=3, layer_types=('full_attention', 'sliding_attention'))),
+            ('qwen3', dict(sliding_window=3)), ('mistral', dict(sliding_window=5)),
+            ('mistral', dict(sliding_window=0)), ('gemma2', dict(sliding_window=0, layer_types=())),
+            ('gemma2', dict(layer_types=(), rope_type='linear', rope_factor=2.0)),
+            ('gemma3', dict(local_rope_theta=0.0)), ('gemma3', dict(final_softcap=5.0))]
+
+
+@pytest.mark.parametrize('family,changes', VARIANTS)
+def test_config_json_round_trips_the_variants(family, changes):
+  config = hf.config_from_hf(_read(os.path.join(FIXTURES, family), 'config.json')).replace(
+      **changes)
+  written = hf_export.hf_config(config)
+  assert hf.config_from_hf(written) == config
+  assert written['architectures'] == [
+      'LlamaForCausalLM' if family == 'mistral' and not config.sliding_window else
+      _read(os.path.join(FIXTURES, family), 'config.json')['architectures'][0]]
 
 
 # A trained run started from the llama fixture (its tokenizer is the one exported): the keyword

@@ -18,12 +18,13 @@ from rloo_jax.models import hf, model_fns
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
 # Fixture directories (make_hf_fixtures.FAMILIES); llama3 and mistral load as family 'llama'.
-FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox', 'llama3', 'qwen3', 'mistral')
+FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox', 'llama3', 'qwen3', 'mistral', 'gemma2', 'gemma3')
 ARCH = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'gpt2': 'GPT2LMHeadModel',
         'gpt_neox': 'GPTNeoXForCausalLM', 'llama3': 'LlamaForCausalLM',
-        'qwen3': 'Qwen3ForCausalLM', 'mistral': 'MistralForCausalLM'}
+        'qwen3': 'Qwen3ForCausalLM', 'mistral': 'MistralForCausalLM',
+        'gemma2': 'Gemma2ForCausalLM', 'gemma3': 'Gemma3ForCausalLM'}
 MODEL_FAMILY = {'llama3': 'llama', 'mistral': 'llama'}
-TIED = {'qwen2', 'gpt2', 'llama3', 'qwen3'}
+TIED = {'qwen2', 'gpt2', 'llama3', 'qwen3', 'gemma2', 'gemma3'}
 
 
 @pytest.fixture(scope='module', params=FAMILIES)
@@ -102,17 +103,23 @@ def test_config_mapping(loaded):
   assert config.vocab_size == raw['vocab_size']
   assert config.tie_embeddings == (family in TIED)
   assert config.qkv_bias == (family in ('qwen2', 'gpt2', 'gpt_neox'))
-  assert config.qk_norm == (family == 'qwen3')
+  assert config.qk_norm == (family in ('qwen3', 'gemma3'))
   if family != 'gpt2':
     if 'head_dim' in raw:
       assert config.head_dim == raw['head_dim']
     rope = raw['rope_parameters']
+    if family == 'gemma3':  # per layer type; the sliding layers' plain RoPE is local_rope_theta
+      rope, local = rope['full_attention'], rope['sliding_attention']
+      assert config.local_rope_theta == local['rope_theta'] == 1000.0 and config.rope_factor == 4
     assert config.rope_theta == rope['rope_theta'] and config.rope_type == rope['rope_type']
     # transformers < 5 wrote a top-level rope_theta (+ rope_scaling) instead of rope_parameters,
     # and GPT-NeoX (Pythia's config.json) rotary_emb_base and rotary_pct.
     old = {k: v for k, v in raw.items() if k != 'rope_parameters'}
     if family == 'gpt_neox':
       old.update(rotary_emb_base=rope['rope_theta'], rotary_pct=rope['partial_rotary_factor'])
+    elif family == 'gemma3':  # transformers 4: rope_scaling on the global layers only
+      old.update(rope_theta=rope['rope_theta'], rope_local_base_freq=local['rope_theta'],
+                 rope_scaling={k: v for k, v in rope.items() if k != 'rope_theta'})
     else:
       old['rope_theta'] = rope['rope_theta']
       if rope['rope_type'] != 'default':
@@ -129,9 +136,33 @@ def test_config_mapping(loaded):
   if family == 'llama3':
     assert (config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
             config.rope_original_max_len) == (8.0, 1.0, 4.0, 32)
-  if family in ('qwen3', 'mistral'):
-    # Both fixtures' heads are wider or narrower than hidden / heads.
+  if family in ('qwen3', 'mistral', 'gemma2', 'gemma3'):
+    # These fixtures' heads are wider or narrower than hidden / heads.
     assert config.head_dim != config.hidden_size // config.num_heads
+  if family.startswith('gemma'):
+    assert config.sliding_window == raw['sliding_window'] and config.is_gemma
+    assert config.layer_types == tuple(raw['layer_types']) and len(set(raw['layer_types'])) == 2
+    assert (config.attn_softcap, config.final_softcap) == (
+        raw['attn_logit_softcapping'] or 0, raw['final_logit_softcapping'] or 0)
+    assert config.query_pre_attn_scalar == raw['query_pre_attn_scalar'] != config.head_dim
+
+
+# What each Gemma fixture exercises: switched off, parity with transformers is lost.
+BITES = {'gemma2': dict(sliding_window=0, attn_softcap=0.0, final_softcap=0.0,
+                        query_pre_attn_scalar=0.0),
+         'gemma3': dict(sliding_window=0, local_rope_theta=0.0, rope_type='default',
+                        query_pre_attn_scalar=0.0)}
+
+
+@pytest.mark.parametrize('family,field', [(f, k) for f, kw in BITES.items() for k in kw])
+def test_gemma_features_bite(family, field):
+  path = os.path.join(FIXTURES, family)
+  ref = dict(np.load(os.path.join(path, 'reference.npz')))
+  _, graphdef, params = hf.load_model(path, **{field: BITES[family][field]})
+  mask = ref['left_mask']
+  logits = jax.jit(model_fns(graphdef).forward)(params, ref['left_tokens'],
+                                                ref['left_positions'], mask)
+  assert np.abs(np.asarray(logits)[mask] - ref['left_logits'][mask]).max() > 1e-2
 
 
 def test_llama3_rope_scaling_bites(tmp_path):
@@ -168,31 +199,64 @@ def test_inv_freq_scaling_rules():
   assert base[medium] / 8 < got[medium] < base[medium]
 
 
-def test_sliding_window_within_or_refused():
-  """Mistral's window: a Llama while it covers the context (or no window); shorter than the
-  context, refused with the window and the context named, unless max_seq_len fits inside."""
-  with open(os.path.join(FIXTURES, 'mistral', 'config.json')) as f:
-    raw = json.load(f)
+def test_sliding_windows_and_gemma_configs_are_mapped():
+  """Mistral slides in every layer when sliding_window is set (layer_types ()); Qwen only with
+  use_sliding_window, from max_window_layers on or as its layer_types say. Gemma's unsupported
+  switches are refused naming the config.json field."""
+  raw = json.load(open(os.path.join(FIXTURES, 'mistral', 'config.json')))
   want = hf.config_from_hf(raw)
-  assert want.family == 'llama' and want.max_seq_len == raw['sliding_window'] == 64
-  assert hf.config_from_hf({**raw, 'sliding_window': None}) == want
-  assert hf.config_from_hf({**raw, 'sliding_window': 4096}) == want
-  with pytest.raises(ValueError, match='MistralForCausalLM: sliding_window=16 is shorter than '
-                                       'the max context 64.*max_seq_len=16'):
-    hf.config_from_hf({**raw, 'sliding_window': 16})
-  assert hf.config_from_hf({**raw, 'sliding_window': 16}, max_seq_len=16) == want.replace(
-      max_seq_len=16)
-  # Qwen's window only counts with use_sliding_window (and its layer_types then say so).
-  with open(os.path.join(FIXTURES, 'qwen3', 'config.json')) as f:
-    qwen3 = json.load(f)
-  assert hf.config_from_hf({**qwen3, 'sliding_window': 8}).family == 'qwen3'
-  with pytest.raises(ValueError, match='Qwen3ForCausalLM: sliding_window=8 is shorter'):
-    hf.config_from_hf({**qwen3, 'sliding_window': 8, 'use_sliding_window': True})
-  with pytest.raises(ValueError, match="layer_types.*'sliding_attention'"):
-    hf.config_from_hf({**qwen3, 'layer_types': ['full_attention', 'sliding_attention']})
+  assert (want.family, want.sliding_window, want.layer_types) == ('llama', 64, ())
+  assert hf.config_from_hf({**raw, 'sliding_window': 16}) == want.replace(sliding_window=16)
+  assert hf.config_from_hf({**raw, 'sliding_window': None}).sliding_layers == (False, False)
+  with pytest.raises(ValueError, match='MistralForCausalLM: layer_types with sliding_attention'):
+    hf.config_from_hf({**raw, 'layer_types': ['full_attention', 'sliding_attention']})
+  qwen3 = json.load(open(os.path.join(FIXTURES, 'qwen3', 'config.json')))
+  assert hf.config_from_hf({**qwen3, 'sliding_window': 8}).sliding_window == 0
+  on = {**qwen3, 'sliding_window': 8, 'use_sliding_window': True}
+  del on['layer_types']
+  assert hf.config_from_hf({**on, 'max_window_layers': 1}).layer_types == (
+      'full_attention', 'sliding_attention')
+  assert hf.config_from_hf({**on, 'max_window_layers': 0}).layer_types == ()  # all slide
+  with pytest.raises(ValueError, match="Qwen3ForCausalLM: layer_types \\['bad'\\] needs one"):
+    hf.config_from_hf({**on, 'layer_types': ['bad']})
   # No architectures list: the model_type names it.
   bare = {k: v for k, v in raw.items() if k != 'architectures'}
   assert hf.architecture(bare) == 'MistralForCausalLM' and hf.config_from_hf(bare) == want
+  gemma3 = json.load(open(os.path.join(FIXTURES, 'gemma3', 'config.json')))
+  for key, value in (('hidden_activation', 'gelu'), ('attention_bias', True),
+                     ('use_bidirectional_attention', True)):
+    with pytest.raises(ValueError, match=f'Gemma3ForCausalLM: {key}'):
+      hf.config_from_hf({**gemma3, key: value})
+  with pytest.raises(ValueError, match='rope_parameters.sliding_attention.rope_type'):
+    hf.config_from_hf({**gemma3, 'rope_parameters': {**gemma3['rope_parameters'], 'sliding_atten'
+                                                     'tion': {'rope_type': 'linear', 'factor': 2}}})
+  # transformers 4's spelling: the pattern instead of layer_types (a global layer every 2nd).
+  old = {k: v for k, v in gemma3.items() if k != 'layer_types'}
+  assert hf.config_from_hf({**old, 'sliding_window_pattern': 2}).layer_types == (
+      'sliding_attention', 'full_attention') * 2
+
+
+def test_gemma3_multimodal_text_weights(tmp_path):
+  """Gemma3ForConditionalGeneration: the text_config and the language model's tensors (under
+  transformers 5's model.language_model. or the hub's language_model.model.), vision ignored."""
+  from safetensors.numpy import load_file, save_file
+
+  src = os.path.join(FIXTURES, 'gemma3')
+  want_config, want = hf.load_checkpoint(src)
+  text = json.load(open(os.path.join(src, 'config.json')))
+  tensors = load_file(os.path.join(src, 'model.safetensors'))
+  for pre in ('model.language_model.', 'language_model.model.'):
+    path = tmp_path / pre.replace('.', '_')
+    path.mkdir()
+    renamed = {pre + k[len('model.'):]: v for k, v in tensors.items()}
+    renamed['model.vision_tower.vision_model.post_layernorm.weight'] = np.ones(4, np.float32)
+    save_file(renamed, str(path / 'model.safetensors'))
+    cfg = {'model_type': 'gemma3', 'tie_word_embeddings': True, 'vision_config': {},
+           'text_config': {k: v for k, v in text.items() if k != 'tie_word_embeddings'}}
+    (path / 'config.json').write_text(json.dumps(cfg))
+    config, params = hf.load_checkpoint(str(path))
+    assert config == want_config
+    jax.tree.map(np.testing.assert_array_equal, params, want)
 
 
 def test_tokenizer():
@@ -275,15 +339,23 @@ def test_unsupported_architecture_is_named(tmp_path):
     hf.load_checkpoint(path)
 
 
-@pytest.mark.parametrize('family', FAMILIES)
-def test_live_parity_with_transformers(family, tmp_path, monkeypatch):
+# Plus sliding windows that bite at the reference lengths (the fixtures' Mistral and Qwen have
+# none): every Mistral layer, Qwen's from max_window_layers on.
+LIVE = [(f, {}) for f in FAMILIES] + [
+    ('mistral', dict(sliding_window=4)),
+    ('qwen2', dict(use_sliding_window=True, sliding_window=3, max_window_layers=1,
+                   layer_types=['full_attention', 'sliding_attention']))]
+
+
+@pytest.mark.parametrize('family,overrides', LIVE)
+def test_live_parity_with_transformers(family, overrides, tmp_path, monkeypatch):
   """Fresh random checkpoints straight from transformers (not the committed fixtures)."""
   pytest.importorskip('torch', reason='live transformers parity needs the "hf" extra (torch CPU)')
   pytest.importorskip('transformers', reason='live transformers parity needs the "hf" extra')
   monkeypatch.setenv('HF_HUB_OFFLINE', '1')
   import make_hf_fixtures  # tests/ is on sys.path under pytest's rootdir conftest
 
-  ref = make_hf_fixtures.write_family(family, str(tmp_path), seed=11)
+  ref = make_hf_fixtures.write_family(family, str(tmp_path), seed=11, **overrides)
   _, graphdef, params = hf.load_model(str(tmp_path))
   fns = model_fns(graphdef)
   jitted = dict(forward=jax.jit(fns.forward), prefill=jax.jit(fns.prefill),

@@ -1,24 +1,29 @@
 """config.json -> TransformerConfig for the Hugging Face architectures `hf` imports: which
 architectures map onto which family, and the checks that refuse what the model does not
-implement (rope types, sliding windows, biases, activations)."""
+implement (rope types, biases, activations, bidirectional attention)."""
 
 from __future__ import annotations
 
-from rloo_jax.models.config import ROPE_TYPES, TransformerConfig
+from rloo_jax.models.config import LAYER_TYPES, ROPE_TYPES, TransformerConfig
 
-# Mistral is the Llama architecture (its sliding window aside, see `_check_sliding_window`).
+# Mistral is the Llama architecture with every layer on its sliding window.
 CAUSAL_LM = {'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'llama',
              'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3', 'GPT2LMHeadModel': 'gpt2',
-             'GPTNeoXForCausalLM': 'gpt_neox'}
+             'GPTNeoXForCausalLM': 'gpt_neox', 'Gemma2ForCausalLM': 'gemma2',
+             'Gemma3ForCausalLM': 'gemma3', 'Gemma3ForConditionalGeneration': 'gemma3'}
 # A reward model saved as *ForSequenceClassification (num_labels=1) maps onto head='scalar'.
 SEQ_CLS = {'LlamaForSequenceClassification': 'llama', 'MistralForSequenceClassification': 'llama',
            'Qwen2ForSequenceClassification': 'qwen2', 'Qwen3ForSequenceClassification': 'qwen3',
-           'GPT2ForSequenceClassification': 'gpt2', 'GPTNeoXForSequenceClassification': 'gpt_neox'}
+           'GPT2ForSequenceClassification': 'gpt2', 'GPTNeoXForSequenceClassification': 'gpt_neox',
+           'Gemma2ForSequenceClassification': 'gemma2',
+           'Gemma3TextForSequenceClassification': 'gemma3'}
 SUPPORTED = tuple(CAUSAL_LM) + tuple(SEQ_CLS)
 # config.json's model_type -> architecture, for configs without an architectures list.
 _MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
                 'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
-                'gpt2': 'GPT2LMHeadModel', 'gpt_neox': 'GPTNeoXForCausalLM'}
+                'gpt2': 'GPT2LMHeadModel', 'gpt_neox': 'GPTNeoXForCausalLM',
+                'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM',
+                'gemma3': 'Gemma3ForConditionalGeneration'}
 
 
 def architecture(hf_config: dict) -> str:
@@ -58,17 +63,89 @@ def _rope(hf: dict, arch: str, default_theta: float | None = None) -> dict:
   return out
 
 
-def _check_sliding_window(hf: dict, arch: str, config: TransformerConfig) -> None:
-  """Mistral's sliding window, or Qwen's when use_sliding_window is on, is not implemented in
-  the attention masks: allowed only when no sequence can reach it (a window >= the model's
-  context, which a max_seq_len override may shorten)."""
+def _window(hf: dict, arch: str, window: int, default: tuple) -> dict:
+  """sliding_window + layer_types (config.json's, else `default`) as TransformerConfig has them:
+  no window when no layer slides (Gemma's classes need a window even then), layer_types ()
+  when every layer does."""
+  types = tuple(hf.get('layer_types') or default)
+  if set(types) - set(LAYER_TYPES) or len(types) != hf['num_hidden_layers']:
+    raise ValueError(f'{arch}: layer_types {list(types)} needs one of {LAYER_TYPES} per layer '
+                     f'(num_hidden_layers={hf["num_hidden_layers"]})')
+  if not window or 'sliding_attention' not in types:
+    return dict(sliding_window=0, layer_types=())
+  return dict(sliding_window=int(window),
+              layer_types=() if set(types) == {'sliding_attention'} else types)
+
+
+def _sliding(hf: dict, arch: str, family: str) -> dict:
+  """sliding_window + layer_types: Mistral slides in every layer whenever sliding_window is set;
+  Qwen only with use_sliding_window, then in the layers from max_window_layers on (transformers
+  ignores the window, and the layer types, without it)."""
   window = hf.get('sliding_window')
-  if config.family in ('qwen2', 'qwen3') and not hf.get('use_sliding_window'):
-    window = None
-  if window is not None and int(window) < config.max_seq_len:
-    raise ValueError(f'{arch}: sliding_window={window} is shorter than the max context '
-                     f'{config.max_seq_len} and sliding-window attention is not supported; load '
-                     f'it with max_seq_len={window} (or less) to use it within the window')
+  if family in ('qwen2', 'qwen3'):
+    if not hf.get('use_sliding_window') or not window:
+      return dict(sliding_window=0, layer_types=())
+    n, first = hf['num_hidden_layers'], hf.get('max_window_layers', 28)
+    return _window(hf, arch, window, tuple(LAYER_TYPES[int(i >= first)] for i in range(n)))
+  if family == 'gpt_neox':
+    return dict(sliding_window=0, layer_types=())
+  # MistralConfig has no layer_types: Ministral's alternating layers are another class.
+  if 'sliding_attention' in (hf.get('layer_types') or ()):
+    raise ValueError(f'{arch}: layer_types with sliding_attention is not supported (a sliding '
+                     'window here applies to every layer)')
+  return dict(sliding_window=int(window or 0), layer_types=())
+
+
+def _gemma_rope(hf: dict, arch: str) -> dict:
+  """Gemma 3's rope_* fields: transformers 5 writes rope_parameters per layer type (the sliding
+  layers' plain RoPE, the global layers' possibly scaled one), transformers 4 rope_theta,
+  rope_scaling (global layers) and rope_local_base_freq."""
+  params = hf.get('rope_parameters') or {}
+  if set(params) & set(LAYER_TYPES):
+    full = _rope({'rope_parameters': params.get('full_attention') or {},
+                  'max_position_embeddings': hf.get('max_position_embeddings')}, arch, 1e6)
+    local = params.get('sliding_attention') or {}
+  else:
+    full = _rope(hf, arch, 1e6)
+    local = {'rope_theta': hf.get('rope_local_base_freq', 1e4)}
+  if local == params.get('full_attention'):  # both layer types on the same RoPE
+    return {**full, 'local_rope_theta': 0.0}
+  if local.get('rope_type', 'default') != 'default':
+    raise ValueError(f'{arch}: rope_parameters.sliding_attention.rope_type '
+                     f'{local["rope_type"]!r} is not supported (default only)')
+  return {**full, 'local_rope_theta': float(local.get('rope_theta', 1e4))}
+
+
+def _gemma(hf: dict, arch: str, family: str, head: str, overrides: dict) -> TransformerConfig:
+  """Gemma 2 / Gemma 3 text (for Gemma3ForConditionalGeneration its text_config); a missing key
+  takes the transformers config class's default."""
+  act = hf.get('hidden_activation', 'gelu_pytorch_tanh')
+  if act != 'gelu_pytorch_tanh':
+    raise ValueError(f'{arch}: hidden_activation {act!r} not supported (gelu_pytorch_tanh only)')
+  for key in ('attention_bias', 'use_bidirectional_attention'):
+    if hf.get(key):
+      raise ValueError(f'{arch}: {key}=true is not supported')
+  g2, n, heads = family == 'gemma2', hf['num_hidden_layers'], hf['num_attention_heads']
+  # Layer i slides unless (i + 1) is a multiple of the pattern: Gemma 2 alternates, Gemma 3 has
+  # a global layer every sliding_window_pattern (transformers 4's key).
+  every = 2 if g2 else hf.get('sliding_window_pattern', 6)
+  window = int(hf.get('sliding_window', 4096) or 0)
+  # Gemma 2's class defaults both caps on, Gemma 3's off; null: off.
+  cap = lambda key, on: float((hf.get(key, on) if g2 else hf.get(key)) or 0.0)
+  kw = dict(vocab_size=hf.get('vocab_size', 256000 if g2 else 262208),
+            hidden_size=hf['hidden_size'], num_layers=n, num_heads=heads,
+            num_kv_heads=hf.get('num_key_value_heads') or heads, head_dim=hf.get('head_dim', 256),
+            intermediate_size=hf['intermediate_size'],
+            max_seq_len=hf.get('max_position_embeddings', 8192 if g2 else 131072),
+            norm_eps=hf.get('rms_norm_eps', 1e-6),
+            tie_embeddings=bool(hf.get('tie_word_embeddings', True)), qkv_bias=False, head=head,
+            **_window(hf, arch, window, tuple(LAYER_TYPES[int((i + 1) % every != 0)]
+                                              for i in range(n))),
+            attn_softcap=cap('attn_logit_softcapping', 50.0),
+            final_softcap=cap('final_logit_softcapping', 30.0),
+            query_pre_attn_scalar=float(hf.get('query_pre_attn_scalar', 256)),
+            **(_rope(hf, arch, 10000.0) if g2 else _gemma_rope(hf, arch)))
+  return getattr(TransformerConfig, family)(**{**kw, **overrides})
 
 
 def config_from_hf(hf: dict, **overrides) -> TransformerConfig:
@@ -76,6 +153,11 @@ def config_from_hf(hf: dict, **overrides) -> TransformerConfig:
   arch = architecture(hf)
   family = CAUSAL_LM.get(arch) or SEQ_CLS[arch]
   head = 'scalar' if arch in SEQ_CLS else 'lm'
+  if family in ('gemma2', 'gemma3'):
+    # The multimodal Gemma 3's decoder is its text_config (tie_word_embeddings may sit outside).
+    text = {**{k: v for k, v in hf.items() if k == 'tie_word_embeddings'},
+            **hf['text_config']} if 'text_config' in hf else hf
+    return _gemma(text, arch, family, head, overrides)
   if family == 'gpt2':
     act = hf.get('activation_function', 'gelu_new')
     if act not in ('gelu_new', 'gelu_pytorch_tanh'):
@@ -97,11 +179,6 @@ def config_from_hf(hf: dict, **overrides) -> TransformerConfig:
     raise ValueError(f'{arch}: hidden_act {hf["hidden_act"]!r} not supported ({act} only)')
   if hf.get('mlp_bias') or (family in ('llama', 'qwen3') and hf.get('attention_bias')):
     raise ValueError(f'{arch}: attention_bias / mlp_bias are not supported for {family}')
-  # Per-layer types other than full attention (sliding layers of Qwen's max_window_layers);
-  # Qwen3 writes one entry per layer even when all are full.
-  if any(t != 'full_attention' for t in hf.get('layer_types') or ()):
-    raise ValueError(f'{arch}: layer_types {sorted(set(hf["layer_types"]))} is not supported '
-                     '(sliding-window attention layers)')
   heads = hf['num_attention_heads']
   kw = dict(vocab_size=hf['vocab_size'], hidden_size=hf['hidden_size'],
             num_layers=hf['num_hidden_layers'], num_heads=heads,
@@ -113,11 +190,9 @@ def config_from_hf(hf: dict, **overrides) -> TransformerConfig:
             **_rope(hf, arch, 10000.0 if neox else None),
             tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
             qkv_bias=(family == 'qwen2') or (neox and bool(hf.get('attention_bias', True))),
-            head=head)
+            head=head, **_sliding(hf, arch, family))
   if neox:
     # transformers 5 moved rotary_pct into rope_parameters.partial_rotary_factor.
     pct = (hf.get('rope_parameters') or {}).get('partial_rotary_factor', hf.get('rotary_pct', 0.25))
     kw.update(rotary_pct=float(pct), parallel_residual=bool(hf.get('use_parallel_residual', True)))
-  config = getattr(TransformerConfig, family)(**{**kw, **overrides})
-  _check_sliding_window(hf, arch, config)
-  return config
+  return getattr(TransformerConfig, family)(**{**kw, **overrides})

@@ -25,14 +25,11 @@ from flax import nnx
 
 from rloo_jax.models import hf
 from rloo_jax.models.config import TransformerConfig
+from rloo_jax.models.hf_export_config import (  # noqa: F401  (re-exported)
+    ARCHITECTURES, check_exportable, hf_config)
 
 DTYPES = {'float32': (np.float32, 'F32'), 'bfloat16': (ml_dtypes.bfloat16, 'BF16'),
           'float16': (np.float16, 'F16')}
-# One class per family (hf imports Mistral as family llama: it is exported as Llama, the same
-# computation within the context).
-ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
-                 'qwen3': 'Qwen3ForCausalLM', 'gpt2': 'GPT2LMHeadModel',
-                 'gpt_neox': 'GPTNeoXForCausalLM'}
 # transformers' default shard size ('5GB', decimal as it counts).
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 # What a tokenizer directory may hold that AutoTokenizer reads (whatever of these exist is copied).
@@ -63,97 +60,6 @@ def _leaves(params) -> dict[str, object]:
   return out
 
 
-def check_exportable(c: TransformerConfig) -> None:
-  """Raises ValueError naming what the Hugging Face class of `c.family` cannot express."""
-  if c.head != 'lm':
-    raise ValueError(f"head={c.head!r} (a reward or value model) has no export mapping: only "
-                     "causal LMs (head='lm') are exported")
-  if c.family not in ARCHITECTURES:
-    raise ValueError(f'family {c.family!r} has no export mapping; supported: '
-                     f'{", ".join(ARCHITECTURES)}')
-  if c.family in ('gpt2', 'gpt_neox'):
-    if c.num_kv_heads != c.num_heads or c.num_heads * c.head_dim != c.hidden_size:
-      raise ValueError(f'{c.family} needs num_kv_heads == num_heads and num_heads * head_dim == '
-                       f'hidden_size (got {c.num_kv_heads}, {c.num_heads} x {c.head_dim}, '
-                       f'{c.hidden_size})')
-  # transformers' classes hard-wire these: Llama's attention_bias also biases o_proj (ours has
-  # none), Qwen2 always biases q/k/v, GPT-2 always ties and biases.
-  if c.family == 'llama' and c.qkv_bias:
-    raise ValueError('llama with qkv_bias=True has no LlamaForCausalLM equivalent (its '
-                     'attention_bias also adds an o_proj bias); export it as family qwen2')
-  if c.family == 'qwen3' and c.qkv_bias:
-    raise ValueError('qwen3 with qkv_bias=True has no Qwen3ForCausalLM equivalent')
-  if c.family == 'qwen2' and not c.qkv_bias:
-    raise ValueError('qwen2 with qkv_bias=False has no Qwen2ForCausalLM equivalent; export it as '
-                     'family llama')
-  if c.family == 'gpt2' and not (c.tie_embeddings and c.qkv_bias):
-    raise ValueError('gpt2 needs tie_embeddings=True and qkv_bias=True (GPT2LMHeadModel has both)')
-  if getattr(c, 'rope_type', 'default') != 'default' and c.family in ('gpt2', 'gpt_neox'):
-    raise ValueError(f'rope_type={c.rope_type!r} is only exported for llama / qwen families')
-  if c.rotary_pct != 1.0 and c.family != 'gpt_neox' and not c.is_gpt2:
-    raise ValueError(f'rotary_pct={c.rotary_pct} is only expressible for gpt_neox')
-  if c.family == 'gpt_neox' and not c.parallel_residual:
-    raise ValueError('gpt_neox with parallel_residual=False is not exported (only the '
-                     'parallel-residual layout round-trips through the loader)')
-
-
-def _rope_parameters(c: TransformerConfig) -> dict:
-  """rope_parameters as transformers 5 writes them; the inverse of hf_config._rope."""
-  kind = getattr(c, 'rope_type', 'default')
-  rope = {'rope_type': kind, 'rope_theta': c.rope_theta}
-  if kind in ('linear', 'llama3'):
-    rope['factor'] = c.rope_factor
-  if kind == 'llama3':
-    rope.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
-                original_max_position_embeddings=c.rope_original_max_len)
-  return rope
-
-
-def hf_config(c: TransformerConfig, *, dtype: str = 'bfloat16', bos_id=None, eos_id=None,
-              pad_id=None) -> dict:
-  """config.json for `c`: config_from_hf(hf_config(c)) == c (up to dtype / remat, which are
-  runtime choices, not checkpoint ones). Old and new key spellings are both written (rope_theta
-  and rope_parameters, torch_dtype and dtype) so transformers 4 and 5 and vLLM read the same."""
-  check_exportable(c)
-  arch = ARCHITECTURES[c.family]
-  out = {'architectures': [arch], 'model_type': c.family, 'vocab_size': c.vocab_size,
-         'tie_word_embeddings': c.tie_embeddings, 'torch_dtype': dtype, 'dtype': dtype,
-         'use_cache': True}
-  if c.family == 'gpt2':
-    out.update(n_embd=c.hidden_size, n_head=c.num_heads, n_layer=c.num_layers,
-               n_positions=c.max_seq_len, n_ctx=c.max_seq_len, n_inner=c.intermediate_size,
-               layer_norm_epsilon=c.norm_eps, activation_function='gelu_new',
-               scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
-               reorder_and_upcast_attn=False)
-  else:
-    rope = _rope_parameters(c)
-    out.update(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
-               num_attention_heads=c.num_heads, intermediate_size=c.intermediate_size,
-               max_position_embeddings=c.max_seq_len, rope_theta=c.rope_theta)
-    if c.family == 'gpt_neox':
-      rope['partial_rotary_factor'] = c.rotary_pct
-      out.update(hidden_act='gelu', layer_norm_eps=c.norm_eps, rotary_pct=c.rotary_pct,
-                 rotary_emb_base=c.rope_theta, use_parallel_residual=c.parallel_residual,
-                 attention_bias=c.qkv_bias)
-    else:
-      out.update(hidden_act='silu', rms_norm_eps=c.norm_eps, num_key_value_heads=c.num_kv_heads,
-                 head_dim=c.head_dim, mlp_bias=False)
-      if c.family != 'qwen2':
-        out['attention_bias'] = False
-      if c.family != 'llama':
-        out.update(use_sliding_window=False, sliding_window=None,
-                   max_window_layers=c.num_layers,
-                   layer_types=['full_attention'] * c.num_layers)
-    out['rope_parameters'] = rope
-    if rope['rope_type'] != 'default':  # transformers 4's spelling (vLLM, older lm-eval)
-      out['rope_scaling'] = {k: v for k, v in rope.items() if k != 'rope_theta'}
-  for name, value in (('bos_token_id', bos_id), ('eos_token_id', eos_id),
-                      ('pad_token_id', pad_id)):
-    if value is not None:
-      out[name] = int(value)
-  return out
-
-
 def tensors(params, c: TransformerConfig) -> list[Entry]:
   """Every tensor of the HF checkpoint of `c`, in the names and layouts transformers saves.
 
@@ -179,17 +85,22 @@ def tensors(params, c: TransformerConfig) -> list[Entry]:
 
   lin = lambda w: w.reshape(e, -1).T  # [E, H, D] -> torch [H*D, E]
   flat = lambda w: w.reshape(-1)
-  if c.family in ('llama', 'qwen2', 'qwen3'):
+  if c.family in ('llama', 'qwen2', 'qwen3', 'gemma2', 'gemma3'):
     top('model.embed_tokens.weight', 'embedding')
     p = 'model.layers.{}.'
     per_layer(p + 'input_layernorm.weight', 'attn_norm.scale')
-    per_layer(p + 'post_attention_layernorm.weight', 'mlp_norm.scale')
+    if c.sandwich_norm:  # Gemma's post_attention_layernorm norms the attention's output
+      per_layer(p + 'post_attention_layernorm.weight', 'post_attn_norm.scale')
+      per_layer(p + 'pre_feedforward_layernorm.weight', 'mlp_norm.scale')
+      per_layer(p + 'post_feedforward_layernorm.weight', 'post_mlp_norm.scale')
+    else:
+      per_layer(p + 'post_attention_layernorm.weight', 'mlp_norm.scale')
     for n in 'qkv':
       per_layer(p + f'self_attn.{n}_proj.weight', f'attn.{n}_kernel', lin)
       if c.qkv_bias:
         per_layer(p + f'self_attn.{n}_proj.bias', f'attn.{n}_bias', flat)
     per_layer(p + 'self_attn.o_proj.weight', 'attn.o_kernel', lambda w: w.reshape(-1, e).T)
-    if getattr(c, 'qk_norm', False):
+    if c.qk_norm:
       per_layer(p + 'self_attn.q_norm.weight', 'attn.q_norm_scale')
       per_layer(p + 'self_attn.k_norm.weight', 'attn.k_norm_scale')
     for n in ('gate', 'up', 'down'):

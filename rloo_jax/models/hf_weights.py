@@ -8,14 +8,29 @@ from rloo_jax.models.hf_read import D0, D1, H0, H1, _T, _Tensors, _View, _putter
 from rloo_jax.models.transformer import Transformer
 
 
+# Where the decoder's tensors sit: a *ForCausalLM's model., none for a bare *Model, and for
+# Gemma3ForConditionalGeneration's text decoder transformers 5's model.language_model. or the
+# hub checkpoints' (transformers 4) language_model.model.
+_PREFIXES = ('model.', 'model.language_model.', 'language_model.model.')
+
+
 def _load_llama(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, shard_of):
-  pre = 'model.' if 'model.embed_tokens.weight' in get else ''
+  """Llama, Mistral, Qwen2/3 and Gemma 2/3, which name their tensors alike."""
+  pre = next((p for p in _PREFIXES if p + 'embed_tokens.weight' in get), '')
   e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
   (put, layer), blk = _putters(get, c, dtype, shard_of), model.layers
   put(model.embedding, pre + 'embed_tokens.weight')
   p = pre + 'layers.{}.'
   layer(blk.attn_norm.scale, p + 'input_layernorm.weight')
-  layer(blk.mlp_norm.scale, p + 'post_attention_layernorm.weight')
+  # Gemma's post_attention_layernorm norms the attention's output (its MLP's input norm is
+  # pre_feedforward_layernorm); Llama's is the MLP's input norm. The scales are the raw w of
+  # Gemma's (1 + w), as the model reads them.
+  if c.sandwich_norm:
+    layer(blk.post_attn_norm.scale, p + 'post_attention_layernorm.weight')
+    layer(blk.mlp_norm.scale, p + 'pre_feedforward_layernorm.weight')
+    layer(blk.post_mlp_norm.scale, p + 'post_feedforward_layernorm.weight')
+  else:
+    layer(blk.mlp_norm.scale, p + 'post_attention_layernorm.weight')
   # torch Linear stores [out, in]; our kernels are [in, heads, head_dim].
   layer(blk.attn.q_kernel, p + 'self_attn.q_proj.weight',
         _View(lambda w: w.T.reshape(e, hq, d), (1, H0, D0), hq, d))
@@ -40,7 +55,8 @@ def _load_llama(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, 
   layer(blk.mlp.down_kernel, p + 'mlp.down_proj.weight', _T)
   put(model.final_norm.scale, pre + 'norm.weight')
   if c.head == 'lm' and not c.tie_embeddings:
-    put(model.lm_head, 'lm_head.weight', _T)
+    head = 'language_model.lm_head.weight' if pre == 'language_model.model.' else 'lm_head.weight'
+    put(model.lm_head, head, _T)
 
 
 def _load_gpt2(model: Transformer, get: _Tensors, c: TransformerConfig, dtype, shard_of):
@@ -114,4 +130,4 @@ def _load_gpt_neox(model: Transformer, get: _Tensors, c: TransformerConfig, dtyp
 
 
 _LOADERS = {'llama': _load_llama, 'qwen2': _load_llama, 'qwen3': _load_llama, 'gpt2': _load_gpt2,
-            'gpt_neox': _load_gpt_neox}
+            'gpt_neox': _load_gpt_neox, 'gemma2': _load_llama, 'gemma3': _load_llama}
