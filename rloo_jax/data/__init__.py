@@ -3,7 +3,7 @@
   arithmetic.prepare(dir, ...)  embedded default task: addition, exact-answer verifier
   summarize.prepare(dir, ...)   embedded preference task (its hidden gold reward is
                                 rloo_jax.rewards.summarize_gold, not data)
-  tldr.prepare_prompts / tldr.prepare_comparisons / hh.prepare   real datasets
+  tldr.prepare_prompts / tldr.prepare_comparisons / hh.prepare / gsm8k.prepare   real datasets
   load_split(builder_or_dir, split) -> random-access source of str records
   JsonlSource(path)             a JSONL file of prompts (optional answers)
   prompt_batches / sft_batches  checkpointable, multi-host batch iterators

@@ -1,5 +1,8 @@
 """Programmatic rewards: `fn(prompts, completions, **fields) -> float32 [N]`, NaN = unscorable.
 
+  arithmetic_exact_match   the arithmetic task's exact answer
+  gsm8k, gsm8k_format      GSM8K final-number match and answer format (rloo_jax.rewards.gsm8k)
+
 Fields arrive aligned with the completions (one entry per sample); a function ignores the ones it
 does not use, which is why every reward takes `**fields`.
 """
@@ -14,6 +17,11 @@ import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+# Re-exported so that a reward spec names every verifier by one module:
+# 'rloo_jax.rewards.verifiers:gsm8k'. (gsm8k.py imports nothing from here: no cycle.)
+from rloo_jax.rewards.gsm8k import gsm8k  # pylint: disable=unused-import
+from rloo_jax.rewards.gsm8k import gsm8k_format  # pylint: disable=unused-import
 
 
 def _cut(text: str, stop: str | None) -> str:
