@@ -7,7 +7,9 @@ load (and its ratio to the parameter bytes), and the seconds.
     python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 8
 
 The checkpoint is written in a separate process first (its own memory does not count), and the
-load runs in a fresh process whose baseline RSS (python + jax, before the load) is reported too.
+load runs in a fresh process whose baseline RSS (python + jax, before the load) is reported too,
+and the RSS after the load split into anonymous (on CPU the loaded params live there: 1.0x) and
+file-backed memory (a memory-mapped checkpoint's pages). `--unsharded` loads with shardings=None.
 """
 import argparse
 import json
@@ -18,6 +20,9 @@ import sys
 import time
 
 import numpy as np
+
+# The checkout's package, so the command runs from a clone without an install.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write_checkpoint(path: str, preset: str, shard_bytes: int = 2 * 2**30):
@@ -68,7 +73,18 @@ def write_checkpoint(path: str, preset: str, shard_bytes: int = 2 * 2**30):
                "torch_dtype": "float32"}, fh)
 
 
-def load(path: str, devices: int) -> dict:
+def _rss_now() -> dict:
+  """The process's resident memory now, anonymous (heap, device buffers on CPU) and file-backed
+  (memory-mapped files) apart (Linux; empty elsewhere)."""
+  try:
+    with open("/proc/self/status") as f:
+      return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+              if k in ("RssAnon", "RssFile")}
+  except OSError:
+    return {}
+
+
+def load(path: str, devices: int, sharded: bool = True) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", devices)
@@ -81,16 +97,19 @@ def load(path: str, devices: int) -> dict:
   mesh.data, mesh.fsdp, mesh.tensor = 1, devices, 1
   layout = sharding.make_layout(mesh)
   t0 = time.perf_counter()
-  config, params = hf.load_checkpoint(path, shardings=layout)
+  config, params = hf.load_checkpoint(path, shardings=layout if sharded else None)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - t0
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  now = _rss_now()
   return {"num_params": config.num_params, "param_bytes": nbytes, "devices": devices,
+          "sharded": sharded,
           "per_device_bytes": sharding.per_device_bytes(params), "load_s": round(seconds, 1),
           "baseline_rss_bytes": baseline, "peak_rss_bytes": peak,
           "peak_rss_over_param_bytes": round(peak / nbytes, 3),
-          "load_rss_over_param_bytes": round((peak - baseline) / nbytes, 3)}
+          "load_rss_over_param_bytes": round((peak - baseline) / nbytes, 3),
+          **{f"after_{k}_over_param_bytes": round(v / nbytes, 3) for k, v in now.items()}}
 
 
 def main():
@@ -98,17 +117,20 @@ def main():
   p.add_argument("--dir", default="/tmp/qwen2.5-1.5b-random")
   p.add_argument("--preset", default="qwen2.5-1.5b")
   p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--unsharded", action="store_true",
+                 help="load with shardings=None (whole tensors, on the default device)")
   p.add_argument("--side", default="main", choices=("main", "write", "load"))
   args = p.parse_args()
   if args.side == "write":
     return write_checkpoint(args.dir, args.preset)
   if args.side == "load":
-    print(json.dumps(load(args.dir, args.devices)), flush=True)
+    print(json.dumps(load(args.dir, args.devices, not args.unsharded)), flush=True)
     return None
   me = [sys.executable, os.path.abspath(__file__), "--dir", args.dir, "--preset", args.preset]
   if not os.path.exists(os.path.join(args.dir, "config.json")):
     subprocess.run(me + ["--side", "write"], check=True)
-  subprocess.run(me + ["--side", "load", "--devices", str(args.devices)], check=True)
+  subprocess.run(me + ["--side", "load", "--devices", str(args.devices)] +
+                 ["--unsharded"] * args.unsharded, check=True)
   return None
 
 

@@ -1,10 +1,12 @@
 """Chat templates: each prompt rendered as one user message before it is tokenised.
 
 config.data.chat_template: '' (off: prompts are tokenised as they are), 'auto' (the tokenizer's
-own template, tokenizer_config.json's `chat_template`), or the path of a .jinja file. Rendering
-follows transformers' `apply_chat_template` (a sandboxed Jinja environment with `raise_exception`,
-`strftime_now`, a `tojson` filter, `bos_token` / `eos_token`, `add_generation_prompt=True`), so
-an instruct model sees the same text here as under `generate`.
+own template, tokenizer_config.json's `chat_template`), or the path of a .jinja file; True (also
+'True' / 'true' / '1', as `--config.data.chat_template=True` arrives) means 'auto', False (also
+'False' / 'false' / '0') off. Rendering follows transformers' `apply_chat_template` (a sandboxed
+Jinja environment with `raise_exception`, `strftime_now`, a `tojson` filter, `bos_token` /
+`eos_token`, `add_generation_prompt=True`), so an instruct model sees the same text here as under
+`generate`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,20 @@ import os
 from typing import Any, Mapping, Sequence
 
 KEY = 'config.data.chat_template'
+
+
+_ON, _OFF = ('true', '1'), ('false', '0')
+
+
+def normalize(value) -> str:
+  """config.data.chat_template as '' (off), 'auto' or a path. The field is a string, so a
+  command-line True reaches it as the string 'True'; a bool can also be set from Python."""
+  if value is None or value is False:
+    return ''
+  if value is True:
+    return 'auto'
+  spec = str(value).strip()
+  return 'auto' if spec.lower() in _ON else '' if spec.lower() in _OFF else spec
 
 
 def _raise_exception(message):
@@ -80,8 +96,8 @@ def _token(tokenizer, i) -> str:
 
 
 def resolve(spec: str, tokenizer) -> ChatTemplate | None:
-  """The ChatTemplate config.data.chat_template names, or None when it is ''."""
-  spec = (spec or '').strip()
+  """The ChatTemplate config.data.chat_template names, or None when it is off."""
+  spec = normalize(spec)
   if not spec:
     return None
   if spec == 'auto':
@@ -99,7 +115,7 @@ def resolve(spec: str, tokenizer) -> ChatTemplate | None:
 def read(path: str) -> str:
   path = os.path.expanduser(path)
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{KEY}={path!r}: no such file; give '' (off), 'auto' (the "
+    raise FileNotFoundError(f"{KEY}={path!r}: no such file; give '' (off), 'auto' or True (the "
                             "tokenizer's own template) or the path of a .jinja file")
   with open(path, encoding='utf-8') as f:
     return f.read()
@@ -109,7 +125,7 @@ def check(config, checkpoint_dir: str = '') -> None:
   """Validates config.data.chat_template before anything is built: a given path must exist and
   parse, and 'auto' with a checkpoint needs its tokenizer_config.json to have a template (without
   one, the task's tokenizer is checked when the task is made: `attach`)."""
-  spec = str(config.data.get('chat_template', '') or '').strip()
+  spec = normalize(config.data.get('chat_template', ''))
   if not spec:
     return
   if spec != 'auto':

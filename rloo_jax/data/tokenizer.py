@@ -71,7 +71,7 @@ class _FixedVocab:
   def stop_ids(self) -> tuple[int, ...]:
     return (EOS_ID,)
 
-  # No template of their own (config.data.chat_template='auto' is an error); `chat` is the
+  # No template of their own (config.data.chat_template='auto' or True is an error); `chat` is the
   # template a task attaches (rloo_jax.data.chat.attach), which the pipeline renders prompts with.
   chat_template = None
   chat = None

@@ -1,5 +1,6 @@
-"""Import Hugging Face checkpoints (Llama incl. 3.1+ rope scaling, Mistral, Qwen2, Qwen3, GPT-2,
-GPT-NeoX / Pythia) and their tokenizer.json (`HFTokenizer`, in hf_tokenizer).
+"""Import Hugging Face checkpoints (Llama incl. 3.1+ rope scaling, Mistral and Qwen with their
+sliding windows, Qwen2, Qwen3, Gemma 2, Gemma 3, GPT-2, GPT-NeoX / Pythia; each family's weight
+map in hf_weights, its config.json in hf_config) and their tokenizer.json (`HFTokenizer`).
 
 Reads config.json and safetensors (single file or sharded index) straight into our Transformer's
 params; needs neither torch nor transformers. A local directory is read as it is; a hub id
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Callable
 
 import jax
@@ -21,71 +21,11 @@ from flax import nnx
 
 from rloo_jax.models.hf_config import (  # noqa: F401  (re-exported)
     CAUSAL_LM, SEQ_CLS, SUPPORTED, architecture, config_from_hf)
+from rloo_jax.models.hf_hub import HUB_PATTERNS, resolve_path  # noqa: F401  (re-exported)
 from rloo_jax.models.hf_read import _T, _putters, _Tensors
 from rloo_jax.models.hf_tokenizer import HFTokenizer  # noqa: F401  (re-exported)
 from rloo_jax.models.hf_weights import _LOADERS
 from rloo_jax.models.transformer import _DTYPES, Transformer, abstract
-
-
-# What snapshot_download fetches: the config, the weights and the tokenizer files, nothing else
-# (repos often also hold pytorch_model.bin, ONNX or GGUF copies many times the size).
-HUB_PATTERNS = ('config.json', 'generation_config.json', '*.safetensors',
-                'model.safetensors.index.json', 'tokenizer.json', 'tokenizer_config.json',
-                'special_tokens_map.json')
-# 'org/name': exactly one slash, no leading '/', '.' or '~' (those are paths).
-_REPO_ID = re.compile(r'^[A-Za-z0-9][\w\-.]*/[\w\-.]+$')
-
-
-def _env_true(name: str) -> bool:
-  return os.environ.get(name, '').strip().upper() in ('1', 'ON', 'YES', 'TRUE')
-
-
-def _hub_cache_dir() -> str | None:
-  """HF_HUB_CACHE, else $HF_HOME/hub, read now: huggingface_hub.constants reads them once at its
-  import, so a process (or a test) that sets them later would otherwise be ignored."""
-  if os.environ.get('HF_HUB_CACHE'):
-    return os.path.expanduser(os.environ['HF_HUB_CACHE'])
-  if os.environ.get('HF_HOME'):
-    return os.path.join(os.path.expanduser(os.environ['HF_HOME']), 'hub')
-  return None  # huggingface_hub's own default (~/.cache/huggingface/hub)
-
-
-def resolve_path(path_or_id: str, *, what: str = 'config.model.init_from') -> str:
-  """A local checkpoint directory for a local path or a Hugging Face hub id.
-
-  A local directory passes through unchanged. Anything else that looks like 'org/name' is
-  fetched with huggingface_hub.snapshot_download (HUB_PATTERNS only) into the hub cache, or read
-  from that cache when HF_HUB_OFFLINE=1; the snapshot directory is returned. Otherwise a
-  FileNotFoundError naming `what` (the setting the value came from) and the fix.
-  """
-  path = os.path.expanduser(str(path_or_id))
-  if os.path.isdir(path):
-    return path
-  if not _REPO_ID.match(path) or os.path.exists(path):
-    raise FileNotFoundError(
-        f'{what}={path_or_id!r} is not a directory; point it at a local Hugging Face '
-        "checkpoint (config.json + model.safetensors) or a hub id 'org/name'")
-  try:
-    # Only for hub ids: local checkpoints never import it.
-    from huggingface_hub import constants as hub_constants, snapshot_download
-  except ImportError as e:
-    raise FileNotFoundError(f'{what}={path_or_id!r} is not a local directory, and loading it as '
-                            'a hub id needs huggingface_hub (pip install huggingface_hub)') from e
-  # Read at call time, like the cache directory: constants.HF_HUB_OFFLINE is fixed at import.
-  offline = _env_true('HF_HUB_OFFLINE') or _env_true('TRANSFORMERS_OFFLINE') or bool(
-      hub_constants.HF_HUB_OFFLINE)
-  try:
-    return snapshot_download(path, cache_dir=_hub_cache_dir(), allow_patterns=list(HUB_PATTERNS),
-                             local_files_only=offline)
-  except Exception as e:  # pylint: disable=broad-except  (offline miss, 404, gated, no network)
-    hint = ('HF_HUB_OFFLINE is set and it is not in the hub cache '
-            f'({_hub_cache_dir() or hub_constants.HF_HUB_CACHE}); download it once '
-            'online, or unset HF_HUB_OFFLINE' if offline else
-            'the hub could not serve it (check the id, your network and, for a gated repo, '
-            'HF_TOKEN)')
-    raise FileNotFoundError(f'{what}={path_or_id!r} is not a local directory and could not be '
-                            f'loaded as a Hugging Face hub id: {hint} ({type(e).__name__}: '
-                            f'{str(e)[:300]})') from e
 
 
 def _read_json(path: str) -> dict:
@@ -102,8 +42,10 @@ def load_checkpoint(path: str, *, seed: int = 0, shardings=None, **overrides):
   the score head is freshly initialised from `seed`).
 
   `shardings` (the params' NamedShardings, e.g. `Experiment.state_shardings.params`, or a
-  `sharding.Layout`): each parameter is made on them, each device's block read as file slices;
-  the host holds about one layer's tensor at a time, each process reads only its devices' blocks.
+  `sharding.Layout`): each parameter is made on them, each device's block read as file slices
+  (pread, no memory map) and sent whole; the host holds one device's block of one parameter at a
+  time, each process reads only its devices' blocks. Without, each parameter is assembled whole
+  on the host and sent to the default device.
   """
   path = resolve_path(path)
   hf = _read_json(os.path.join(path, 'config.json'))
@@ -159,6 +101,14 @@ def load_model(path: str, **kwargs):
   model_fns needs."""
   config, params = load_checkpoint(path, **kwargs)
   return config, abstract(config)[0], params
+
+
+def save_model(path: str, config, params, **kwargs) -> list[str]:
+  """The inverse of load_model: writes `params` (of `config`) as a Hugging Face checkpoint in the
+  directory `path`; `kwargs` (dtype, tokenizer_dir, max_shard_bytes, bos/eos/pad ids) go to
+  hf_export.save_pretrained. Returns the written paths."""
+  from rloo_jax.models import hf_export  # here: hf_export imports this module
+  return hf_export.save_pretrained(params, config, path, **kwargs)
 
 
 def load_tokenizer(path: str) -> HFTokenizer:

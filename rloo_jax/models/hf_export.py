@@ -23,7 +23,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from rloo_jax.models import hf
+from rloo_jax.models import hf_hub
+from rloo_jax.models.hf_tokenizer import HFTokenizer
 from rloo_jax.models.config import TransformerConfig
 from rloo_jax.models.hf_export_config import (  # noqa: F401  (re-exported)
     ARCHITECTURES, check_exportable, hf_config)
@@ -194,7 +195,7 @@ def _write_safetensors(path: str, entries: list[Entry], np_dtype, st_dtype: str)
 
 
 def _copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
-  src = hf.resolve_path(tokenizer_dir, what='tokenizer_dir')
+  src = hf_hub.resolve_path(tokenizer_dir, what='tokenizer_dir')
   copied = []
   for name in TOKENIZER_FILES:
     if os.path.isfile(os.path.join(src, name)):
@@ -234,7 +235,7 @@ def save_pretrained(params, config: TransformerConfig, out_dir: str, *, dtype: s
   entries = tensors(params, config)  # validates the config before anything is written
   check_out_dir(out_dir)
   if tokenizer_dir is not None:
-    tok = hf.load_tokenizer(tokenizer_dir)
+    tok = HFTokenizer.from_dir(hf_hub.resolve_path(tokenizer_dir, what='tokenizer_dir'))
     bos_id = tok.bos_id if bos_id is None else bos_id
     eos_id = tok.eos_id if eos_id is None else eos_id
     pad_id = tok.pad_id if pad_id is None else pad_id
