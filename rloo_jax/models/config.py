@@ -82,6 +82,8 @@ class TransformerConfig:
   query_pre_attn_scalar: float = 0.0
 
   def __post_init__(self):
+    # A config read back from JSON (a saved reward model's) has a list: keep it hashable.
+    object.__setattr__(self, 'layer_types', tuple(self.layer_types))
     if self.family not in FAMILIES:
       raise ValueError(f'family={self.family!r}; supported: {FAMILIES}')
     if self.head not in HEADS:
