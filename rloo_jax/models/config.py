@@ -65,6 +65,10 @@ class TransformerConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
+  # LoRA (rloo_jax.models.lora): rank 0 = off; targets from lora.TARGETS.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple = ()
 
   def __post_init__(self):
     if self.family not in FAMILIES:
