@@ -38,6 +38,30 @@ def model_config(config, mcfg: transformer.TransformerConfig) -> transformer.Tra
   return mcfg
 
 
+def check_config(config) -> None:
+  """config.model.lora's own consistency, before anything is built (the targets against the
+  architecture: `model_config`)."""
+  section = config.model.get("lora", None)
+  if section is None:
+    return
+  rank = section.get("rank", 0)
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+    raise ValueError(f"config.model.lora.rank = {rank!r}; 0 (off) or a positive integer")
+  if not rank:
+    return
+  algorithm = config.get("algorithm", "rloo")
+  if algorithm != "rloo":
+    raise ValueError(f"config.model.lora is for config.algorithm='rloo' (its train state keeps "
+                     f"the base once); {algorithm!r} trains every weight: set "
+                     "--config.model.lora.rank=0")
+  if not float(section.get("alpha", 0)) > 0:
+    raise ValueError(f"config.model.lora.alpha = {section.get('alpha')!r} must be > 0")
+  bad = [t for t in lora.parse_targets(section.get("targets", "")) if t not in lora.TARGETS]
+  if bad or not lora.parse_targets(section.get("targets", "")):
+    raise ValueError(f"config.model.lora.targets = {section.get('targets')!r}: a comma-separated "
+                     f"subset of {','.join(lora.TARGETS)}")
+
+
 def init_adapters(mcfg: transformer.TransformerConfig, seed: int):
   """Fresh adapters (A random, B zero) of the LoRA model `mcfg`. Traced inside the state's
   jitted init, so the base weights the module also creates are dead code XLA drops."""

@@ -117,6 +117,7 @@ def _model_checks(config) -> Optional[transformer.TransformerConfig]:
                      f"config.model.preset / config.model.init_from (the other to '')")
   _check_choice("config.model.remat", m.get("remat", "none"), model_config_lib.REMAT_POLICIES)
   _check_choice("config.model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES)
+  adapters.check_config(config)
   # Raises naming the closest preset, or the model family a preset needs and this build lacks.
   return presets.get(preset, what="config.model.preset") if preset else None
 

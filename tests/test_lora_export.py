@@ -105,3 +105,34 @@ def test_peft_loads_the_adapter_onto_the_base_with_the_same_logits(family, tmp_p
                    position_ids=torch.tensor(positions).long()).logits.numpy()
   m = mask.astype(bool)
   np.testing.assert_allclose(theirs[m], ours[m], atol=1e-4, rtol=0)
+
+
+def test_export_cli_of_a_lora_run_merges_or_writes_the_adapters(tmp_path):
+  import rloo_jax  # pylint: disable=import-outside-toplevel
+  from conftest import load_config  # pylint: disable=import-outside-toplevel
+  from rloo_jax import algorithms, export  # pylint: disable=import-outside-toplevel
+  c = load_config('smoke')
+  c.model.lora.update(rank=4, targets='q,v,up')
+  c.train.update(num_iterations=2, eval_every=0)
+  wd = str(tmp_path / 'run')
+  algorithms.run(c, wd, log=lambda *a, **k: None)
+  quiet = lambda *a, **k: None
+  merged = export.export(wd, str(tmp_path / 'hf'), dtype='float32', log=quiet)
+  assert 'model.safetensors' in {os.path.basename(p) for p in merged}
+  paths = export.export(wd, str(tmp_path / 'peft'), adapter=True, log=quiet)
+  assert {os.path.basename(p) for p in paths} == {'adapter_config.json',
+                                                  'adapter_model.safetensors'}
+  policy = rloo_jax.load_policy(wd)
+  cfg = policy.model_config
+  assert cfg.lora_rank == 4
+  _, params = hf.load_checkpoint(str(tmp_path / 'hf'))
+  want = lora.merged(cfg, policy.params)
+  jax.tree.map(np.testing.assert_array_equal, params, want)
+  # Training moved the adapters, so the merged weights are not the base's.
+  base = lora.split(policy.params)[1]
+  assert not np.array_equal(np.asarray(params['layers']['attn']['q_kernel'][...]),
+                            np.asarray(base['layers']['attn']['q_kernel'][...]))
+  tensors = dict(hf_export.iter_tensors(str(tmp_path / 'peft')))
+  a = np.asarray(policy.params['layers']['attn']['q_lora_a'][...])[0]
+  np.testing.assert_array_equal(
+      tensors['base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'], a.T)

@@ -133,3 +133,25 @@ def test_checkpoints_hold_no_base_and_resume_after_sigkill_is_bit_identical(tmp_
     for a, b in zip(jax.tree.leaves(getattr(reference, name)),
                     jax.tree.leaves(getattr(state, name))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_plan_counts_the_base_once_and_only_adapter_moments():
+  from rloo_jax import experiment, memory  # pylint: disable=import-outside-toplevel
+  reports = {}
+  for rank in (0, 16):
+    c = load_config()
+    c.model.update(preset="qwen2.5-0.5b", dtype="bfloat16")
+    c.model.lora.rank = rank
+    c.rloo.update(num_prompts=2, k=2, max_new_tokens=8)
+    algo = RLOO(experiment.build_abstract(c, num_layers=2))
+    reports[rank] = memory.plan(algo, names=("update",)), algo.exp.model_config
+  (full, _), (low, mcfg) = reports[0], reports[16]
+  assert low["lora"] == dict(rank=16, targets=list(lora.TARGETS),
+                             adapter_params=lora.num_params(mcfg))
+  assert full["lora"] is None
+  assert low["ref_gb"] == full["ref_gb"]  # the base, bfloat16, in both
+  assert low["params_gb"] * 4 == pytest.approx(lora.num_params(mcfg) * 16 / 2**30)
+  assert low["opt_state_gb"] < full["opt_state_gb"] / 20
+  assert low["peak_gb_per_device"] < full["peak_gb_per_device"]
+  # No weight gradients of the base: the update is 2 forwards plus the attention's third.
+  assert low["flops"]["update"] < 0.8 * full["flops"]["update"]

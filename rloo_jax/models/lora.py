@@ -83,23 +83,26 @@ def add(module, rngs, config, name: str, in_shape, in_axes, out_shape, out_axes)
           _lora_param(rngs, nnx.initializers.zeros, (r, *out_shape), (RANK_AXIS, *out_axes)))
 
 
+def _dense(x_bsi, w_io):
+  # One 2-D matmul over the flattened rows, as layers._dense (XLA:CPU's fast GEMM path).
+  b, s, i = x_bsi.shape
+  return jnp.matmul(x_bsi.reshape(b * s, i), w_io).reshape(b, s, w_io.shape[-1])
+
+
 def apply(module, name: str, x, y):
   """y plus the adapter term of projection `name` on its input x ([B, S, in...]); y itself
-  (no operation at all) when `name` has no adapter."""
+  (no operation at all) when `name` has no adapter. The term has y's shape ([B, S, out...])."""
   a = getattr(module, f'{name}_lora_a', None)
   if a is None:
     return y
-  # Imported here: layers imports this module (the MLP's projections call `apply`).
-  from rloo_jax.models.layers import _dense, _project  # pylint: disable=import-outside-toplevel
   b = getattr(module, f'{name}_lora_b')
   dt = x.dtype
   a_ir = jnp.asarray(a[...], dt)
   a_ir = a_ir.reshape(-1, a_ir.shape[-1])
-  x_bsi = x.reshape(*x.shape[:2], -1)
-  h_bsr = _dense(x_bsi, a_ir) * jnp.asarray(scale(module.config), dt)
-  b_r = jnp.asarray(b[...], dt)
-  delta = _project(h_bsr, b_r) if b_r.ndim == 3 else _dense(h_bsr, b_r)
-  return y + delta
+  h_bsr = _dense(x.reshape(*x.shape[:2], -1), a_ir) * jnp.asarray(scale(module.config), dt)
+  b_ro = jnp.asarray(b[...], dt)
+  delta = _dense(h_bsr, b_ro.reshape(b_ro.shape[0], -1))
+  return y + delta.reshape(y.shape)
 
 
 def base_config(config):
