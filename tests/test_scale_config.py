@@ -24,6 +24,8 @@ PUBLISHED = {
     "pythia-1b": 1_011_781_632, "pythia-2.8b": 2_775_208_960, "pythia-6.9b": 6_857_302_016,
     # Qwen3's model cards: 0.6B (596,049,920 exact), 1.7B, 4.0B, 8.2B with embeddings.
     "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1.72e9, "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9,
+    # Llama-3.1-70B's hub page: 70.6B.
+    "llama-3-70b": 70.6e9,
 }
 
 
