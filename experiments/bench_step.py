@@ -36,7 +36,7 @@ from rloo_jax import experiment, tasks
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.config_utils import base_config
 from rloo_jax.data import pipeline
-from rloo_jax.models import transformer
+from rloo_jax.models import lora, transformer
 from rloo_jax.memory.flops import model_flops_per_iteration
 
 
@@ -80,7 +80,9 @@ def prompt_batches(task, num_prompts, prompt_len):
 def build(config, task, workdir):
   """(RLOO algorithm, initial state) of `config` on the bench task: random initial weights."""
   algo = RLOO(experiment.build(config, workdir, task=task))
-  return algo, algo.init_state(transformer.create(algo.exp.model_config, seed=0)[1])
+  # The starting policy is the base model (with LoRA the state adds fresh adapters to it).
+  base = lora.base_config(algo.exp.model_config)
+  return algo, algo.init_state(transformer.create(base, seed=0)[1])
 
 
 def default_workload(hidden, layers, model=None, **train):
@@ -126,6 +128,10 @@ def main():
   p.add_argument("--microbatch_size", type=int, default=0, help="config.train.microbatch_size")
   p.add_argument("--logprob_chunk_size", type=int, default=32,
                  help="config.train.logprob_chunk_size")
+  p.add_argument("--lora_rank", type=int, default=0,
+                 help="config.model.lora.rank (0: full fine-tuning)")
+  p.add_argument("--lora_targets", default="q,k,v,o,gate,up,down",
+                 help="config.model.lora.targets")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
@@ -136,6 +142,7 @@ def main():
                  num_kv_heads=args.heads, head_dim=args.hidden // args.heads,
                  intermediate_size=4 * args.hidden, max_seq_len=args.prompt_len + args.new_tokens,
                  dtype=args.dtype, ref_dtype=args.ref_dtype, remat=args.remat)
+  c.model.lora.update(rank=args.lora_rank, targets=args.lora_targets)
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.kl.beta = 0.05
@@ -164,6 +171,7 @@ def main():
   out = {
       "framework": "rloo_jax", "jax": jax.__version__, "devices": str(jax.devices()[0].platform),
       "config": vars(args), "params": exp.model_config.num_params,
+      "trainable_params": lora.num_params(exp.model_config) or exp.model_config.num_params,
       "median": {k: round(v, 5) for k, v in med.items()},
       "mean_completion_length": mean("completion_length"),
       "mean_reward": mean("reward_mean"), "mean_kl": mean("kl"), "mean_loss": mean("loss"),

@@ -104,7 +104,10 @@ def base_config() -> ml_collections.ConfigDict:
       # runs forward, where its weights are cast to that dtype anyway (so nothing changes and a
       # bfloat16 run stores it in half the bytes); 'bfloat16' also halves it under float32
       # activations, at the cost of rounding its weights.
-      ref_dtype=""))
+      ref_dtype="",
+      # LoRA (rloo_jax.adapters, docs/LORA.md): rank 0 = off. Only the adapters train; the
+      # reference is the frozen base with them off, so the base weights exist once.
+      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down"))))
 
   c.sft = ml_collections.ConfigDict(dict(
       steps=1500, batch_size=64, learning_rate=3e-3, warmup_steps=100, weight_decay=0.0,
@@ -174,7 +177,8 @@ def base_config() -> ml_collections.ConfigDict:
 
 # config.model settings that change how the same model is computed or stored, not what it
 # computes: left out of the fingerprints of cached SFT policies and preference pairs.
-_LAYOUT_ONLY_MODEL_KEYS = ("remat", "ref_dtype")
+# LoRA trains adapters on the same SFT start, so it shares that cache.
+_LAYOUT_ONLY_MODEL_KEYS = ("remat", "ref_dtype", "lora")
 
 
 def model_fingerprint(config) -> dict:

@@ -20,14 +20,15 @@ from jax.experimental import multihost_utils
 import ml_collections
 import optax
 
-from rloo_jax import advantage, loss, rollout, sampling, tasks
+from rloo_jax import adapters, advantage, loss, rollout, sampling, tasks
 from rloo_jax import sharding as sharding_lib
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import chat, pipeline
 from rloo_jax.models import config as model_config_lib
-from rloo_jax.models import hf, presets, transformer
+from rloo_jax.models import hf, lora, presets, transformer
 from rloo_jax.optim import make_optimizer
 from rloo_jax.rewards import RewardSet
+from rloo_jax.adapters import reference_copy  # noqa: F401  (experiment.reference_copy: PPO's)
 
 
 @struct.dataclass
@@ -38,6 +39,13 @@ class TrainState:
   opt_state: Any
   rng: jax.Array  # base key; iteration i uses fold_in(rng, i), so resuming replays exactly
   adv_state: Any  # the advantage estimator's state (a scalar placeholder when stateless)
+  # LoRA (rloo_jax.adapters): params are the adapters, ref_params the frozen base.
+  lora: bool = struct.field(pytree_node=False, default=False)
+
+  @property
+  def policy_params(self):
+    """What the policy's model functions (`Experiment.fns`) run on."""
+    return lora.join(self.ref_params, self.params) if self.lora else self.params
 
 
 @dataclasses.dataclass
@@ -58,6 +66,8 @@ class Experiment:
   # state's shardings.
   layout: sharding_lib.Layout
   state_shardings: Any = None
+  # The frozen base's model functions (with LoRA: the reference); `fns` without LoRA.
+  base_fns: Optional[transformer.ModelFns] = None
 
   @property
   def tokenizer(self):
@@ -107,6 +117,7 @@ def _model_checks(config) -> Optional[transformer.TransformerConfig]:
                      f"config.model.preset / config.model.init_from (the other to '')")
   _check_choice("config.model.remat", m.get("remat", "none"), model_config_lib.REMAT_POLICIES)
   _check_choice("config.model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES)
+  adapters.check_config(config)
   # Raises naming the closest preset, or the model family a preset needs and this build lacks.
   return presets.get(preset, what="config.model.preset") if preset else None
 
@@ -274,7 +285,7 @@ def model_config(config, vocab_size: Callable[[], int]) -> transformer.Transform
     mcfg = presets.from_experiment_config(m, vocab_size())
     if m.get("preset", ""):
       _warn_overridden(m, mcfg)
-    return mcfg
+    return adapters.model_config(config, mcfg)
   local = hf.resolve_path(m.init_from, what="config.model.init_from")
   with open(os.path.join(local, "config.json")) as f:
     mcfg = hf.config_from_hf(json.load(f), dtype=m.dtype)
@@ -282,7 +293,7 @@ def model_config(config, vocab_size: Callable[[], int]) -> transformer.Transform
     raise ValueError(f"config.model.init_from={m.init_from!r} is a sequence-classification "
                      "checkpoint (no LM head); the policy needs a causal LM checkpoint")
   _warn_overridden(m, mcfg)
-  return mcfg.replace(remat=m.get("remat", "none"))
+  return adapters.model_config(config, mcfg.replace(remat=m.get("remat", "none")))
 
 
 def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
@@ -297,13 +308,16 @@ def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
   t = config.train
   tx = make_optimizer(config.optim, t.num_iterations * t.num_epochs * t.num_minibatches)
   # FSDP: the model functions gather each layer's weights as the layer scan reaches them.
-  fns = transformer.model_fns(graphdef, layout.param_gather(abstract_params))
+  gather = layout.param_gather(abstract_params)
+  fns = transformer.model_fns(graphdef, gather)
+  base_fns = (transformer.model_fns(transformer.abstract(lora.base_config(mcfg))[0], gather)
+              if mcfg.lora_rank else fns)
   exp = Experiment(config, workdir, task, mcfg, graphdef, fns, tx,
                    # max_len: fixed_length's constant normaliser stays max_new_tokens
                    # whatever length the rollout's completions are trimmed to.
                    loss.LossSpec.from_config(config.loss, max_len=config.rloo.max_new_tokens),
                    rewards, eval_rewards or rewards,
-                   sampling.from_config(config.rloo), layout)
+                   sampling.from_config(config.rloo), layout, base_fns=base_fns)
   # Explicit shardings: params / reference / optimizer moments by the logical rules, scalars
   # replicated.
   exp.state_shardings = layout.tree_shardings(_abstract_state(exp))
@@ -351,42 +365,27 @@ def build_abstract(config, devices=None, num_layers: Optional[int] = None) -> Ex
   return _assemble(config, "", None, layout, mcfg, None, None)
 
 
-def reference_copy(config, params):
-  """The frozen reference of `params`: their floating leaves in config.model.ref_dtype, by
-  default ('') the activation dtype config.model.dtype, always a real copy. The reference is
-  only ever run forward, where every weight is cast to the activation dtype anyway, so storing
-  it in that dtype changes no number (LayerNorm's float32 scale/bias aside) and halves it under
-  bfloat16 activations. Policy and reference must not share buffers, since the policy is
-  donated to every train step."""
-  name = config.model.get("ref_dtype", "") or config.model.dtype
-  dtype = model_config_lib.dtype_of(name)
-
-  def copy(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return jnp.array(x, dtype=dtype, copy=True)
-    return jnp.copy(x)
-
-  return jax.tree.map(copy, params)
-
-
 def _init_state(exp: Experiment, params) -> TrainState:
   spec = advantage.spec(exp.config.advantage.estimator)
   adv_state = spec.init_state() if spec.stateful else jnp.zeros((), jnp.float32)
   ref_params = reference_copy(exp.config, params)
+  mcfg = exp.model_config
+  if mcfg.lora_rank:  # the reference is the base itself; only the adapters train
+    params = adapters.init_adapters(mcfg, exp.config.seed)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, ref_params=ref_params,
                     opt_state=exp.tx.init(params), rng=jax.random.PRNGKey(exp.config.seed),
-                    adv_state=adv_state)
+                    adv_state=adv_state, lora=bool(mcfg.lora_rank))
 
 
 def init_state(exp: Experiment, params) -> TrainState:
   """The train state on the mesh: jit(init, out_shardings=...), so the optimizer moments and
   the reference are created sharded. `params` may be host values or arrays on any layout."""
-  params = exp.layout.put(params, exp.state_shardings.params)
+  params = exp.layout.put(params, exp.state_shardings.ref_params)
   return jax.jit(functools.partial(_init_state, exp), out_shardings=exp.state_shardings)(params)
 
 
 def _abstract_state(exp: Experiment) -> TrainState:
-  _, params = transformer.abstract(exp.model_config)
+  _, params = transformer.abstract(lora.base_config(exp.model_config))
   return jax.eval_shape(lambda p: _init_state(exp, p), params)
 
 

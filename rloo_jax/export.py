@@ -2,11 +2,15 @@ r"""Export a training run's policy as a Hugging Face checkpoint (rloo_jax.models
 
     python -m rloo_jax.export --workdir=/tmp/rloo_run --out=/tmp/rloo_run_hf
     python -m rloo_jax.export --workdir=/tmp/rloo_run --step=50 --out=/tmp/hf50 --dtype=float32
+    python -m rloo_jax.export --workdir=/tmp/rloo_lora --out=/tmp/rloo_lora_peft --adapter
 
 The output loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`, vLLM and lm-eval.
 The tokenizer files come from the checkpoint the run started from (config.model.init_from); a
 run trained from scratch has a task tokenizer with no Hugging Face form, so only the weights and
-configs are written. Prints the written paths, one a line.
+configs are written. A LoRA run (config.model.lora.rank > 0) is exported with its adapters
+merged into the base; with --adapter only the adapters are written, as a PEFT directory
+(adapter_config.json, adapter_model.safetensors) for `peft.PeftModel.from_pretrained`. Prints
+the written paths, one a line.
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16
 _MAX_SHARD = flags.DEFINE_integer("max_shard_bytes", None,
                                   "split the weights into files of at most this many bytes "
                                   "(default: transformers' 5 GB)")
+_ADAPTER = flags.DEFINE_bool("adapter", False, "a LoRA run: write only its adapters, as a PEFT "
+                             "directory (default: the base with the adapters merged)")
 
 
 def export(workdir: str, out: str, *, step: Optional[int] = None, dtype: str = "bfloat16",
-           max_shard_bytes: Optional[int] = None, log=print) -> list[str]:
+           max_shard_bytes: Optional[int] = None, adapter: bool = False,
+           log=print) -> list[str]:
   """Exports the policy of `workdir`'s checkpoint `step` (newest when None) into `out`.
   Returns the written paths. Errors say what is missing and how to fix it."""
   # Imported here so `--help` and flag errors do not wait for jax.
   import rloo_jax
-  from rloo_jax.models import hf_export
+  from rloo_jax.models import hf_export, peft_export
 
   workdir = os.path.abspath(os.path.expanduser(workdir))
   if not os.path.isfile(os.path.join(workdir, "run_config.json")):
@@ -47,6 +54,14 @@ def export(workdir: str, out: str, *, step: Optional[int] = None, dtype: str = "
   # Before anything is written: a family or head without a mapping names itself.
   hf_export.check_exportable(policy.model_config)
   init_from = policy.config.model.get("init_from", "") or None
+  if adapter:
+    # float32, as trained (--dtype is the merged weights'): the adapters are small.
+    paths = peft_export.save_adapter(policy.params, policy.model_config, out,
+                                     base_model=init_from or "")
+    log(f"exported the LoRA adapters of {workdir} step {policy.step} to {out}:", file=sys.stderr)
+    for p in paths:
+      log(p)
+    return paths
   tok = policy.tokenizer
   kw = {} if max_shard_bytes is None else dict(max_shard_bytes=int(max_shard_bytes))
   paths = hf_export.save_pretrained(
@@ -72,7 +87,7 @@ def main(argv: Sequence[str]) -> None:
     logging.set_verbosity(logging.WARNING)
   try:
     export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
-           max_shard_bytes=_MAX_SHARD.value)
+           max_shard_bytes=_MAX_SHARD.value, adapter=_ADAPTER.value)
   except (FileNotFoundError, FileExistsError, ValueError) as e:
     # The messages carry the fix; a traceback would bury it.
     sys.exit(f"rloo_jax.export: error: {e}")

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rloo_jax import evaluation, memory, policy_init, workdir as workdir_lib
+from rloo_jax import adapters, evaluation, memory, policy_init, workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
 from rloo_jax.metrics import MetricWriter
@@ -62,10 +62,13 @@ def _progress(total: int, initial: int, enabled: bool, desc: str):
 
 
 def policy(state):
-  return state.params
+  return getattr(state, "policy_params", state.params)
 
 
 def reference(state):
+  """The reference as the policy's model functions run it (the evaluator compares the two)."""
+  if getattr(state, "lora", False):
+    return adapters.reference_as_policy(state)
   return getattr(state, "ref_params", None)
 
 
@@ -150,6 +153,8 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     if restored is not None:
       step, state, meta = restored
       before = meta.get("before")
+      if hasattr(algo, "resume_state"):  # LoRA: the base, which checkpoints leave out
+        state = algo.resume_state(state, initial_params)
       log(f"[{algo.name}] resumed from iteration {step} in {ckpt.directory}")
     else:
       params = initial_params if initial_params is not None else policy_init.initial_params(
@@ -201,7 +206,8 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
           writer.write(step, evaluator(policy(state), reference(state)), prefix="eval/")
         stop = preemption.requested()
         if step % t.checkpoint_every == 0 or step == total or stop:
-          _save(ckpt, step, state, {"data": data.get_state(), "before": before}, ckpt_wait=stop)
+          _save(ckpt, step, algo, state, {"data": data.get_state(), "before": before},
+                ckpt_wait=stop)
           last_saved = step
         if stop:
           preempted = True
@@ -238,13 +244,15 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
   return dict(summary, state=state, last_metrics=metrics, preempted=False)
 
 
-def _save(ckpt: Checkpointer, step: int, state, meta: dict, *, ckpt_wait: bool) -> None:
+def _save(ckpt: Checkpointer, step: int, algo, state, meta: dict, *, ckpt_wait: bool) -> None:
   """Saves only a finite state: a checkpoint rotation must never replace the last good one."""
   if not bool(_all_finite(state)):
     raise NonFiniteError(
         f"the train state at iteration {step} holds non-finite values, so it was not saved; "
         f"the newest finite checkpoint is {ckpt.latest_step()} in {ckpt.directory}. Lower "
         "config.optim.learning_rate (or config.optim.max_grad_norm) and resume.")
+  if hasattr(algo, "checkpoint_state"):
+    state = algo.checkpoint_state(state)
   ckpt.save(step, state, meta, force=True, wait=ckpt_wait)
 
 

@@ -7,14 +7,15 @@ from flax import nnx
 import jax
 
 from rloo_jax import sft
-from rloo_jax.models import hf, transformer
+from rloo_jax.models import hf, lora, transformer
 
 
 def create_params(exp, seed: int = 0):
-  """A freshly initialised policy, created directly sharded (never whole on one device)."""
-  mcfg = exp.model_config
+  """A freshly initialised policy, created directly sharded (never whole on one device). With
+  LoRA it is the base (no adapters): the starting policy is the same either way."""
+  mcfg = lora.base_config(exp.model_config)
   return jax.jit(lambda: nnx.split(transformer.Transformer(mcfg, rngs=nnx.Rngs(seed)))[1],
-                 out_shardings=exp.state_shardings.params)()
+                 out_shardings=exp.state_shardings.ref_params)()
 
 
 def initial_params(exp, *, log=print):
@@ -24,9 +25,10 @@ def initial_params(exp, *, log=print):
     # Straight onto the mesh, each process reading only its own devices' slices of the files:
     # the host never holds the whole model (an 8B model is 32 GB in float32).
     _, params = hf.load_checkpoint(config.model.init_from, dtype=config.model.dtype,
-                                   shardings=exp.state_shardings.params)
+                                   shardings=exp.state_shardings.ref_params)
     return params
-  return sft.train(config, exp.workdir, exp.fns, create_params(exp, seed=config.seed), exp.task,
+  return sft.train(config, exp.workdir, exp.base_fns or exp.fns,
+                   create_params(exp, seed=config.seed), exp.task,
                    log=log, shard_batch=exp.layout.shard_batch)
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from rloo_jax import advantage, loss, rollout
+from rloo_jax.models import lora
 from rloo_jax.optim import apply_if_finite
 
 
@@ -57,11 +58,14 @@ def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
   return jax.lax.scan(body, zeros, split)[0]
 
 
-def gradients(params, rows, *, fns, spec: loss.LossSpec, k: int, chunk_size: int,
+def gradients(params, rows, frozen=None, *, fns, spec: loss.LossSpec, k: int, chunk_size: int,
               microbatches: int = 1, param_shardings=None, rows_sharding=None):
   """The policy loss's gradient on a minibatch of rollout rows (`rollout.GroupedRows` or
   `SequenceRows`), summed over `microbatches` slices of it (gradient accumulation: the same
   gradient for any number, up to float rounding). Returns (grads, loss, metrics). Pure.
+
+  `frozen`: with LoRA, the base the adapters `params` sit on (`rloo_jax.adapters`): an argument
+  that is not differentiated, so the gradient (and the optimizer) covers the adapters only.
 
   FSDP: `fns` gathers each layer's weights as the layer scan reaches it and reduce-scatters its
   gradient (`sharding.ParamGather`); the summed gradient stays on `param_shardings`."""
@@ -69,7 +73,8 @@ def gradients(params, rows, *, fns, spec: loss.LossSpec, k: int, chunk_size: int
 
   def grads_of(mb):
     def loss_fn(params):
-      logp, entropy = rollout.logprobs(mb, fns, params, chunk_size=chunk_size,
+      full = params if frozen is None else lora.join(frozen, params)
+      logp, entropy = rollout.logprobs(mb, fns, full, chunk_size=chunk_size,
                                        with_entropy=True)
       return loss.policy_loss(spec, logp, mb.old_logp_nt, mb.cmask_nt, mb.advantages_n,
                               entropy, normalizer=norm)
@@ -101,25 +106,32 @@ class TrainStep:
   def __init__(self, *, fns, tx, spec: loss.LossSpec, k: int, chunk_size: int, microbatches: int,
                state_shardings, rows_sharding, replicated):
     params_sh = state_shardings.params
+    # LoRA: the frozen base is a third, read-only argument of the gradient program.
+    self.lora = getattr(state_shardings, "lora", False)
+    frozen_sh = (state_shardings.ref_params,) if self.lora else ()
     self.grad_fn = jax.jit(
         functools.partial(gradients, fns=fns, spec=spec, k=k, chunk_size=chunk_size,
                           microbatches=microbatches, param_shardings=params_sh,
                           rows_sharding=rows_sharding),
-        in_shardings=(params_sh, rows_sharding), out_shardings=(params_sh, replicated, replicated))
+        in_shardings=(params_sh, rows_sharding, *frozen_sh),
+        out_shardings=(params_sh, replicated, replicated))
     self.apply_fn = jax.jit(functools.partial(apply_gradients, tx=tx),
                             in_shardings=(state_shardings, params_sh, replicated),
                             out_shardings=(state_shardings, replicated), donate_argnums=0)
 
   def __call__(self, state, rows):
-    grads, value, metrics = self.grad_fn(state.params, rows)
+    grads, value, metrics = self.grad_fn(*self._grad_args(state, rows))
     state, guard = self.apply_fn(state, grads, value)
     return state, dict(metrics, loss=value, **guard)
 
   def lower(self, state, rows) -> dict:
     """{'update_gradients', 'update_apply'}: both programs lowered on (abstract) arguments."""
-    grads, value, _ = jax.eval_shape(self.grad_fn, state.params, rows)
-    return {"update_gradients": self.grad_fn.lower(state.params, rows),
+    grads, value, _ = jax.eval_shape(self.grad_fn, *self._grad_args(state, rows))
+    return {"update_gradients": self.grad_fn.lower(*self._grad_args(state, rows)),
             "update_apply": self.apply_fn.lower(state, grads, value)}
+
+  def _grad_args(self, state, rows) -> tuple:
+    return (state.params, rows, state.ref_params) if self.lora else (state.params, rows)
 
   def _cache_size(self) -> int:
     """Compiled shapes of the gradient program (one per distinct rows shape)."""

@@ -13,8 +13,8 @@ import time
 import jax
 import numpy as np
 
+from rloo_jax import adapters, policy_init, rollout, update
 from rloo_jax import experiment as experiment_lib
-from rloo_jax import rollout, update
 
 
 def mean_step_metrics(step_metrics) -> dict:
@@ -102,7 +102,7 @@ class RLOO:
         microbatches=update.microbatches(c, per="minibatch"), state_shardings=state_sh,
         rows_sharding=rows_sh, replicated=rep)
     self.score_fn = jax.jit(functools.partial(
-        update.score_rollout, fns=exp.fns, beta=float(c.kl.beta),
+        update.score_rollout, fns=exp.base_fns or exp.fns, beta=float(c.kl.beta),
         kl_estimator=c.kl.estimator, kl_reduction=c.kl.reduction,
         estimator=c.advantage.estimator,
         options=tuple(sorted(dict(c.advantage.options).items())), chunk_size=chunk,
@@ -119,7 +119,20 @@ class RLOO:
     return int(self.exp.config.train.num_iterations)
 
   def abstract_state(self):
-    return experiment_lib.abstract_state(self.exp)
+    """The restore target: a checkpoint's form of the state (`checkpoint_state`)."""
+    return adapters.abstract_checkpoint(self.exp, experiment_lib.abstract_state(self.exp))
+
+  def checkpoint_state(self, state):
+    return adapters.checkpoint_state(state)
+
+  def resume_state(self, state, initial_params=None):
+    """A restored state made whole: with LoRA, the base put back from `initial_params` (default:
+    config.model.init_from or the cached SFT policy, `policy_init.initial_params`)."""
+    if not state.lora:
+      return state
+    if initial_params is None:
+      initial_params = policy_init.initial_params(self.exp)
+    return adapters.resume_state(self.exp, state, initial_params)
 
   def init_state(self, params):
     return experiment_lib.init_state(self.exp, params)
@@ -130,7 +143,7 @@ class RLOO:
     layout = exp.layout
     rng = jax.random.fold_in(state.rng, int(state.step))
     out, rewards_bk, usable_bk, num_nonfinite, parts, timings = rollout.timed_rollout(
-        exp, state.params, batch, rng, k=k)
+        exp, state.policy_params, batch, rng, k=k)
 
     t0 = time.perf_counter()
     b = rewards_bk.shape[0]  # the global batch

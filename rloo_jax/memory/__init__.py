@@ -23,6 +23,7 @@ import jax
 from rloo_jax import update
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
+from rloo_jax.models import lora
 
 GIB = 2 ** 30
 DEFAULT_DEVICE_MEMORY_GB = 80.0
@@ -209,6 +210,9 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       devices=int(exp.layout.mesh.size), mesh=exp.layout.shape,
       device_memory_gb=float(device_memory_gb), num_layers=int(m.num_layers),
       num_params=int(m.num_params), remat=m.remat, dtype=m.dtype,
+      # LoRA: params_gb / opt_state_gb are the adapters', ref_gb the frozen base (held once).
+      lora=dict(rank=m.lora_rank, targets=list(m.lora_targets),
+                adapter_params=lora.num_params(m)) if m.lora_rank else None,
       advice=advice(algo, compiled, limit))
   return report
 

@@ -162,16 +162,20 @@ def compile_programs(algo, names=NAMES) -> Compiled:
   parts = {name: per_device_bytes(getattr(state, name))
            for name in ("params", "ref_params", "opt_state")}
   persistent = sum(parts.values())
+  # The sampler runs on the policy's whole weights: with LoRA the base (ref_params) and the
+  # adapters (params), the base then being no copy but the reference itself.
+  policy_parts = ("params", "ref_params") if state.lora else ("params",)
+  policy_bytes = sum(parts[p] for p in policy_parts)
   tok, static = x.token_id, _sampler_static(exp)
   start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
                       noise_budget_bytes=sampler.NOISE_BUDGET_BYTES)
-  start_args = (state.params, *x.prompts, x.rng, x.stop_ids, tok)
+  start_args = (state.policy_params, *x.prompts, x.rng, x.stop_ids, tok)
   shapes = jax.eval_shape(functools.partial(sampler.start, exp.fns, **start_static),
                           *start_args)
   found = {}
   if "start" in names or "decode" in names:
     compiled, s = _compile(lambda: sampler.start.lower(exp.fns, *start_args, **start_static))
-    found["start"] = _measure("start", compiled, s, persistent - parts["params"])
+    found["start"] = _measure("start", compiled, s, persistent - policy_bytes)
     # The decode loop's input is the start's output, with the shardings the start gives it.
     samp = _with_shardings(shapes, compiled.output_shardings)
     kv_cache, sample_output = per_device_bytes(samp.cache), per_device_bytes(samp.output())
@@ -185,9 +189,9 @@ def compile_programs(algo, names=NAMES) -> Compiled:
   sample_output *= c.rloo.num_prompts // chunk_prompts(c)
   rows_bytes = per_device_bytes(x.rows)
   if "decode" in names:
-    compiled, s = _compile(lambda: sampler.decode_loop.lower(exp.fns, state.params, samp,
+    compiled, s = _compile(lambda: sampler.decode_loop.lower(exp.fns, state.policy_params, samp,
                                                              x.stop_ids, tok, **static))
-    found["decode"] = _measure("decode", compiled, s, persistent - parts["params"])
+    found["decode"] = _measure("decode", compiled, s, persistent - policy_bytes)
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
   score_args = (state.ref_params, state.adv_state, x.rows,
                 _struct(shape_bk, jnp.float32, rows_sh), _struct(shape_bk, jnp.bool_, rows_sh))
@@ -207,7 +211,8 @@ def compile_programs(algo, names=NAMES) -> Compiled:
         raise ValueError(f"the memory plan does not know which train state the update program "
                          f"{name!r} takes (plan.programs._UPDATE_STATE_ARGS)")
       compiled, s = _compile(lambda one=one: one)
-      held = persistent - sum(parts[p] for p in _UPDATE_STATE_ARGS[name])
+      args = _UPDATE_STATE_ARGS[name] + (("ref_params",) if state.lora else ())
+      held = persistent - sum(parts[p] for p in set(args))
       found[name] = _measure(name, compiled, s, held + beside)
   ref_itemsize = max((x.dtype.itemsize for x in jax.tree.leaves(state.ref_params)
                       if jnp.issubdtype(x.dtype, jnp.floating)), default=0)

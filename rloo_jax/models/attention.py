@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rloo_jax.models import lora
 from rloo_jax.models.config import TransformerConfig, dtype_of
 from rloo_jax.models.layers import _cast, _dense, _param, _project, _rope, apply_norm
 
@@ -66,6 +67,9 @@ class Attention(nnx.Module):
     self.k_kernel = _param(rngs, init, (e, hkv, d), ('embed', 'kv_heads', 'head_dim'), pdt)
     self.v_kernel = _param(rngs, init, (e, hkv, d), ('embed', 'kv_heads', 'head_dim'), pdt)
     self.o_kernel = _param(rngs, init, (hq, d, e), ('q_heads', 'head_dim', 'embed'), pdt)
+    for name, heads in (('q', ('q_heads', hq)), ('k', ('kv_heads', hkv)), ('v', ('kv_heads', hkv))):
+      lora.add(self, rngs, c, name, (e,), ('embed',), (heads[1], d), (heads[0], 'head_dim'))
+    lora.add(self, rngs, c, 'o', (hq, d), ('q_heads', 'head_dim'), (e,), ('embed',))
     if c.qkv_bias:
       zeros = nnx.initializers.zeros
       self.q_bias = _param(rngs, zeros, (hq, d), ('q_heads', 'head_dim'), pdt)
@@ -96,6 +100,8 @@ class Attention(nnx.Module):
       q = _project(x_bse, _cast(self.q_kernel, dt))
       k = _project(x_bse, _cast(self.k_kernel, dt))
       v = _project(x_bse, _cast(self.v_kernel, dt))
+    # After either form, so the fused decode projection carries the adapters too.
+    q, k, v = (lora.apply(self, n, x_bse, y) for n, y in (('q', q), ('k', k), ('v', v)))
     if c.qkv_bias:
       q = q + _cast(self.q_bias, dt)
       k = k + _cast(self.k_bias, dt)
@@ -138,7 +144,7 @@ class Attention(nnx.Module):
     b, s = o_bshgd.shape[:2]
     o_bsf = o_bshgd.reshape(b, s, c.num_heads * c.head_dim)
     kernel = _cast(self.o_kernel, o_bsf.dtype)
-    y = _dense(o_bsf, kernel.reshape(-1, kernel.shape[-1]))
+    y = lora.apply(self, 'o', o_bsf, _dense(o_bsf, kernel.reshape(-1, kernel.shape[-1])))
     if c.out_bias:
       y = y + _cast(self.o_bias, y.dtype)
     return y

@@ -80,10 +80,15 @@ class TransformerConfig:
   attn_softcap: float = 0.0
   final_softcap: float = 0.0
   query_pre_attn_scalar: float = 0.0
+  # LoRA (rloo_jax.models.lora): rank 0 = off; targets from lora.TARGETS.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple = ()
 
   def __post_init__(self):
     # A config read back from JSON (a saved reward model's) has a list: keep it hashable.
-    object.__setattr__(self, 'layer_types', tuple(self.layer_types))
+    for name in ('layer_types', 'lora_targets'):
+      object.__setattr__(self, name, tuple(getattr(self, name)))
     if self.family not in FAMILIES:
       raise ValueError(f'family={self.family!r}; supported: {FAMILIES}')
     if self.head not in HEADS:

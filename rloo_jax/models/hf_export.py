@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from rloo_jax.models import hf_hub
+from rloo_jax.models import hf_hub, lora
 from rloo_jax.models.hf_tokenizer import HFTokenizer
 from rloo_jax.models.config import TransformerConfig
 from rloo_jax.models.hf_export_config import (  # noqa: F401  (re-exported)
@@ -220,7 +220,8 @@ def save_pretrained(params, config: TransformerConfig, out_dir: str, *, dtype: s
                     eos_id: int | None = None, pad_id: int | None = None) -> list[str]:
   """Writes `params` (an nnx.State as hf.load_checkpoint / create return, layer parameters
   stacked on a leading layers axis; sharded or not) as a Hugging Face checkpoint that
-  `AutoModelForCausalLM.from_pretrained(out_dir)` loads. Returns the written paths.
+  `AutoModelForCausalLM.from_pretrained(out_dir)` loads. Returns the written paths. A LoRA
+  model's adapters are merged into the base (`lora.merged`); `peft_export` writes them apart.
 
   dtype: the stored dtype ('bfloat16', 'float32', 'float16'). tokenizer_dir: a checkpoint
   directory or hub id whose tokenizer files are copied and whose bos/eos/pad ids go into
@@ -232,6 +233,8 @@ def save_pretrained(params, config: TransformerConfig, out_dir: str, *, dtype: s
   if dtype not in DTYPES:
     raise ValueError(f'dtype={dtype!r}; supported: {tuple(DTYPES)}')
   np_dtype, st_dtype = DTYPES[dtype]
+  if config.lora_rank:  # LoRA: W + (alpha / r) A B, a plain checkpoint of the base model
+    params, config = lora.merged(config, params), lora.base_config(config)
   entries = tensors(params, config)  # validates the config before anything is written
   check_out_dir(out_dir)
   if tokenizer_dir is not None:

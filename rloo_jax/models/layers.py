@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rloo_jax.models import lora
 from rloo_jax.models.config import TransformerConfig, dtype_of
 
 
@@ -147,6 +148,7 @@ class MLP(nnx.Module):
     # True for every biased GELU MLP, not only GPT-2's; the name stays because
     # experiments/variants/swiglu_vjp.py reads it to tell SwiGLU from GELU.
     self.gpt2 = not c.gated_mlp
+    self.config = c
     self.approximate = c.is_gpt2
     self.geglu = c.is_gemma
     init = nnx.initializers.normal(0.02)
@@ -158,16 +160,20 @@ class MLP(nnx.Module):
       self.down_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
     else:
       self.gate_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
+    for name, (i, o) in (('gate', ('embed', 'mlp')), ('up', ('embed', 'mlp')),
+                         ('down', ('mlp', 'embed'))):
+      sizes = {'embed': e, 'mlp': f}
+      lora.add(self, rngs, c, name, (sizes[i],), (i,), (sizes[o],), (o,))
 
   def __call__(self, x_bse: jax.Array) -> jax.Array:
     dt = x_bse.dtype
-    up = _dense(x_bse, _cast(self.up_kernel, dt))
+    up = lora.apply(self, 'up', x_bse, _dense(x_bse, _cast(self.up_kernel, dt)))
     if self.gpt2:
       h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=self.approximate)
     else:
-      gate = _dense(x_bse, _cast(self.gate_kernel, dt))
+      gate = lora.apply(self, 'gate', x_bse, _dense(x_bse, _cast(self.gate_kernel, dt)))
       h = (jax.nn.gelu(gate, approximate=True) if self.geglu else jax.nn.silu(gate)) * up
-    y = _dense(h, _cast(self.down_kernel, dt))
+    y = lora.apply(self, 'down', h, _dense(h, _cast(self.down_kernel, dt)))
     if self.gpt2:
       y = y + _cast(self.down_bias, dt)
     return y

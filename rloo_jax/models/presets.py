@@ -92,6 +92,11 @@ PRESETS = types.MappingProxyType({
     # meta-llama/Meta-Llama-3-8B and Llama-3.2-{1B,3B} (the 3.2 models tie their embeddings).
     'llama-3-8b': _arch(_LLAMA3, e=4096, layers=32, heads=32, kv=8, ff=14336,
                         max_seq_len=8192, tie_embeddings=False),
+    # The shapes of Llama-3.1-70B / Llama-3.3-70B (llama3 rope, factor 8, 128k context).
+    'llama-3-70b': _arch(_LLAMA3, e=8192, layers=80, heads=64, kv=8, ff=28672,
+                         max_seq_len=131072, tie_embeddings=False, rope_type='llama3',
+                         rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                         rope_original_max_len=8192),
     'llama-3.2-1b': _arch(_LLAMA3, e=2048, layers=16, heads=32, kv=8, ff=8192,
                           max_seq_len=131072, tie_embeddings=True, **_LLAMA3_ROPE),
     'llama-3.2-3b': _arch(_LLAMA3, e=3072, layers=28, heads=24, kv=8, ff=8192,
