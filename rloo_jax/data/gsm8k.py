@@ -27,7 +27,7 @@ import os
 import tensorflow_datasets as tfds
 
 from rloo_jax.data import builder as builder_lib
-from rloo_jax.rewards import gsm8k as gsm8k_reward
+from rloo_jax.data import gsm8k_answer
 
 BASE_URL = ("https://raw.githubusercontent.com/openai/grade-school-math/master/"
             "grade_school_math/data/")
@@ -81,13 +81,13 @@ class Gsm8k(builder_lib.TextBuilder):
     for where, row in builder_lib.read_json_lines(path, label):
       question = builder_lib.field(row, "question", where)
       solution = builder_lib.field(row, "answer", where)
-      if gsm8k_reward.MARKER not in solution:
-        raise ValueError(f"{where}: field 'answer' has no '{gsm8k_reward.MARKER} <number>' line "
+      if gsm8k_answer.MARKER not in solution:
+        raise ValueError(f"{where}: field 'answer' has no '{gsm8k_answer.MARKER} <number>' line "
                          f"(ends {solution[-40:]!r})")
-      answer = gsm8k_reward.reference_answer(solution)
+      answer = gsm8k_answer.reference_answer(solution)
       if answer is None:
         raise ValueError(f"{where}: field 'answer' has no number after its last "
-                         f"'{gsm8k_reward.MARKER}' (ends {solution[-40:]!r})")
+                         f"'{gsm8k_answer.MARKER}' (ends {solution[-40:]!r})")
       yield {"prompt": format_prompt(question, self.builder_config.prompt_template),
              "answer": answer, "solution": solution}
 
