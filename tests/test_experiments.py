@@ -34,7 +34,7 @@ BENCH_KEYS = {"framework", "jax", "devices", "config", "params", "median",
               "mean_completion_length", "mean_reward", "mean_kl", "mean_loss", "mean_advantage",
               "update_tokens_per_iteration", "generated_tokens_per_iteration",
               "model_gflop_per_iteration", "achieved_gflops", "update_gflops", "fraction_of_peak",
-              "peak_rss_gb"}
+              "peak_rss_gb", "trainable_params"}
 PHASES = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
 
 
@@ -53,7 +53,9 @@ def test_bench_step_reports_a_consistent_iteration():
                                prompts=prompts, prompt_len=prompt_len, k=k,
                                new_tokens=new_tokens, iterations=2, dtype="float32",
                                shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
-                               remat="full", microbatch_size=0, logprob_chunk_size=32)
+                               remat="full", microbatch_size=0, logprob_chunk_size=32,
+                               lora_rank=0, lora_targets="q,k,v,o,gate,up,down")
+    assert r["trainable_params"] == r["params"]  # full fine-tuning: every parameter trains
     # The process held at least its float32 params (and a python + jax runtime).
     assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
     # A Llama with untied head: embedding + head, 4 attention and 3 MLP matrices, 2 norms a
