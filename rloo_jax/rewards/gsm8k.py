@@ -18,21 +18,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rloo_jax.rewards import answers
 # The format's parsing lives with the data (the builder normalises references with it).
 from rloo_jax.data.gsm8k_answer import (  # noqa: F401  (re-exported)
     _FORMAT_LINE, _NUMBER, MARKER, extract_answer, normalize, parse_number, reference_answer)
-
-
-def _cut(text: str, stop: str | None) -> str:
-  if stop:
-    i = text.find(stop)
-    if i >= 0:
-      text = text[:i]
-  return text
-
-
-def _missing(a: Any) -> bool:
-  return a is None or (isinstance(a, float) and np.isnan(a)) or str(a).strip() == ""
 
 
 def gsm8k(prompts: Sequence[str], completions: Sequence[str], *,
@@ -47,22 +36,14 @@ def gsm8k(prompts: Sequence[str], completions: Sequence[str], *,
   NaN: the trainer masks them out of the baselines instead of counting them as failures.
   """
   del fields
-  n = len(completions)
-  if len(prompts) != n:
-    raise ValueError(f"{len(prompts)} prompts but {n} completions")
-  if answer is None:
-    return np.full((n,), np.nan, np.float32)
-  if len(answer) != n:
-    raise ValueError(f"{len(answer)} answers but {n} completions")
-  out = np.empty((n,), np.float32)
-  for i, (c, a) in enumerate(zip(completions, answer)):
-    reference = None if _missing(a) else extract_answer(str(a))
+
+  def score(completion: str, reference_text: str) -> float:
+    reference = extract_answer(reference_text)
     if reference is None:
-      out[i] = np.nan
-      continue
-    predicted = extract_answer(_cut(str(c), stop))
-    out[i] = float(predicted is not None and predicted == reference)
-  return out
+      return np.nan
+    predicted = extract_answer(completion)
+    return float(predicted is not None and predicted == reference)
+  return answers.against_answers(prompts, completions, answer, stop, score)
 
 
 def gsm8k_format(prompts: Sequence[str], completions: Sequence[str], *, stop: str | None = None,
@@ -71,12 +52,9 @@ def gsm8k_format(prompts: Sequence[str], completions: Sequence[str], *, stop: st
   answer format, so a grader that reads only that line would find the answer; 0.0 otherwise.
   Correctness is not checked: pair it with `gsm8k` at a small weight."""
   del fields
-  n = len(completions)
-  if len(prompts) != n:
-    raise ValueError(f"{len(prompts)} prompts but {n} completions")
-  out = np.zeros((n,), np.float32)
+  out = np.zeros((answers.num_rows(prompts, completions),), np.float32)
   for i, c in enumerate(completions):
-    lines = _cut(str(c), stop).rstrip().splitlines()
+    lines = answers.cut(str(c), stop).rstrip().splitlines()
     if not lines:
       continue
     m = _FORMAT_LINE.fullmatch(lines[-1].strip())

@@ -18,18 +18,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from rloo_jax.rewards import answers
 # Re-exported so that a reward spec names every verifier by one module:
 # 'rloo_jax.rewards.verifiers:gsm8k'. (gsm8k.py imports nothing from here: no cycle.)
 from rloo_jax.rewards.gsm8k import gsm8k  # pylint: disable=unused-import
 from rloo_jax.rewards.gsm8k import gsm8k_format  # pylint: disable=unused-import
-
-
-def _cut(text: str, stop: str | None) -> str:
-  if stop:
-    i = text.find(stop)
-    if i >= 0:
-      text = text[:i]
-  return text
 
 
 def arithmetic_exact_match(prompts: Sequence[str], completions: Sequence[str], *,
@@ -42,20 +35,8 @@ def arithmetic_exact_match(prompts: Sequence[str], completions: Sequence[str], *
   instead of counting them as failures.
   """
   del fields
-  n = len(completions)
-  if len(prompts) != n:
-    raise ValueError(f"{len(prompts)} prompts but {n} completions")
-  if answer is None:
-    return np.full((n,), np.nan, np.float32)
-  if len(answer) != n:
-    raise ValueError(f"{len(answer)} answers but {n} completions")
-  out = np.empty((n,), np.float32)
-  for i, (c, a) in enumerate(zip(completions, answer)):
-    if a is None or (isinstance(a, float) and np.isnan(a)) or str(a).strip() == "":
-      out[i] = np.nan
-    else:
-      out[i] = float(_cut(str(c), stop).strip() == str(a).strip())
-  return out
+  return answers.against_answers(prompts, completions, answer, stop,
+                                 lambda c, a: float(c.strip() == a.strip()))
 
 
 def _load_file(spec: str, path: str):
