@@ -20,6 +20,12 @@ REMAT_POLICIES = ('none', 'full', 'dots')
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
+def gemma_layer_types(num_layers: int, every: int) -> tuple:
+  """Gemma's `layer_types`: layer i is global when (i + 1) % every == 0, else it slides (Gemma 2
+  alternates, every = 2; Gemma 3 has a global layer every 6)."""
+  return tuple(LAYER_TYPES[int((i + 1) % every != 0)] for i in range(num_layers))
+
+
 def dtype_of(name: str):
   """The jnp dtype of a config dtype name ('float32', 'bfloat16', 'float16')."""
   if name not in _DTYPES:
@@ -171,8 +177,7 @@ class TransformerConfig:
               qkv_bias=False, sliding_window=4096, attn_softcap=50.0, final_softcap=30.0,
               query_pre_attn_scalar=256.0)
     kw = {**kw, **overrides}
-    kw.setdefault('layer_types', tuple(LAYER_TYPES[(i + 1) % 2] for i in range(
-        kw.get('num_layers', cls.num_layers))))
+    kw.setdefault('layer_types', gemma_layer_types(kw.get('num_layers', cls.num_layers), 2))
     return cls(**kw)
 
   @classmethod
@@ -183,8 +188,7 @@ class TransformerConfig:
               qkv_bias=False, sliding_window=512, local_rope_theta=10000.0,
               query_pre_attn_scalar=256.0)
     kw = {**kw, **overrides}
-    kw.setdefault('layer_types', tuple(LAYER_TYPES[int((i + 1) % 6 != 0)] for i in range(
-        kw.get('num_layers', cls.num_layers))))
+    kw.setdefault('layer_types', gemma_layer_types(kw.get('num_layers', cls.num_layers), 6))
     return cls(**kw)
 
   def replace(self, **changes) -> 'TransformerConfig':

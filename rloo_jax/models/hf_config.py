@@ -4,7 +4,8 @@ implement (rope types, biases, activations, bidirectional attention)."""
 
 from __future__ import annotations
 
-from rloo_jax.models.config import LAYER_TYPES, ROPE_TYPES, TransformerConfig
+from rloo_jax.models.config import (LAYER_TYPES, ROPE_TYPES, TransformerConfig,
+                                    gemma_layer_types)
 
 # Mistral is the Llama architecture with every layer on its sliding window.
 CAUSAL_LM = {'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'llama',
@@ -139,8 +140,7 @@ def _gemma(hf: dict, arch: str, family: str, head: str, overrides: dict) -> Tran
             max_seq_len=hf.get('max_position_embeddings', 8192 if g2 else 131072),
             norm_eps=hf.get('rms_norm_eps', 1e-6),
             tie_embeddings=bool(hf.get('tie_word_embeddings', True)), qkv_bias=False, head=head,
-            **_window(hf, arch, window, tuple(LAYER_TYPES[int((i + 1) % every != 0)]
-                                              for i in range(n))),
+            **_window(hf, arch, window, gemma_layer_types(n, every)),
             attn_softcap=cap('attn_logit_softcapping', 50.0),
             final_softcap=cap('final_logit_softcapping', 30.0),
             query_pre_attn_scalar=float(hf.get('query_pre_attn_scalar', 256)),

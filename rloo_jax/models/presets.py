@@ -63,12 +63,6 @@ _GEMMA3 = dict(family='gemma3', norm_eps=1e-6, rope_theta=1000000.0, local_rope_
                tie_embeddings=True, sliding_window=512, query_pre_attn_scalar=256.0)
 
 
-def _layer_types(num_layers: int, every: int) -> tuple:
-  """Gemma's pattern: layer i is global when (i + 1) % every == 0, else it slides."""
-  return tuple('full_attention' if (i + 1) % every == 0 else 'sliding_attention'
-               for i in range(num_layers))
-
-
 def _arch(base, *, e, layers, heads, kv, ff, **kw):
   return {**base, 'hidden_size': e, 'num_layers': layers, 'num_heads': heads,
           'num_kv_heads': kv, 'head_dim': kw.pop('head_dim', base.get('head_dim', e // heads)),
@@ -119,11 +113,11 @@ PRESETS = types.MappingProxyType({
     'pythia-6.9b': _arch(_PYTHIA, e=4096, layers=32, heads=32, kv=32, ff=16384,
                          vocab_size=50432),
     'gemma-2-2b': _arch(_GEMMA2, e=2304, layers=26, heads=8, kv=4, ff=9216,
-                        layer_types=_layer_types(26, 2)),
+                        layer_types=config_lib.gemma_layer_types(26, 2)),
     'gemma-2-9b': _arch(_GEMMA2, e=3584, layers=42, heads=16, kv=8, ff=14336,
-                        layer_types=_layer_types(42, 2)),
+                        layer_types=config_lib.gemma_layer_types(42, 2)),
     'gemma-3-1b': _arch(_GEMMA3, e=1152, layers=26, heads=4, kv=1, ff=6912,
-                        layer_types=_layer_types(26, 6)),
+                        layer_types=config_lib.gemma_layer_types(26, 6)),
 })
 
 
