@@ -41,6 +41,9 @@ def main():
   p.add_argument("--set", action="append", default=[], help="section.key=value override")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--device_memory_gb", type=float, default=80.0)
+  p.add_argument("--as_compiled", action="store_true",
+                 help="XLA:CPU's programs as compiled (float32 copies of bf16 weights included), "
+                      "not as for an accelerator (rloo_jax.plan's --as_compiled)")
   args = p.parse_args()
   # Before any device is touched: the simulated device count is fixed at backend start.
   jax.config.update("jax_platforms", "cpu")
@@ -64,7 +67,8 @@ def main():
       t0 = time.perf_counter()
       exp = experiment.build_abstract(config, num_layers=depth)
       report = memory.plan(algorithms.ALGORITHMS["rloo"](exp),
-                         device_memory_gb=args.device_memory_gb)
+                           device_memory_gb=args.device_memory_gb,
+                           accelerator=not args.as_compiled)
       update = {name: v for name, v in report["programs"].items() if name.startswith("update")}
       row = dict(preset=args.preset, remat=remat, num_layers=report["num_layers"],
                  peak_gb_per_device=report["peak_gb_per_device"], fits=report["fits"],

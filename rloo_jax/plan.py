@@ -4,8 +4,10 @@ r"""Prints the memory plan of an RLOO job (a table, then one JSON line) without 
     python -m rloo_jax.plan --config=configs/arithmetic.py --config.model.preset=qwen2.5-1.5b \
         --config.model.dtype=bfloat16 --config.mesh.data=1 --config.mesh.fsdp=8 --devices=8
 
---devices=N compiles for N simulated CPU devices (the mesh of an N-chip job; CPU temporaries
-approximate an accelerator's); without it the plan is for this machine's devices.
+--devices=N compiles for N simulated CPU devices standing for an N-chip accelerator job: CPU
+temporaries approximate an accelerator's, compiled without the float32 copies of bf16 weights
+only XLA:CPU makes (`memory.programs.ACCELERATOR_OPTIONS`; --as_compiled keeps them); without
+it the plan is for this machine's devices, as they compile.
 --num_layers=L replaces the architecture's depth after the preset / checkpoint is resolved.
 Exits 0 whether or not the job fits (the JSON says); 1 on a config error.
 """
@@ -27,6 +29,9 @@ flags.mark_flags_as_required(["config"])
 _DEVICES = flags.DEFINE_integer("devices", None, "simulate this many CPU devices")
 _MEMORY = flags.DEFINE_float("device_memory_gb", 80.0, "memory per device, GiB")
 _LAYERS = flags.DEFINE_integer("num_layers", None, "override the architecture's depth")
+_AS_COMPILED = flags.DEFINE_bool(
+    "as_compiled", False, "with --devices: the programs as XLA:CPU compiles them, float32 "
+    "copies of 16-bit weights included, instead of as for an accelerator")
 
 
 def main(argv):
@@ -48,7 +53,8 @@ def main(argv):
       raise ValueError(f"config.algorithm={config.algorithm!r}: the memory plan covers the RLOO "
                        "programs only (config.algorithm='rloo')")
     exp = experiment.build_abstract(config, num_layers=_LAYERS.value)
-    report = memory.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=_MEMORY.value)
+    report = memory.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=_MEMORY.value,
+                         accelerator=bool(_DEVICES.value) and not _AS_COMPILED.value)
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("RLOO_JAX_TRACEBACK"):
       raise

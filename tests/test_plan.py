@@ -203,3 +203,43 @@ def test_fsdp_gathers_one_layer_at_a_time():
   assert r["params_gb"] == pytest.approx(whole_tree_gb / 8, rel=0.05)
   assert max(v["temp_gb"] for v in update) < 0.5 * whole_tree_gb, (update, whole_tree_gb)
   assert r["programs"]["decode"]["temp_gb"] < 0.5 * whole_tree_gb, r["programs"]["decode"]
+
+
+def test_an_accelerator_plan_has_no_float32_copy_of_the_bf16_weights():
+  """XLA:CPU computes bf16 in float32 and hoists the convert of every stacked layer weight out
+  of the layer scan: as compiled, the scoring pass holds a float32 copy of all the bf16 layers
+  (2 bytes x 2 per weight). Planned for an accelerator (what --devices gives) it holds none,
+  and what the accelerator's own loop-invariant code motion adds is measured apart (unsharded
+  here: nothing to gather, nothing hoisted)."""
+  c = small_config(**{"model.dtype": "bfloat16"})
+  with c.unlocked():
+    c.model.update(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=4, head_dim=64,
+                   intermediate_size=1024, param_dtype="bfloat16")
+    c.rloo.update(num_prompts=2, k=2)
+  algo = RLOO(experiment.build_abstract(c))
+  m = algo.exp.model_config
+  layer_params = m.num_layers * (4 * 256 * 256 + 3 * 256 * 1024)
+  as_compiled = plan.plan(algo, names=("score",))
+  accelerator = plan.plan(algo, names=("score",), accelerator=True)
+  assert as_compiled["accelerator_view"] is False and accelerator["accelerator_view"] is True
+  cpu, acc = as_compiled["programs"]["score"], accelerator["programs"]["score"]
+  assert cpu["temp_gb"] - acc["temp_gb"] >= 0.9 * 4 * layer_params / GIB, (cpu, acc)
+  assert acc["hoisted_gb"] * GIB < 0.02 * 4 * layer_params and cpu["hoisted_gb"] == 0
+  assert acc["peak_gb"] == pytest.approx(acc["temp_gb"] + acc["argument_gb"] - acc["alias_gb"]
+                                         + acc["output_gb"] + acc["resident_gb"]
+                                         + acc["hoisted_gb"])
+
+
+def test_an_fsdp_plan_counts_the_hoisted_head_gather():
+  """Sharded over fsdp, an untied head is gathered inside the decode loop that runs it at every
+  token; an accelerator compiler hoists that gather out of the loop, and the plan measures and
+  adds it: the gathered head less the shard the device holds anyway."""
+  _, r = run_plan("--config=configs/arithmetic.py:smoke", "--devices=2", "--config.mesh.data=1",
+                  "--config.mesh.fsdp=2", "--config.model.preset=pythia-160m", "--num_layers=1",
+                  "--config.rloo.num_prompts=2", "--config.rloo.k=2",
+                  "--config.train.eval_batch_size=2", "--config.sft.batch_size=2")
+  assert r["accelerator_view"] is True
+  arch = presets.get("pythia-160m", num_layers=1)
+  head = arch.vocab_size * arch.hidden_size * 4  # float32 [E, V], half of it held per device
+  decode = r["programs"]["decode"]
+  assert 0.4 * head <= decode["hoisted_gb"] * GIB <= 1.1 * head, decode

@@ -20,7 +20,7 @@ from typing import Optional
 
 import jax
 
-from rloo_jax import update
+from rloo_jax import experiment, update
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
 from rloo_jax.models import lora
@@ -68,16 +68,17 @@ def _activations_program(programs: dict) -> Optional[str]:
   return max(update, key=lambda n: programs[n].temp) if update else None
 
 
-def _update_temp_at(algo, name: str, size: int) -> int:
+def _update_temp_at(algo, name: str, size: int, accelerator: bool) -> int:
   """Update program `name`'s temporaries with config.train.microbatch_size = `size` (one more
   compile)."""
   config = algo.exp.config.copy_and_resolve_references()
   config.train.microbatch_size = size
   probe = type(algo)(dataclasses.replace(algo.exp, config=config))
-  return programs_lib.compile_programs(probe, ("update",)).programs[name].temp
+  options = programs_lib.ACCELERATOR_OPTIONS if accelerator else None
+  return programs_lib.compile_programs(probe, ("update",), options=options).programs[name].temp
 
 
-def _microbatch_advice(algo, name: str, update, need: int) -> list:
+def _microbatch_advice(algo, name: str, update, need: int, accelerator: bool) -> list:
   """Smaller microbatches: the update's activations shrink with them. Its temporaries are
   guessed proportional to the microbatch first, which is optimistic (the gathered weights and
   the gradient do not shrink), so the guess is compiled, and when it does not fit, the two
@@ -94,7 +95,7 @@ def _microbatch_advice(algo, name: str, update, need: int) -> list:
   want = update.temp - need  # the temporaries that would fit
   if valid and update.temp:
     guess = max((d for d in valid if d <= size * want / update.temp), default=min(valid))
-    at_guess = _update_temp_at(algo, name, guess)
+    at_guess = _update_temp_at(algo, name, guess, accelerator)
     slope = (update.temp - at_guess) / (size - guess)
     fixed = update.temp - slope * size
     fitting = [d for d in valid if fixed + slope * d <= want] if slope > 0 else []
@@ -155,7 +156,7 @@ def _cache_advice(exp, compiled, need: int) -> list:
                   f"{_size(cache)} for {chunk} prompts, shrinks with it)")]
 
 
-def advice(algo, compiled, limit: int) -> list[str]:
+def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
   """The settings to turn when a program's peak exceeds `limit` bytes, the largest consumer
   first, with values computed where the scaling is known."""
   exp = algo.exp
@@ -165,7 +166,7 @@ def advice(algo, compiled, limit: int) -> list[str]:
   items = []
   name = _activations_program(compiled.programs)
   if name in over:
-    items += _microbatch_advice(algo, name, compiled.programs[name], over[name])
+    items += _microbatch_advice(algo, name, compiled.programs[name], over[name], accelerator)
   items += _state_advice(exp, compiled, max(over.values()))
   sampling = [over[n] for n in ("start", "decode") if n in over]
   if sampling:
@@ -174,13 +175,45 @@ def advice(algo, compiled, limit: int) -> list[str]:
   return [text for _, text in items]
 
 
+def _with_hoists(algo, names, compiled) -> dict:
+  """`compiled`'s programs (compiled with ACCELERATOR_OPTIONS) with what an accelerator's
+  loop-invariant code motion adds to each, measured: the same programs with every float in
+  float32 (where XLA:CPU converts nothing, so the pass hoists only what it would anywhere:
+  the FSDP-gathered head out of the log-prob chunks and the decode loop, say) compiled with
+  and without the pass, the difference scaled to the bytes per float of the weights the
+  program runs (what the hoists copy)."""
+  exp = algo.exp
+  config = exp.config.copy_and_resolve_references()
+  for key in ("dtype", "param_dtype", "ref_dtype"):
+    config.model[key] = "float32"
+  twin = type(algo)(experiment.build_abstract(config, num_layers=exp.model_config.num_layers))
+  with_pass = programs_lib.compile_programs(twin, names).programs
+  without = programs_lib.compile_programs(twin, names,
+                                          options=programs_lib.ACCELERATOR_OPTIONS).programs
+  # The weights a program runs: the scoring pass the reference's; the others the policy's,
+  # which with LoRA are the base's (the reference), the adapters being a few columns.
+  policy = compiled.ref_itemsize if exp.model_config.lora_rank else compiled.params_itemsize
+  itemsize = lambda name: compiled.ref_itemsize if name == "score" else policy
+  return {n: dataclasses.replace(
+              p, hoisted=int(max(with_pass[n].temp - without[n].temp, 0) * itemsize(n) / 4))
+          for n, p in compiled.programs.items()}
+
+
 def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
-         names=programs_lib.NAMES) -> dict:
+         names=programs_lib.NAMES, accelerator: bool = False) -> dict:
   """The memory plan of `algo` (an RLOO algorithm object, built by `experiment.build` or
-  `build_abstract`): compiles its programs (`names`, default all) and returns the report."""
+  `build_abstract`): compiles its programs (`names`, default all) and returns the report.
+  accelerator=True: the (CPU) devices stand for accelerators, which compute bf16 natively
+  (`programs.ACCELERATOR_OPTIONS`); the plan of an N-chip job on simulated devices."""
   exp = algo.exp
   c, m = exp.config, exp.model_config
-  compiled = programs_lib.compile_programs(algo, names)
+  accelerator = accelerator and jax.default_backend() == "cpu"
+  if accelerator:
+    compiled = programs_lib.compile_programs(algo, names,
+                                             options=programs_lib.ACCELERATOR_OPTIONS)
+    compiled.programs = _with_hoists(algo, names, compiled)
+  else:
+    compiled = programs_lib.compile_programs(algo, names)
   limit = int(device_memory_gb * GIB)
   peak = max(p.peak for p in compiled.programs.values())
   shape = dict(num_prompts=c.rloo.num_prompts, prompt_len=c.data.max_prompt_len, k=c.rloo.k,
@@ -198,7 +231,8 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       rollout_gb={k: _gb(v) for k, v in compiled.rollout_bytes.items()},
       programs={n: dict(peak_gb=_gb(p.peak), temp_gb=_gb(p.temp), argument_gb=_gb(p.argument),
                         output_gb=_gb(p.output), alias_gb=_gb(p.alias),
-                        resident_gb=_gb(p.resident), compile_s=p.compile_s)
+                        resident_gb=_gb(p.resident), hoisted_gb=_gb(p.hoisted),
+                        compile_s=p.compile_s)
                 for n, p in compiled.programs.items()},
       **microbatch(c),
       rollout_chunk_prompts=programs_lib.chunk_prompts(c),
@@ -213,7 +247,9 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       # LoRA: params_gb / opt_state_gb are the adapters', ref_gb the frozen base (held once).
       lora=dict(rank=m.lora_rank, targets=list(m.lora_targets),
                 adapter_params=lora.num_params(m)) if m.lora_rank else None,
-      advice=advice(algo, compiled, limit))
+      # Compiled as for an accelerator on this CPU (programs.ACCELERATOR_OPTIONS).
+      accelerator_view=bool(accelerator),
+      advice=advice(algo, compiled, limit, accelerator))
   return report
 
 
@@ -242,6 +278,12 @@ def format_table(r: dict) -> str:
             f"remat recompute {f['remat_recompute']:.3e} not included)",
             f"  peak {r['peak_gb_per_device']:.4g} GiB of {r['device_memory_gb']:g}: "
             f"{'fits' if r['fits'] else 'DOES NOT FIT'}"]
+  hoisted = {n: p["hoisted_gb"] for n, p in r["programs"].items() if p.get("hoisted_gb")}
+  if r.get("accelerator_view"):
+    lines.append("  compiled as for an accelerator (no float32 copies of bf16 weights); peak "
+                 "includes the loop-invariant hoists it makes: "
+                 + (", ".join(f"{PROGRAM_LABELS[n]} {g:.4g}" for n, g in hoisted.items())
+                    or "none"))
   lines += [f"  advice: {a}" for a in r["advice"]]
   return "\n".join(lines)
 

@@ -46,10 +46,12 @@ class Measured:
   temp: int
   resident: int  # persistent state not among its arguments + the rollout arrays alive beside it
   compile_s: float
+  hoisted: int = 0  # planned for an accelerator: what its loop-invariant code motion adds
 
   @property
   def peak(self) -> int:
-    return self.resident + self.argument + self.output - self.alias + self.temp
+    return (self.resident + self.argument + self.output - self.alias + self.temp
+            + self.hoisted)
 
 
 def _with(tree, sharding):
@@ -125,9 +127,17 @@ def _sampler_static(exp) -> dict:
               batch_sharding=exp.layout.batch_sharding)
 
 
-def _compile(lowered):
+# XLA:CPU computes bfloat16 / float16 in float32, and its loop-invariant code motion then hoists
+# the convert of every stacked layer weight out of the layer scan: a float32 copy of all the
+# weights at once, 2x a bf16 base, which an accelerator (native bf16) never makes. Planned for
+# an accelerator, the programs compile with that pass off (`memory.plan`, which measures the
+# hoists an accelerator does make apart). docs/SCALE.md, "The 70B figure".
+ACCELERATOR_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def _compile_with(lowered, options=None):
   t0 = time.perf_counter()
-  compiled = lowered().compile()
+  compiled = lowered().compile(compiler_options=options)
   return compiled, time.perf_counter() - t0
 
 
@@ -150,12 +160,15 @@ class Compiled:
   rollout_bytes: dict  # sample_output / rows / scores -> bytes per device
   sampling_state: Any
   ref_itemsize: int  # bytes per element of the reference's floating weights (the widest)
+  params_itemsize: int = 4  # the same of the trained params
 
 
-def compile_programs(algo, names=NAMES) -> Compiled:
+def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   """Compiles the RLOO programs `names` (a subset of NAMES; the decode loop needs the start
-  compiled too) of `algo` (an `algorithms.rloo.RLOO`) on abstract inputs."""
+  compiled too) of `algo` (an `algorithms.rloo.RLOO`) on abstract inputs, with XLA
+  `options` (compiler_options: e.g. ACCELERATOR_OPTIONS)."""
   exp = algo.exp
+  _compile = functools.partial(_compile_with, options=options)
   c = exp.config
   x = inputs(exp)
   state = x.state
@@ -214,10 +227,10 @@ def compile_programs(algo, names=NAMES) -> Compiled:
       args = _UPDATE_STATE_ARGS[name] + (("ref_params",) if state.lora else ())
       held = persistent - sum(parts[p] for p in set(args))
       found[name] = _measure(name, compiled, s, held + beside)
-  ref_itemsize = max((x.dtype.itemsize for x in jax.tree.leaves(state.ref_params)
-                      if jnp.issubdtype(x.dtype, jnp.floating)), default=0)
+  itemsize = lambda tree: max((x.dtype.itemsize for x in jax.tree.leaves(tree)
+                               if jnp.issubdtype(x.dtype, jnp.floating)), default=0)
   order = sorted((n for n in found if n.split("_")[0] in names),
                  key=lambda n: NAMES.index(n.split("_")[0]))  # stable: gradients, then apply
   return Compiled({n: found[n] for n in order}, parts, kv_cache,
                   dict(sample_output=sample_output, rows=rows_bytes, scores=scores), samp,
-                  ref_itemsize)
+                  itemsize(state.ref_params), itemsize(state.params))
