@@ -84,6 +84,9 @@ def base_config() -> ml_collections.ConfigDict:
       min_digits=1, max_digits=2, num_train=4500, num_test=256, data_seed=0,
       jsonl_train="", jsonl_test="",  # task=jsonl: prompts with optional answers
       max_prompt_len=16, overlong="drop",
+      # task=tldr / hh / gsm8k: a directory holding the public files under their source names
+      # (offline), or '' to download them.
+      source_dir="",
       # '' (prompts as they are) | 'auto' (the tokenizer's own) | a .jinja path: each prompt is
       # rendered as one user turn with add_generation_prompt=True (rloo_jax.data.chat).
       chat_template=""))
@@ -188,3 +191,27 @@ def model_fingerprint(config) -> dict:
   if not out.get("preset"):
     out.pop("preset", None)
   return out
+
+
+# The tiny random checkpoints and source-format files the `:smoke` variants of the paper's
+# configs run on (the test suite runs each end to end on CPU).
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+                        "fixtures")
+
+
+def set_model(c: ml_collections.ConfigDict, model: str) -> None:
+  """`model=` of the paper's configs: a preset name (rloo_jax.models.presets: the architecture
+  alone, for `rloo_jax.plan`; training it asks for init_from) or a Hugging Face checkpoint (a
+  local directory or hub id) for config.model.init_from."""
+  from rloo_jax.models import presets  # pylint: disable=import-outside-toplevel
+  if model in presets.PRESETS:
+    c.model.preset, c.model.init_from = model, ""
+  else:
+    c.model.preset, c.model.init_from = "", model
+
+
+def reward_model_spec(path: str, **options) -> str:
+  """The `hf_reward_model:` reward spec (rloo_jax.rewards.registry) of a sequence-classification
+  checkpoint; '' leaves the path for --config.rewards.fns to give (the spec then says so)."""
+  query = "&".join(f"{k}={v}" for k, v in options.items())
+  return f"hf_reward_model:{path}" + (f"?{query}" if query else "")

@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from rloo_jax.data import arithmetic, chat, jsonl, summarize
-from rloo_jax.data.builder import load_split
+from rloo_jax.data import arithmetic, chat, gsm8k, hh, jsonl, summarize, tldr
+from rloo_jax.data.builder import load_split, stats
 from rloo_jax.data.tokenizer import ByteTokenizer
 
 
@@ -101,10 +101,107 @@ def _summarize(config, data_dir: str) -> Task:
   return Task("summarize", summarize.make_tokenizer(), train, test, demonstrations=train)
 
 
+def _checkpoint_tokenizer(config, task: str):
+  """The tokenizer of config.model.init_from, which the paper's tasks need: their policies are
+  Hugging Face checkpoints (an SFT model), and their prompt filters count its tokens."""
+  if not config.model.init_from:
+    raise ValueError(f"task={task} runs a Hugging Face policy: set config.model.init_from to its "
+                     "local checkpoint directory or hub id (the SFT model to start from)")
+  from rloo_jax.models import hf  # pylint: disable=import-outside-toplevel
+  return hf.load_tokenizer(config.model.init_from)
+
+
+def _log_drops(name: str, builder) -> dict:
+  """Prints (and returns) how many rows each split lost to the prompt-length filter and the
+  format checks, as the paper reports its 448 / 348-token cuts."""
+  counts = stats(builder)
+  for split, c in sorted(counts.items()):
+    dropped = ", ".join(f"{k[len('dropped_'):]} {v}" for k, v in sorted(c.items())
+                        if k.startswith("dropped_") and v)
+    print(f"[data] {name} {split}: kept {c.get('kept', '?')}"
+          + (f"; dropped: {dropped}" if dropped else ""), flush=True)
+  return counts
+
+
+def _source_dir(config) -> Optional[str]:
+  # '' downloads the public files (on a machine with network); a directory reads them offline.
+  return config.data.get("source_dir", "") or None
+
+
+def _tldr(config, data_dir: str) -> Task:
+  """Reddit TL;DR prompts in the paper's format; the references (`answer`) are the dataset's
+  summaries, which SFT imitates and the win rate is judged against. Prompts over
+  config.data.max_prompt_len tokens (paper: 448) are dropped and counted."""
+  tokenizer = _checkpoint_tokenizer(config, "tldr")
+  d = config.data
+  builder = tldr.prepare_prompts(data_dir, tokenizer=tokenizer,
+                                 max_prompt_tokens=int(d.max_prompt_len),
+                                 source_dir=_source_dir(config))
+  _log_drops("tldr", builder)
+  train = load_split(builder, "train")
+  return Task("tldr", tokenizer, train, load_split(builder, d.get("eval_split", "test") or "test"),
+              demonstrations=train)
+
+
+def _hh(config, data_dir: str) -> Task:
+  """Anthropic HH: the conversation up to its last Assistant turn is the prompt; the chosen
+  response is the demonstration and the win-rate reference (`answer`). Prompts over
+  config.data.max_prompt_len tokens (paper: 348) are dropped and counted."""
+  tokenizer = _checkpoint_tokenizer(config, "hh")
+  d = config.data
+  options = dict(tokenizer=tokenizer, max_prompt_tokens=int(d.max_prompt_len),
+                 source_dir=_source_dir(config))
+  if d.get("hh_subsets", ""):
+    options["subsets"] = [s.strip() for s in d.hh_subsets.split(",") if s.strip()]
+  builder = hh.prepare(data_dir, **options)
+  _log_drops("hh", builder)
+  with_answer = lambda source: _Renamed(source, answer="chosen")
+  train = with_answer(load_split(builder, "train"))
+  return Task("hh", tokenizer, train, with_answer(load_split(builder, "test")),
+              demonstrations=train)
+
+
+def _gsm8k(config, data_dir: str) -> Task:
+  """GSM8K: questions in `data.gsm8k_template` (default: the builder's plain frame), the final
+  number as `answer` (what `rewards.verifiers:gsm8k` checks); SFT imitates the worked solutions."""
+  tokenizer = _checkpoint_tokenizer(config, "gsm8k")
+  options = dict(source_dir=_source_dir(config))
+  if config.data.get("gsm8k_template", ""):
+    options["prompt_template"] = config.data.gsm8k_template
+  builder = gsm8k.prepare(data_dir, **options)
+  train = load_split(builder, "train")
+  demos = _Renamed(train, answer="solution")
+  return Task("gsm8k", tokenizer, train, load_split(builder, "test"), demonstrations=demos,
+              stop=config.data.get("stop", "") or None)
+
+
+class _Renamed:
+  """A random-access source whose records gain fields copied from others (`answer='chosen'`):
+  HH's chosen response as the reference answer, GSM8K's solution as the SFT target."""
+
+  def __init__(self, source, **copies):
+    self.source, self.copies = source, copies
+
+  def __len__(self):
+    return len(self.source)
+
+  def __getitem__(self, i):
+    record = dict(self.source[i])
+    for new, old in self.copies.items():
+      record[new] = record[old]
+    return record
+
+  def __getitems__(self, indices):
+    return [self[i] for i in indices]
+
+
 _TASKS: dict[str, Callable[[Any, str], Task]] = {
     "arithmetic": _arithmetic,
     "jsonl": _jsonl,
     "summarize": _summarize,
+    "tldr": _tldr,
+    "hh": _hh,
+    "gsm8k": _gsm8k,
 }
 
 
@@ -114,6 +211,8 @@ _TOKENIZERS: dict[str, Callable[[Any], Any]] = {
     "summarize": lambda config: summarize.make_tokenizer(),
     # With init_from the checkpoint's config.json sizes the model; its tokenizer is not needed.
     "jsonl": lambda config: None if config.model.init_from else ByteTokenizer(),
+    # The paper's tasks run checkpoints: config.json (or the preset) sizes the model.
+    "tldr": lambda config: None, "hh": lambda config: None, "gsm8k": lambda config: None,
 }
 
 

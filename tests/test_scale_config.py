@@ -26,8 +26,8 @@ PUBLISHED = {
     "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1.72e9, "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9,
     # The Gemma checkpoints' exact counts (tied embeddings, sandwich norms).
     "gemma-2-2b": 2_614_341_888, "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952,
-    # Llama-3.1-70B's hub page: 70.6B.
-    "llama-3-70b": 70.6e9,
+    # Llama-3.1-70B's hub page: 70.6B. Llama-2-7B's exact count (6,738,415,616).
+    "llama-3-70b": 70.6e9, "llama-2-7b": 6_738_415_616,
 }
 
 

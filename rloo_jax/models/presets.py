@@ -86,6 +86,11 @@ PRESETS = types.MappingProxyType({
     # meta-llama/Meta-Llama-3-8B and Llama-3.2-{1B,3B} (the 3.2 models tie their embeddings).
     'llama-3-8b': _arch(_LLAMA3, e=4096, layers=32, heads=32, kv=8, ff=14336,
                         max_seq_len=8192, tie_embeddings=False),
+    # huggyllama/llama-7b and meta-llama/Llama-2-7b-hf (the same shapes; Llama 2 has 4096
+    # context): the paper's HH "Llama-7B", 6,738,415,616 parameters.
+    'llama-2-7b': _arch(dict(family='llama', norm_eps=1e-5, rope_theta=10000.0, qkv_bias=False,
+                             vocab_size=32000), e=4096, layers=32, heads=32, kv=32, ff=11008,
+                        max_seq_len=4096, tie_embeddings=False),
     # The shapes of Llama-3.1-70B / Llama-3.3-70B (llama3 rope, factor 8, 128k context).
     'llama-3-70b': _arch(_LLAMA3, e=8192, layers=80, heads=64, kv=8, ff=28672,
                          max_seq_len=131072, tie_embeddings=False, rope_type='llama3',
