@@ -40,7 +40,8 @@ def get_config(arg=None):
   c.model.update(dtype="bfloat16", remat="full")
   c.model.lora.rank = arg.lora
   c.sft.steps = 0  # the policy starts from the SFT checkpoint of init_from
-  c.data.update(max_prompt_len=448, chat_template="")
+  # comparison_batches: the human comparisons DPO trains on with dpo.pairs='dataset' ('' = all).
+  c.data.update(max_prompt_len=448, chat_template="", comparison_batches="")
   c.rloo.update(k=arg.k, num_prompts=ROLLOUT_COMPLETIONS // arg.k, max_new_tokens=53,
                 temperature=1.0, trim_bucket=16)
   c.kl.update(beta=0.03, estimator="k1", reduction="sum")
@@ -62,7 +63,8 @@ def get_config(arg=None):
                                        tokenizer=os.path.join(FIXTURES, "hf", "gpt_neox"),
                                        batch_size=4)]
     c.model.dtype = "float32"
-    c.data.update(source_dir=os.path.join(FIXTURES, "tldr"), max_prompt_len=52)
+    c.data.update(source_dir=os.path.join(FIXTURES, "tldr"), max_prompt_len=52,
+                  comparison_batches="batch3")
     c.rloo.update(num_prompts=4, max_new_tokens=8, trim_bucket=8)
     c.optim.update(learning_rate=1e-4, warmup_steps=1)
     c.train.update(num_iterations=2, num_minibatches=2, microbatch_size=0, eval_every=1,

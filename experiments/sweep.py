@@ -13,6 +13,8 @@ vanilla included), 'ppo' (`rloo_jax.algorithms.ppo`) or 'dpo' (`rloo_jax.algorit
     python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/table1_arithmetic \
         --seeds=0 --only=rloo_k4,ppo --sft_from=/tmp/rloo_arith
     python experiments/sweep.py --sweep=configs/sweeps/ablations_arithmetic.py --root=runs/ablations --dry_run
+    python experiments/sweep.py --sweep=configs/sweeps/table1_tldr.py --root=runs/table1_tldr_1b \
+        --config_arg=model=/ckpt/pythia-1b-tldr-sft,rm=/ckpt/pythia-1b-tldr-rm
 
 Layout: <root>/<name>/seed<s>/ holds the run's metrics.jsonl, summary.json and run.json (name,
 overrides, seed, wall time, command). A run with a summary.json is finished and skipped, so a
@@ -93,8 +95,8 @@ def prepare_shared(base, root: str, sft_from: str, log):
   """The sweep's one SFT policy (and prepared data) in <root>/_shared."""
   from rloo_jax import sft
   shared = os.path.join(root, "_shared")
-  if sft.is_cached(base, shared):
-    return shared
+  if base.model.get("init_from", "") or sft.is_cached(base, shared):
+    return shared  # a checkpoint policy (the paper's configs) has no SFT stage to share
   os.makedirs(shared, exist_ok=True)
   if sft_from:
     src = os.path.join(sft_from, "sft", base.sft.cache_key, str(base.sft.steps))
@@ -118,6 +120,10 @@ def main(argv=None):
   parser.add_argument("--seeds", default="", help="comma-separated; default: the sweep's SEEDS")
   parser.add_argument("--only", default="", help="comma-separated run names")
   parser.add_argument("--sft_from", default="", help="workdir whose sft/ to share")
+  parser.add_argument("--config_arg", default=None,
+                      help="replaces the argument of the sweep's CONFIG (path:arg), e.g. "
+                           "model=/ckpt/pythia-1b-sft,rm=/ckpt/pythia-1b-rm: the same rows at "
+                           "any model size")
   parser.add_argument("--dry_run", action="store_true", help="validate and list, train nothing")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args(argv)
@@ -130,7 +136,10 @@ def main(argv=None):
     if unknown:
       raise ValueError(f"--only names {sorted(unknown)} are not in {args.sweep}")
     runs = [r for r in runs if r["name"] in wanted]
-  base = apply_overrides(load_config(module.CONFIG), getattr(module, "COMMON", {}))
+  spec = module.CONFIG
+  if args.config_arg is not None:
+    spec = f"{spec.partition(':')[0]}:{args.config_arg}"
+  base = apply_overrides(load_config(spec), getattr(module, "COMMON", {}))
   # One SFT policy for every method and seed of the sweep (seeds vary the RL stage only).
   base.sft.cache_key = base.sft.cache_key or "sweep"
   log = (lambda *a, **k: None) if args.quiet else print

@@ -27,6 +27,9 @@ class Task:
   # Demonstrations for the SFT stage: a random-access source with 'prompt' and 'answer' fields.
   demonstrations: Optional[Any] = None
   stop: Optional[str] = None  # text after which a completion is cut before scoring
+  # The task's own preference data (records with prompt, chosen, rejected), built on first call:
+  # what DPO trains on with config.dpo.pairs='dataset' (the paper's DPO row). None: no such data.
+  preferences: Optional[Callable[[], Any]] = None
 
 
 def drop_carries(a: int, b: int) -> str:
@@ -139,8 +142,19 @@ def _tldr(config, data_dir: str) -> Task:
                                  source_dir=_source_dir(config))
   _log_drops("tldr", builder)
   train = load_split(builder, "train")
+
+  def comparisons():
+    # The human comparisons (Stiennon et al.), prepared only when DPO asks for them.
+    options = dict(tokenizer=tokenizer, max_prompt_tokens=int(d.max_prompt_len),
+                   source_dir=_source_dir(config))
+    if d.get("comparison_batches", ""):
+      options["batches"] = [b.strip() for b in d.comparison_batches.split(",") if b.strip()]
+    pairs = tldr.prepare_comparisons(data_dir, **options)
+    _log_drops("tldr_comparisons", pairs)
+    return load_split(pairs, "train")
+
   return Task("tldr", tokenizer, train, load_split(builder, d.get("eval_split", "test") or "test"),
-              demonstrations=train)
+              demonstrations=train, preferences=comparisons)
 
 
 def _hh(config, data_dir: str) -> Task:
@@ -158,7 +172,7 @@ def _hh(config, data_dir: str) -> Task:
   with_answer = lambda source: _Renamed(source, answer="chosen")
   train = with_answer(load_split(builder, "train"))
   return Task("hh", tokenizer, train, with_answer(load_split(builder, "test")),
-              demonstrations=train)
+              demonstrations=train, preferences=lambda: train)
 
 
 def _gsm8k(config, data_dir: str) -> Task:

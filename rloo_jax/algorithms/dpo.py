@@ -11,6 +11,8 @@ Where the pairs come from (`config.dpo.pairs`):
   `config.rlhf` (configs/summarize.py). The paper's setting: DPO sees the RM's preferences.
 - 'reward': `samples_per_prompt` SFT samples per training prompt scored by `config.rewards` (the
   verifier on arithmetic): the best sample is chosen, the worst rejected, ties dropped.
+- 'dataset': the task's own human preference data (`Task.preferences`: TL;DR's comparisons, HH's
+  chosen / rejected dialogues), up to `num_pair_prompts` pairs: the paper's DPO row.
 
 An iteration of the outer loop is one DPO step on `config.dpo.batch_size` pairs.
 """
@@ -40,7 +42,7 @@ DPO_DEFAULTS = dict(
     steps=200,
     batch_size=32,
     learning_rate=0.0,  # 0 = config.optim.learning_rate
-    pairs="reward",  # 'reward' | 'rlhf'
+    pairs="reward",  # 'reward' | 'rlhf' | 'dataset'
     num_pair_prompts=2048,
     samples_per_prompt=4,
     sample_temperature=1.0,
@@ -58,8 +60,8 @@ def validate(config) -> None:
   d = config.dpo
   if d.beta <= 0:
     raise ValueError(f"config.dpo.beta = {d.beta} must be > 0")
-  if d.pairs not in ("reward", "rlhf"):
-    raise ValueError(f"config.dpo.pairs = {d.pairs!r}; choose 'reward' or 'rlhf'")
+  if d.pairs not in ("reward", "rlhf", "dataset"):
+    raise ValueError(f"config.dpo.pairs = {d.pairs!r}; choose 'reward', 'rlhf' or 'dataset'")
   if d.pairs == "rlhf" and "rlhf" not in config:
     raise ValueError("config.dpo.pairs = 'rlhf' needs a config.rlhf section (configs/summarize.py)")
   if d.samples_per_prompt < 2:
@@ -162,6 +164,8 @@ def build_pairs(config, exp, sft_params, workdir: str, *, log=print) -> list[dic
   if d.pairs == "rlhf":
     pairs, _ = preference_pairs.build_pairs(config, exp, sft_params, workdir, log=log)
     return list(pairs["train"])
+  if d.pairs == "dataset":
+    return dataset_pairs(config, exp)
   path = os.path.join(workdir, "dpo_pairs.json")
   if os.path.exists(path):
     with open(path) as f:
@@ -180,6 +184,21 @@ def build_pairs(config, exp, sft_params, workdir: str, *, log=print) -> list[dic
   preference_pairs.json_dump(dict(counts=counts, pairs=pairs), path)
   log(f"[dpo] {len(pairs)} pairs from {n} prompts ({counts['no_preference']} without a preference)")
   return pairs
+
+
+def dataset_pairs(config, exp) -> list[dict]:
+  """config.dpo.num_pair_prompts pairs of the task's preference data, a seeded random subset."""
+  if exp.task.preferences is None:
+    raise ValueError(f"config.dpo.pairs='dataset': task {exp.task.name!r} has no preference "
+                     "data (tldr and hh have); use dpo.pairs='reward' or 'rlhf'")
+  source = exp.task.preferences()
+  n = min(int(config.dpo.num_pair_prompts), len(source))
+  if n < 2:
+    raise ValueError(f"config.dpo.pairs='dataset': {len(source)} preference pairs in the task's "
+                     "data; DPO needs at least 2")
+  idx = np.random.default_rng(config.seed).permutation(len(source))[:n]
+  rows = [source[int(i)] for i in idx]
+  return [dict(prompt=r["prompt"], chosen=r["chosen"], rejected=r["rejected"]) for r in rows]
 
 
 def reference_logprobs(fns, ref_params, rows: dict, batch_size: int, chunk_size: int
