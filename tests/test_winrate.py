@@ -110,6 +110,7 @@ def test_unjudged_overlong_and_missing_references_are_left_out_and_counted():
     ("nonsense", r"judge 'nonsense': expected 'package.module:function'.*'reward:<reward spec>'"),
     ("reward:", r"no reward function after 'reward:'"),
     ("reward_model:/tmp/rm", r"use 'reward:reward_model:/tmp/rm'"),
+    ("reward:reward_model:/tmp/rm?bad=1", r"unknown or valueless option 'bad=1'"),
     ("no_such_module_q:judge", r"module 'no_such_module_q' not found"),
     ("reward:no_such_module_q:f", r"judge 'reward:no_such_module_q:f'.*not found"),
     ("test_winrate:missing", r"has no attribute 'missing'"),
