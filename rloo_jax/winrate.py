@@ -105,8 +105,11 @@ def choose_step(rewards: Mapping[int, float], kept: Sequence[int], step: Step = 
     raise FileNotFoundError("the workdir holds no checkpoint")
   step = parse_step(step)
   trained = {int(s): float(r) for s, r in rewards.items() if int(s) > 0}
-  # Highest reward first, then the earliest step: the least-trained policy reaching it.
-  rank = lambda pool: max(pool, key=lambda s: (pool[s], -s))  # noqa: E731
+
+  def rank(pool):
+    # Highest reward first, then the earliest step: the least-trained policy reaching it.
+    return max(pool, key=lambda s: (pool[s], -s))
+
   best = rank(trained) if trained else None
   record = dict(rule=str(step), best_logged_step=best,
                 best_logged_reward=trained[best] if trained else None, note="")
@@ -176,6 +179,8 @@ def evaluate(workdir: str, judge, *, reference_field: str = "answer",
   if not os.path.isfile(os.path.join(workdir, "run_config.json")):
     raise FileNotFoundError(f"--workdir={workdir} has no run_config.json; point it at a training "
                             "run's directory (the --workdir given to rloo_jax.train)")
+  if num_prompts is not None and int(num_prompts) < 1:
+    raise ValueError(f"--num_prompts={num_prompts}: judge at least one held-out prompt")
   judge_fn = judges.resolve_judge(judge)
   step = parse_step(step)
   rewards = logged_rewards(workdir) if step == "best" or os.path.isfile(

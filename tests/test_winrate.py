@@ -270,5 +270,7 @@ def test_evaluate_from_python_with_a_custom_judge(trained, capsys):
   out = capsys.readouterr().out
   line = json.loads(out.strip().splitlines()[-1])
   assert line["step"] == 3 and line["n"] + line["n_unjudged"] == 4 and "per_prompt" not in line
+  with pytest.raises(ValueError, match="at least one held-out prompt"):
+    winrate.evaluate(trained, prefers_shorter, num_prompts=0)
   assert winrate.main(["winrate", f"--workdir={trained}"]) == 2
   assert "--judge required" in capsys.readouterr().err
