@@ -51,11 +51,13 @@ class Evaluator:
     self._reference: dict = {}
 
   @classmethod
-  def from_config(cls, exp, source=None, rewards=None) -> "Evaluator":
-    """config.train.eval_prompts prompts of the task's test split, eval_batch_size a batch."""
+  def from_config(cls, exp, source=None, rewards=None,
+                  num_prompts: Optional[int] = None) -> "Evaluator":
+    """config.train.eval_prompts prompts (or `num_prompts`) of the task's test split,
+    eval_batch_size a batch."""
     c = exp.config
     source = exp.task.test if source is None else source
-    n = min(c.train.eval_prompts, len(source))
+    n = min(c.train.eval_prompts if num_prompts is None else int(num_prompts), len(source))
     return cls(exp, [source[i] for i in range(n)], batch_size=c.train.eval_batch_size,
                rng=jax.random.PRNGKey(c.seed + 1), rewards=rewards)
 
@@ -99,6 +101,14 @@ class Evaluator:
         per_fn.setdefault(name, []).append(np.asarray(v).reshape(-1, k)[valid].reshape(-1))
     return (texts, np.concatenate(scores), np.concatenate(lengths),
             {name: np.concatenate(chunks) for name, chunks in per_fn.items()})
+
+  def greedy_completions(self, params) -> list[Optional[str]]:
+    """Each record's greedy completion, unscored (None where its prompt is over
+    config.data.max_prompt_len and left out): the texts `greedy_reward` scores, same batches,
+    for judges that compare them with other texts (rloo_jax.winrate). One process."""
+    texts = rollout.sample_records(self.exp, params, self.records, self.rng, k=1,
+                                   method=sampling.Greedy(), batch_size=self.batch_size)
+    return [t[0] if t else None for t in texts]
 
   def _reference_scores(self, ref_params, name: str, method) -> np.ndarray:
     fp = self.exp.layout.gather(_fingerprint(ref_params))
