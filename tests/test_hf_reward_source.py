@@ -212,8 +212,14 @@ def test_reward_model_directory_exports_to_the_same_scores(tmp_path):
                          std=2.0, clip=3.0, stats_samples=10)
   rm_dir, out = str(tmp_path / 'rm'), str(tmp_path / 'rm_hf')
   rm.save(rm_dir)
-  paths = hf_reward.export_reward_model(rm_dir, out, dtype='float32')
-  assert os.path.join(out, 'tokenizer.json') in paths
+  cli = [sys.executable, '-m', 'rloo_jax.export', f'--out={out}']
+  proc = subprocess.run(cli + [f'--reward_model={rm_dir}', '--dtype=float32'], env=_env(),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert os.path.join(out, 'tokenizer.json') in proc.stdout.split()
+  both = subprocess.run(cli + [f'--reward_model={rm_dir}', f'--workdir={rm_dir}'], env=_env(),
+                        capture_output=True, text=True, timeout=300)
+  assert both.returncode != 0 and 'exactly one of --workdir' in both.stderr
   with open(os.path.join(out, 'config.json')) as f:
     saved = json.load(f)[hf_reward.EXTRA_KEY]
   assert saved['format'] == 'sft' and saved['seq_len'] == 32 and saved['whiten']
@@ -241,13 +247,16 @@ def test_reward_model_directory_exports_to_the_same_scores(tmp_path):
 # 4 simulated devices, in a subprocess (XLA_FLAGS must be set before jax starts)
 
 
+def _env(**extra):
+  # This checkout first (the package is installed editable from another one), and tests/.
+  return dict(os.environ, JAX_PLATFORMS='cpu', **extra, PYTHONPATH=os.pathsep.join(
+      [os.path.dirname(TESTS), TESTS] + [p for p in [os.environ.get('PYTHONPATH', '')] if p]))
+
+
 def test_weights_are_sharded_and_scores_match_one_device(tmp_path):
   result = str(tmp_path / 'result.json')
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=(os.environ.get('XLA_FLAGS', '') +
-                        ' --xla_force_host_platform_device_count=4').strip(),
-             PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS), TESTS] + [
-                 p for p in [os.environ.get('PYTHONPATH', '')] if p]))
+  env = _env(XLA_FLAGS=(os.environ.get('XLA_FLAGS', '') +
+                        ' --xla_force_host_platform_device_count=4').strip())
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), result], env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-5000:]

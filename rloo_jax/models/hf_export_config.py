@@ -4,6 +4,8 @@ family is written as, what those classes cannot express (refused by `check_expor
 
 from __future__ import annotations
 
+from absl import logging
+
 from rloo_jax.models.config import TransformerConfig
 
 # One class per family; a llama with a sliding window is written as Mistral (`architecture`).
@@ -37,9 +39,6 @@ def architecture(c: TransformerConfig) -> str:
 
 def check_exportable(c: TransformerConfig) -> None:
   """Raises ValueError naming what the Hugging Face class of `c.family` cannot express."""
-  if c.head not in ('lm', 'scalar'):
-    raise ValueError(f"head={c.head!r} has no export mapping: causal LMs (head='lm') and reward "
-                     "models (head='scalar', as *ForSequenceClassification) are exported")
   if c.family not in ARCHITECTURES:
     raise ValueError(f'family {c.family!r} has no export mapping; supported: '
                      f'{", ".join(ARCHITECTURES)}')
@@ -140,6 +139,11 @@ def hf_config(c: TransformerConfig, *, dtype: str = 'bfloat16', bos_id=None, eos
       raise ValueError("a reward model (head='scalar') is exported as *ForSequenceClassification, "
                        "which needs a pad_token_id to find each row's last token: pass "
                        "tokenizer_dir= (its pad id) or pad_id=")
+    if pad_id == eos_id:
+      # transformers pools at the last token that is not the pad id: a row ending in eos is
+      # scored one token early there (hf_reward_model: reads the layout and is not affected).
+      logging.warning('pad_token_id == eos_token_id (%s): transformers scores a row ending in '
+                      'eos at the token before it', pad_id)
     # One score per sequence: what transformers' regression head with num_labels=1 reads.
     out.update(num_labels=1, id2label={'0': 'LABEL_0'}, label2id={'LABEL_0': 0})
   if c.family == 'gpt2':
