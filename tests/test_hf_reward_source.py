@@ -133,6 +133,8 @@ def test_wrong_checkpoints_say_what_to_pass():
     registry.resolve(f'hf_reward_model:{os.path.join(FIXTURES, "hf", "llama")}')
   with pytest.raises(FileNotFoundError, match='hf_reward_model=.*is not a directory'):
     registry.resolve('hf_reward_model:/no/such/dir')
+  with pytest.raises(ValueError, match="expected 'hf_reward_model:<directory or hub id>'"):
+    registry.resolve('hf_reward_model:?dtype=float32')
 
 
 def test_reward_set_names_it_and_puts_it_on_the_layout():
@@ -147,6 +149,24 @@ def test_reward_set_names_it_and_puts_it_on_the_layout():
   assert rs.names == ['hf_reward_model'] and rs.fns[0].layout is layout
   total, parts = rs(PROMPTS, COMPLETIONS, {})
   np.testing.assert_allclose(total, parts['hf_reward_model'])
+
+
+def test_the_experiment_loads_it_on_its_mesh():
+  """algorithms.validate (and experiment.build, with the same layout) resolve config.rewards on
+  config.mesh's layout: the model validate loads is the one build gets from the cache."""
+  from conftest import load_config
+  from rloo_jax import algorithms, sharding
+  from rloo_jax.rewards import registry
+
+  config = load_config()
+  config.rewards.fns = (spec('qwen2', dtype='float32'),)
+  config.rewards.weights = (1.0,)
+  before = set(registry._scorers)
+  algorithms.validate(config)
+  (key,) = set(registry._scorers) - before
+  layout = sharding.make_layout(config.mesh)
+  assert key[-1] == layout and registry.resolve(config.rewards.fns[0], layout) is (
+      registry._scorers[key])
 
 
 @pytest.mark.parametrize('family', ALL_FAMILIES)

@@ -69,7 +69,8 @@ def default_layout() -> sharding.Layout:
 
 class HFRewardModel:
   """`fn(prompts, completions, **fields) -> float32 [N]`: a sequence-classification checkpoint's
-  score of each prompt + completion, NaN where a row has no text or more than `max_len` tokens."""
+  score of each prompt + completion, NaN where a row has more than `max_len` tokens or (format
+  'hf') no text at all."""
 
   def __init__(self, config: transformer.TransformerConfig, params, tokenizer,
                layout: sharding.Layout, *, batch_size: int, max_len: int, format: str = "hf",

@@ -26,11 +26,11 @@ _RM_OPTIONS = {"whiten": bool, "clip": float, "batch_size": int}
 _scorers: dict = {}
 
 
-def _parse_spec(spec: str, prefix: str, kinds: dict):
+def _parse_spec(spec: str, prefix: str, kinds: dict, what: str):
   """(path, {option: typed value}) of '<prefix><path>?name=value&...'; errors name the option."""
   path, _, query = spec[len(prefix):].partition("?")
   if not path:
-    raise ValueError(f"reward function {spec!r}: expected '{prefix}<path>'")
+    raise ValueError(f"reward function {spec!r}: expected '{prefix}<{what}>'")
   options = {}
   for item in filter(None, query.split("&")):
     name, eq, value = item.partition("=")
@@ -50,7 +50,7 @@ def _parse_spec(spec: str, prefix: str, kinds: dict):
 
 
 def _parse_reward_model_spec(spec: str):
-  path, options = _parse_spec(spec, REWARD_MODEL_PREFIX, _RM_OPTIONS)
+  path, options = _parse_spec(spec, REWARD_MODEL_PREFIX, _RM_OPTIONS, "directory")
   return os.path.abspath(path), options
 
 
@@ -75,7 +75,8 @@ def load_hf_reward_model(spec: str, layout=None):
   """The scorer of a 'hf_reward_model:<dir or hub id>[?options]' spec on `layout` (the
   experiment's; None: `hf_reward.default_layout()`), loaded once per (checkpoint state, options,
   layout): a config is validated and then built, and an 8B model should be read once."""
-  path, options = _parse_spec(spec, HF_REWARD_MODEL_PREFIX, hf_reward.OPTIONS)
+  path, options = _parse_spec(spec, HF_REWARD_MODEL_PREFIX, hf_reward.OPTIONS,
+                              "directory or hub id")
   layout = layout or hf_reward.default_layout()
   config_json = os.path.join(path, "config.json")
   stamp = os.stat(config_json).st_mtime_ns if os.path.isfile(config_json) else None
