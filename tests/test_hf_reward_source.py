@@ -124,8 +124,15 @@ def test_bad_options_name_themselves(query, message):
     registry.resolve(f'hf_reward_model:{path}?tokenizer={tok}&{query}')
 
 
-def test_wrong_checkpoints_say_what_to_pass():
+def test_wrong_checkpoints_say_what_to_pass(tmp_path):
+  from tokenizers import Tokenizer, models
   from rloo_jax.rewards import registry
+
+  big = Tokenizer(models.WordLevel({f'w{i}': i for i in range(200)}, unk_token='w0'))
+  big.save(str(tmp_path / 'tokenizer.json'))
+  with pytest.raises(ValueError, match="its 200 tokens exceed the model's vocab_size=128"):
+    registry.resolve(f'hf_reward_model:{os.path.join(FIXTURES, "hf_rm", "llama")}'
+                     f'?tokenizer={tmp_path}')
 
   with pytest.raises(ValueError, match='pass \\?tokenizer=<directory or hub id>'):
     registry.resolve(f'hf_reward_model:{os.path.join(FIXTURES, "hf_rm", "qwen2")}')
@@ -133,6 +140,8 @@ def test_wrong_checkpoints_say_what_to_pass():
     registry.resolve(f'hf_reward_model:{os.path.join(FIXTURES, "hf", "llama")}')
   with pytest.raises(FileNotFoundError, match='hf_reward_model=.*is not a directory'):
     registry.resolve('hf_reward_model:/no/such/dir')
+  with pytest.raises(FileNotFoundError, match="hf_reward_model option tokenizer='/no/tok'"):
+    registry.resolve(f'hf_reward_model:{os.path.join(FIXTURES, "hf_rm", "qwen2")}?tokenizer=/no/tok')
   with pytest.raises(ValueError, match="expected 'hf_reward_model:<directory or hub id>'"):
     registry.resolve('hf_reward_model:?dtype=float32')
 
@@ -159,7 +168,7 @@ def test_the_experiment_loads_it_on_its_mesh():
   from rloo_jax.rewards import registry
 
   config = load_config()
-  config.rewards.fns = (spec('qwen2', dtype='float32'),)
+  config.rewards.fns = (spec('qwen2', dtype='float32', batch_size=8),)  # in no other test
   config.rewards.weights = (1.0,)
   before = set(registry._scorers)
   algorithms.validate(config)
@@ -200,6 +209,21 @@ def test_export_refuses_what_transformers_cannot_pool(tmp_path):
   with pytest.raises(ValueError, match='needs a pad_token_id.*pass tokenizer_dir= .*or pad_id='):
     hf.save_model(str(tmp_path / 'x'), config, params)
   assert not os.path.exists(tmp_path / 'x')  # refused before anything was written
+
+
+def test_a_nonzero_score_bias_is_written_and_read_back(tmp_path):
+  """transformers' score has no bias (a value model's would be dropped there), but our loader
+  reads score.bias, so nothing is lost on the way back."""
+  import jax.numpy as jnp
+  from rloo_jax.models import hf, hf_export
+
+  config, _, params = hf.load_model(os.path.join(FIXTURES, 'hf_rm', 'qwen2'))
+  params['score_bias'].set_value(jnp.full((1,), 0.5, jnp.float32))
+  out = str(tmp_path / 'rm')
+  hf.save_model(out, config, params, dtype='float32', pad_id=0)
+  np.testing.assert_array_equal(dict(hf_export.iter_tensors(out))['score.bias'], [0.5])
+  _, again = hf.load_checkpoint(out)
+  np.testing.assert_array_equal(again['score_bias'][...], [0.5])
 
 
 def test_exported_fixture_scores_the_same(tmp_path):

@@ -178,6 +178,7 @@ def load(path: str, *, layout: Optional[sharding.Layout] = None, dtype: str = "b
   """An `HFRewardModel` of a local directory or hub id, its weights on `layout`'s shardings
   (default `default_layout()`). Options as in the module docstring; None takes the saved
   'rloo_jax_reward' entry's value, else the default."""
+  # Every check below runs before any weight is read.
   if dtype not in DTYPES:
     raise _option_error("dtype", dtype, f"choose one of {DTYPES}")
   local = hf.resolve_path(path, what="hf_reward_model")
@@ -203,12 +204,18 @@ def load(path: str, *, layout: Optional[sharding.Layout] = None, dtype: str = "b
     raise _option_error("batch_size", batch_size,
                         f"must be a positive multiple of {ways}, the mesh's batch parallelism "
                         f"(axes {layout.batch_axes} of {layout.shape}) and process count")
+  tok_dir = hf.resolve_path(tokenizer, what="hf_reward_model option tokenizer") if (
+      tokenizer) else local
   try:
-    tok = hf.load_tokenizer(tokenizer or local)
-  except (ValueError, FileNotFoundError) as e:
+    tok = hf.load_tokenizer(tok_dir)
+  except ValueError as e:
     raise ValueError(f"hf_reward_model:{path}: no usable tokenizer ({e}); pass "
                      "?tokenizer=<directory or hub id> (the one the reward model was trained "
                      "with)") from None
+  vocab = hf.config_from_hf(hf_json).vocab_size
+  if tok.vocab_size > vocab:  # ids past the embedding would be clipped, scoring garbage
+    raise _option_error("tokenizer", tokenizer or local, f"its {tok.vocab_size} tokens exceed "
+                        f"the model's vocab_size={vocab}: pass the reward model's own tokenizer")
   whiten = bool(saved.get("whiten", False) if whiten is None else whiten)
   if whiten and not saved.get("stats_samples") and (mean is None or std is None):
     raise _option_error("whiten", True, "whitening needs statistics: pass ?mean=..&std=.. (the "
@@ -221,7 +228,7 @@ def load(path: str, *, layout: Optional[sharding.Layout] = None, dtype: str = "b
   clip = float(saved.get("clip", 0.0) if clip is None else clip)
   if clip < 0:
     raise _option_error("clip", clip, "must be >= 0 (0 = no clipping)")
-  context = hf.config_from_hf(hf_json).max_seq_len  # checked before any weight is read
+  context = hf.config_from_hf(hf_json).max_seq_len
   max_len = int(max_len or saved.get("seq_len") or context)
   if not 0 < max_len <= context:
     raise _option_error("max_len", max_len, f"must be in [1, {context}] (the model's context, "
