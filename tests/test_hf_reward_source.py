@@ -343,5 +343,64 @@ def _worker(result: str) -> None:
     json.dump(out, f)
 
 
+# Two processes x 2 CPU devices (jax.distributed), one FSDP mesh over all 4: each process scores
+# its own rows, a different number in each length bucket, so the device batches they run together
+# must be agreed on (a mismatch would hang the collectives or mix rows up).
+MP_ROWS = [(PROMPTS * 2, COMPLETIONS * 2),  # process 0: 6 rows, 3 device batches of its 2 rows
+           ([PROMPTS[1], PROMPTS[2], 'x'],  # process 1: 1 row at 32, 1 at 64, 1 too long
+            [COMPLETIONS[1], COMPLETIONS[2] + ' plus two' * 15, ' the reward model' * 30])]
+
+
+def test_two_processes_score_their_own_rows(tmp_path):
+  import socket
+  from rloo_jax.rewards import registry
+
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    port = sock.getsockname()[1]
+  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), 'mp', str(i), str(port),
+                             str(tmp_path / f'{i}.json')], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  logs = []
+  try:
+    for proc in procs:
+      logs.append(proc.communicate(timeout=300)[0])
+  finally:
+    for proc in procs:  # one that failed leaves the other waiting on the coordinator
+      if proc.poll() is None:
+        proc.kill()
+  for proc, log in zip(procs, logs):
+    assert proc.returncode == 0, log[-5000:]
+  one = registry.resolve(spec('llama', dtype='float32', batch_size=4))  # this process: 1 device
+  for i, (prompts, completions) in enumerate(MP_ROWS):
+    r = json.loads((tmp_path / f'{i}.json').read_text())
+    assert r['devices'] == 4 and r['local_devices'] == 2
+    assert r['per_device_bytes'] < 0.35 * r['total_bytes']
+    np.testing.assert_allclose(r['scores'], one(prompts, completions), atol=1e-5, rtol=1e-5)
+  assert np.isnan(r['scores'][-1]) and np.isfinite(r['scores'][:-1]).all()
+
+
+def _mp_worker(process_id: int, port: int, out_path: str) -> None:
+  import jax
+  jax.config.update('jax_num_cpu_devices', 2)
+  jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
+                             process_id=process_id)
+  from rloo_jax import sharding
+  from rloo_jax.rewards import registry
+
+  fn = registry.resolve(spec('llama', dtype='float32', batch_size=4))  # FSDP over all 4
+  scores = fn(*MP_ROWS[process_id])
+  leaves = jax.tree.leaves(fn.params)
+  with open(out_path, 'w') as f:
+    json.dump(dict(devices=jax.device_count(), local_devices=len(jax.local_devices()),
+                   per_device_bytes=sharding.per_device_bytes(leaves),
+                   total_bytes=int(sum(x.size * x.dtype.itemsize for x in leaves)),
+                   scores=[float(x) for x in scores]), f)
+  jax.distributed.shutdown()
+
+
 if __name__ == '__main__':
-  _worker(sys.argv[1])
+  if sys.argv[1] == 'mp':
+    _mp_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+  else:
+    _worker(sys.argv[1])
