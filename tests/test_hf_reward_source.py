@@ -53,8 +53,8 @@ def test_spec_scores_equal_the_parity_path(family):
   assert isinstance(fn, hf_reward.HFRewardModel) and fn.format == 'hf'
   # The tokenisation is transformers': the fixture's batch was `tokenizer(text)`, bos included.
   tokens, mask, last, ok = fn.encode(PROMPTS, COMPLETIONS)
-  s = ref['right_tokens'].shape[1]
-  np.testing.assert_array_equal(tokens[:, :s] * mask[:, :s], ref['right_tokens'] * ref['right_mask'])
+  s, want = ref['right_tokens'].shape[1], ref['right_tokens'] * ref['right_mask']
+  np.testing.assert_array_equal(tokens[:, :s] * mask[:, :s], want)
   np.testing.assert_array_equal(last, last_valid(ref['right_mask']))
   assert ok.all() and not mask[:, s:].any()
 
@@ -131,8 +131,7 @@ def test_wrong_checkpoints_say_what_to_pass(tmp_path):
   big = Tokenizer(models.WordLevel({f'w{i}': i for i in range(200)}, unk_token='w0'))
   big.save(str(tmp_path / 'tokenizer.json'))
   with pytest.raises(ValueError, match="its 200 tokens exceed the model's vocab_size=128"):
-    registry.resolve(f'hf_reward_model:{os.path.join(FIXTURES, "hf_rm", "llama")}'
-                     f'?tokenizer={tmp_path}')
+    registry.resolve(spec('llama', tokenizer=tmp_path))
 
   with pytest.raises(ValueError, match='pass \\?tokenizer=<directory or hub id>'):
     registry.resolve(f'hf_reward_model:{os.path.join(FIXTURES, "hf_rm", "qwen2")}')
@@ -141,7 +140,7 @@ def test_wrong_checkpoints_say_what_to_pass(tmp_path):
   with pytest.raises(FileNotFoundError, match='hf_reward_model=.*is not a directory'):
     registry.resolve('hf_reward_model:/no/such/dir')
   with pytest.raises(FileNotFoundError, match="hf_reward_model option tokenizer='/no/tok'"):
-    registry.resolve(f'hf_reward_model:{os.path.join(FIXTURES, "hf_rm", "qwen2")}?tokenizer=/no/tok')
+    registry.resolve(spec('qwen2', tokenizer='/no/tok'))
   with pytest.raises(ValueError, match="expected 'hf_reward_model:<directory or hub id>'"):
     registry.resolve('hf_reward_model:?dtype=float32')
 
@@ -235,10 +234,8 @@ def test_exported_fixture_scores_the_same(tmp_path):
   hf.save_model(out, config, params, dtype='float32',
                 tokenizer_dir=os.path.join(FIXTURES, 'hf', 'gpt_neox'))
   again = registry.resolve(f'hf_reward_model:{out}?dtype=float32')  # its own tokenizer now
-  np.testing.assert_allclose(again(PROMPTS, COMPLETIONS),
-                             registry.resolve(spec('gpt_neox', dtype='float32'))(PROMPTS,
-                                                                                  COMPLETIONS),
-                             atol=1e-5, rtol=0)
+  want = registry.resolve(spec('gpt_neox', dtype='float32'))(PROMPTS, COMPLETIONS)
+  np.testing.assert_allclose(again(PROMPTS, COMPLETIONS), want, atol=1e-5, rtol=0)
 
 
 def test_reward_model_directory_exports_to_the_same_scores(tmp_path):
@@ -356,15 +353,12 @@ def test_two_processes_score_their_own_rows(tmp_path):
   from rloo_jax.rewards import registry
 
   with socket.socket() as sock:
-    sock.bind(('127.0.0.1', 0))
-    port = sock.getsockname()[1]
+    port = sock.bind(('127.0.0.1', 0)) or sock.getsockname()[1]
   procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), 'mp', str(i), str(port),
                              str(tmp_path / f'{i}.json')], env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  logs = []
   try:
-    for proc in procs:
-      logs.append(proc.communicate(timeout=300)[0])
+    logs = [proc.communicate(timeout=300)[0] for proc in procs]
   finally:
     for proc in procs:  # one that failed leaves the other waiting on the coordinator
       if proc.poll() is None:
@@ -381,7 +375,7 @@ def test_two_processes_score_their_own_rows(tmp_path):
 
 
 def _mp_worker(process_id: int, port: int, out_path: str) -> None:
-  import jax
+  import jax  # the device count and jax.distributed before any jax work
   jax.config.update('jax_num_cpu_devices', 2)
   jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
                              process_id=process_id)
