@@ -109,6 +109,7 @@ def test_unscorable_rows_are_nan_and_batches_reuse_one_compile():
     ('batch_size=0', 'option batch_size=0: must be a positive multiple'),
     ('batch_size=two', "option batch_size='two' is not a int"),
     ('max_len=100', 'option max_len=100: must be in \\[1, 64\\]'),
+    ('max_len=0', 'option max_len=0: must be in'),
     ('format=chat', "option format='chat'"),
     ('whiten=maybe', "option whiten='maybe' is not a bool"),
     ('whiten=true', 'option whiten=True: whitening needs statistics: pass \\?mean'),
@@ -211,8 +212,7 @@ def test_export_refuses_what_transformers_cannot_pool(tmp_path):
 
 
 def test_a_nonzero_score_bias_is_written_and_read_back(tmp_path):
-  """transformers' score has no bias (a value model's would be dropped there), but our loader
-  reads score.bias, so nothing is lost on the way back."""
+  """transformers' score has no bias (it would drop one); our loader reads score.bias back."""
   import jax.numpy as jnp
   from rloo_jax.models import hf, hf_export
 

@@ -212,7 +212,8 @@ def load(path: str, *, layout: Optional[sharding.Layout] = None, dtype: str = "b
     raise ValueError(f"hf_reward_model:{path}: no usable tokenizer ({e}); pass "
                      "?tokenizer=<directory or hub id> (the one the reward model was trained "
                      "with)") from None
-  vocab = hf.config_from_hf(hf_json).vocab_size
+  shape = hf.config_from_hf(hf_json)  # the architecture's sizes, from config.json alone
+  vocab, context = shape.vocab_size, shape.max_seq_len
   if tok.vocab_size > vocab:  # ids past the embedding would be clipped, scoring garbage
     raise _option_error("tokenizer", tokenizer or local, f"its {tok.vocab_size} tokens exceed "
                         f"the model's vocab_size={vocab}: pass the reward model's own tokenizer")
@@ -228,8 +229,8 @@ def load(path: str, *, layout: Optional[sharding.Layout] = None, dtype: str = "b
   clip = float(saved.get("clip", 0.0) if clip is None else clip)
   if clip < 0:
     raise _option_error("clip", clip, "must be >= 0 (0 = no clipping)")
-  context = hf.config_from_hf(hf_json).max_seq_len
-  max_len = int(max_len or saved.get("seq_len") or context)
+  if max_len is None:
+    max_len = int(saved.get("seq_len") or context)
   if not 0 < max_len <= context:
     raise _option_error("max_len", max_len, f"must be in [1, {context}] (the model's context, "
                         "max_position_embeddings)")
