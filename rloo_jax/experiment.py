@@ -334,7 +334,7 @@ def build(config, workdir: str, task=None, *, devices=None, rewards: Optional[Re
   validate_config(config)
   layout = sharding_lib.make_layout(config.mesh, devices)
   validate_layout(config, layout)
-  rewards = rewards or RewardSet.from_config(config.rewards)
+  rewards = rewards or RewardSet.from_config(config.rewards, layout)  # RMs on the mesh
   if task is None:
     task = _make_task(config, os.path.join(workdir, "data"))
   dry_run_rewards(rewards, task)

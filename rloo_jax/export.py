@@ -3,6 +3,7 @@ r"""Export a training run's policy as a Hugging Face checkpoint (rloo_jax.models
     python -m rloo_jax.export --workdir=/tmp/rloo_run --out=/tmp/rloo_run_hf
     python -m rloo_jax.export --workdir=/tmp/rloo_run --step=50 --out=/tmp/hf50 --dtype=float32
     python -m rloo_jax.export --workdir=/tmp/rloo_lora --out=/tmp/rloo_lora_peft --adapter
+    python -m rloo_jax.export --reward_model=/tmp/rlhf/reward_model --out=/tmp/rm_hf
 
 The output loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`, vLLM and lm-eval.
 The tokenizer files come from the checkpoint the run started from (config.model.init_from); a
@@ -11,6 +12,11 @@ configs are written. A LoRA run (config.model.lora.rank > 0) is exported with it
 merged into the base; with --adapter only the adapters are written, as a PEFT directory
 (adapter_config.json, adapter_model.safetensors) for `peft.PeftModel.from_pretrained`. Prints
 the written paths, one a line.
+
+With --reward_model (a `reward_model:` directory, `RewardModelScorer.save`) the reward model is
+written as a *ForSequenceClassification checkpoint with its tokenizer, which
+`hf_reward_model:<out>` scores exactly as `reward_model:<dir>` does
+(rloo_jax.rewards.hf_reward.export_reward_model).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Optional, Sequence
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training run's directory (run_config.json)")
+_REWARD_MODEL = flags.DEFINE_string("reward_model", None, "instead of --workdir: a reward-model "
+                                    "directory (reward_model:<dir>) to export")
 _STEP = flags.DEFINE_integer("step", None, "the checkpoint's step (default: the newest)")
 _OUT = flags.DEFINE_string("out", None, "an empty or new directory for the Hugging Face files")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"],
@@ -86,6 +94,14 @@ def main(argv: Sequence[str]) -> None:
     # Orbax logs every file it reads at INFO, which would bury the paths printed here.
     logging.set_verbosity(logging.WARNING)
   try:
+    if (_WORKDIR.value is None) == (_REWARD_MODEL.value is None):
+      raise ValueError("pass exactly one of --workdir (a policy) and --reward_model")
+    if _REWARD_MODEL.value is not None:
+      from rloo_jax.rewards import hf_reward  # here: --help does not wait for jax
+      for p in hf_reward.export_reward_model(_REWARD_MODEL.value, _OUT.value, dtype=_DTYPE.value,
+                                             max_shard_bytes=_MAX_SHARD.value):
+        print(p)
+      return
     export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
            max_shard_bytes=_MAX_SHARD.value, adapter=_ADAPTER.value)
   except (FileNotFoundError, FileExistsError, ValueError) as e:
@@ -94,5 +110,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["workdir", "out"])
+  flags.mark_flags_as_required(["out"])
   app.run(main)

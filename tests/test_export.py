@@ -154,7 +154,9 @@ def test_refusals_name_the_problem(tmp_path):
     hf_export.save_pretrained(params, config, str(tmp_path / 'full'))
   with pytest.raises(ValueError, match="dtype='int8'"):
     hf_export.save_pretrained(params, config, str(tmp_path / 'a'), dtype='int8')
-  with pytest.raises(ValueError, match="head='scalar'.*no export mapping"):
+  # A reward model is exported (tests/test_hf_reward_source.py), but transformers pools by the
+  # pad id: without one it cannot be scored in batches.
+  with pytest.raises(ValueError, match="head='scalar'.*needs a pad_token_id"):
     hf_export.hf_config(config.replace(head='scalar'))
   with pytest.raises(ValueError, match='export it as family qwen2'):
     hf_export.hf_config(config.replace(qkv_bias=True))

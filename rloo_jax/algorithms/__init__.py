@@ -52,9 +52,11 @@ def validate(config, *, devices=None, rewards=None, **unused_build_kw) -> None:
   that cannot train must not become the one a workdir was started with."""
   _, config = resolve(config)
   experiment.validate_config(config)
-  experiment.validate_layout(config, sharding.make_layout(config.mesh, devices))
+  layout = sharding.make_layout(config.mesh, devices)
+  experiment.validate_layout(config, layout)
   if rewards is None:
-    RewardSet.from_config(config.rewards)
+    # The build's layout: a Hugging Face reward model loaded here is the one build reuses.
+    RewardSet.from_config(config.rewards, layout)
 
 
 def run(config, workdir: str, *, log=print, **build_kw) -> dict:

@@ -105,7 +105,8 @@ def load_model(path: str, **kwargs):
 
 def save_model(path: str, config, params, **kwargs) -> list[str]:
   """The inverse of load_model: writes `params` (of `config`) as a Hugging Face checkpoint in the
-  directory `path`; `kwargs` (dtype, tokenizer_dir, max_shard_bytes, bos/eos/pad ids) go to
+  directory `path` (head='scalar': as *ForSequenceClassification); `kwargs` (dtype,
+  tokenizer_dir, max_shard_bytes, bos/eos/pad ids, extra_config) go to
   hf_export.save_pretrained. Returns the written paths."""
   from rloo_jax.models import hf_export  # here: hf_export imports this module
   return hf_export.save_pretrained(params, config, path, **kwargs)

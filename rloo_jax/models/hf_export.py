@@ -17,6 +17,7 @@ import os
 import shutil
 from typing import Callable, Iterator
 
+from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import ml_dtypes
@@ -107,7 +108,7 @@ def tensors(params, c: TransformerConfig) -> list[Entry]:
     for n in ('gate', 'up', 'down'):
       per_layer(p + f'mlp.{n}_proj.weight', f'mlp.{n}_kernel', lambda w: w.T)
     top('model.norm.weight', 'final_norm.scale')
-    if not c.tie_embeddings:
+    if c.head == 'lm' and not c.tie_embeddings:
       top('lm_head.weight', 'lm_head', lambda w: w.T)
   elif c.family == 'gpt2':
     top('transformer.wte.weight', 'embedding')
@@ -151,9 +152,18 @@ def tensors(params, c: TransformerConfig) -> list[Entry]:
     per_layer(p + 'mlp.dense_4h_to_h.bias', 'mlp.down_bias')
     top('gpt_neox.final_layer_norm.weight', 'final_norm.scale')
     top('gpt_neox.final_layer_norm.bias', 'final_norm.bias')
-    if not c.tie_embeddings:
+    if c.head == 'lm' and not c.tie_embeddings:
       # The name Pythia's checkpoints (and transformers 5's save) use for the LM head.
       top('embed_out.weight', 'lm_head', lambda w: w.T)
+  if c.head == 'scalar':  # *ForSequenceClassification's score: Linear(E, 1, bias=False)
+    top('score.weight', 'score_kernel', lambda w: w.T)
+    if np.any(to_host(leaf['score_bias'])):
+      # A Bradley-Terry loss never moves the bias (it cancels in every margin), so only a value
+      # model has one. Written so that hf.load_checkpoint reads it back; transformers' class has
+      # no bias and drops it: its scores are shifted by a constant.
+      logging.warning('score_bias is nonzero: written as score.bias, which transformers\' '
+                      '*ForSequenceClassification ignores (its scores shift by a constant)')
+      top('score.bias', 'score_bias')
   return out
 
 
@@ -217,7 +227,8 @@ def check_out_dir(out_dir: str) -> None:
 def save_pretrained(params, config: TransformerConfig, out_dir: str, *, dtype: str = 'bfloat16',
                     tokenizer_dir: str | None = None,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, bos_id: int | None = None,
-                    eos_id: int | None = None, pad_id: int | None = None) -> list[str]:
+                    eos_id: int | None = None, pad_id: int | None = None,
+                    extra_config: dict | None = None) -> list[str]:
   """Writes `params` (an nnx.State as hf.load_checkpoint / create return, layer parameters
   stacked on a leading layers axis; sharded or not) as a Hugging Face checkpoint that
   `AutoModelForCausalLM.from_pretrained(out_dir)` loads. Returns the written paths. A LoRA
@@ -228,7 +239,9 @@ def save_pretrained(params, config: TransformerConfig, out_dir: str, *, dtype: s
   config.json and generation_config.json (bos_id / eos_id / pad_id override them).
   max_shard_bytes: above it the weights are split into model-0000N-of-0000M.safetensors files
   plus model.safetensors.index.json. On a multi-process run every process gathers each tensor
-  (a collective) but only process 0 writes.
+  (a collective) but only process 0 writes. A reward model (head='scalar') is written as the
+  family's *ForSequenceClassification (score.weight, num_labels=1, pad_token_id). extra_config:
+  more config.json keys (a reward model's scoring layout and whitening statistics).
   """
   if dtype not in DTYPES:
     raise ValueError(f'dtype={dtype!r}; supported: {tuple(DTYPES)}')
@@ -242,6 +255,8 @@ def save_pretrained(params, config: TransformerConfig, out_dir: str, *, dtype: s
     bos_id = tok.bos_id if bos_id is None else bos_id
     eos_id = tok.eos_id if eos_id is None else eos_id
     pad_id = tok.pad_id if pad_id is None else pad_id
+  ids = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+  hf_json = {**hf_config(config, dtype=dtype, **ids), **(extra_config or {})}  # raises first
   writer = jax.process_index() == 0
   paths: list[str] = []
   if writer:
@@ -263,9 +278,7 @@ def save_pretrained(params, config: TransformerConfig, out_dir: str, *, dtype: s
     index = {'metadata': {'total_size': total},
              'weight_map': {ent[0]: n for n, shard in zip(names, shards) for ent in shard}}
     paths.append(_write_json(os.path.join(out_dir, 'model.safetensors.index.json'), index))
-  ids = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-  paths.append(_write_json(os.path.join(out_dir, 'config.json'),
-                           hf_config(config, dtype=dtype, **ids)))
+  paths.append(_write_json(os.path.join(out_dir, 'config.json'), hf_json))
   gen = {'_from_model_config': True}
   gen.update({k[:-3] + '_token_id': int(v) for k, v in ids.items() if v is not None})
   paths.append(_write_json(os.path.join(out_dir, 'generation_config.json'), gen))

@@ -4,6 +4,8 @@ family is written as, what those classes cannot express (refused by `check_expor
 
 from __future__ import annotations
 
+from absl import logging
+
 from rloo_jax.models.config import TransformerConfig
 
 # One class per family; a llama with a sliding window is written as Mistral (`architecture`).
@@ -11,11 +13,25 @@ ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                  'qwen3': 'Qwen3ForCausalLM', 'gpt2': 'GPT2LMHeadModel',
                  'gpt_neox': 'GPTNeoXForCausalLM', 'gemma2': 'Gemma2ForCausalLM',
                  'gemma3': 'Gemma3ForCausalLM'}
-MODEL_TYPES = {'MistralForCausalLM': 'mistral', 'Gemma3ForCausalLM': 'gemma3_text'}
+# A reward model (head='scalar') is written as the family's *ForSequenceClassification class, the
+# classes hf_config.SEQ_CLS reads back.
+SEQ_CLS_ARCHITECTURES = {'llama': 'LlamaForSequenceClassification',
+                         'qwen2': 'Qwen2ForSequenceClassification',
+                         'qwen3': 'Qwen3ForSequenceClassification',
+                         'gpt2': 'GPT2ForSequenceClassification',
+                         'gpt_neox': 'GPTNeoXForSequenceClassification',
+                         'gemma2': 'Gemma2ForSequenceClassification',
+                         'gemma3': 'Gemma3TextForSequenceClassification'}
+MODEL_TYPES = {'MistralForCausalLM': 'mistral', 'Gemma3ForCausalLM': 'gemma3_text',
+               'MistralForSequenceClassification': 'mistral',
+               'Gemma3TextForSequenceClassification': 'gemma3_text'}
 _GEMMA_ONLY = ('attn_softcap', 'final_softcap', 'query_pre_attn_scalar', 'local_rope_theta')
 
 
 def architecture(c: TransformerConfig) -> str:
+  if c.head == 'scalar':
+    return 'MistralForSequenceClassification' if c.family == 'llama' and c.sliding_window else (
+        SEQ_CLS_ARCHITECTURES[c.family])
   # Mistral's class is Llama's with every layer on the sliding window.
   return 'MistralForCausalLM' if c.family == 'llama' and c.sliding_window else (
       ARCHITECTURES[c.family])
@@ -23,9 +39,6 @@ def architecture(c: TransformerConfig) -> str:
 
 def check_exportable(c: TransformerConfig) -> None:
   """Raises ValueError naming what the Hugging Face class of `c.family` cannot express."""
-  if c.head != 'lm':
-    raise ValueError(f"head={c.head!r} (a reward or value model) has no export mapping: only "
-                     "causal LMs (head='lm') are exported")
   if c.family not in ARCHITECTURES:
     raise ValueError(f'family {c.family!r} has no export mapping; supported: '
                      f'{", ".join(ARCHITECTURES)}')
@@ -121,6 +134,18 @@ def hf_config(c: TransformerConfig, *, dtype: str = 'bfloat16', bos_id=None, eos
   out = {'architectures': [arch], 'model_type': MODEL_TYPES.get(arch, c.family),
          'vocab_size': c.vocab_size, 'tie_word_embeddings': c.tie_embeddings,
          'torch_dtype': dtype, 'dtype': dtype, 'use_cache': True}
+  if c.head == 'scalar':
+    if pad_id is None:  # transformers pools a batch at each row's last token != pad_token_id
+      raise ValueError("a reward model (head='scalar') is exported as *ForSequenceClassification, "
+                       "which needs a pad_token_id to find each row's last token: pass "
+                       "tokenizer_dir= (its pad id) or pad_id=")
+    if pad_id == eos_id:
+      # transformers pools at the last token that is not the pad id: a row ending in eos is
+      # scored one token early there (hf_reward_model: reads the layout and is not affected).
+      logging.warning('pad_token_id == eos_token_id (%s): transformers scores a row ending in '
+                      'eos at the token before it', pad_id)
+    # One score per sequence: what transformers' regression head with num_labels=1 reads.
+    out.update(num_labels=1, id2label={'0': 'LABEL_0'}, label2id={'LABEL_0': 0})
   if c.family == 'gpt2':
     out.update(n_embd=c.hidden_size, n_head=c.num_heads, n_layer=c.num_layers,
                n_positions=c.max_seq_len, n_ctx=c.max_seq_len, n_inner=c.intermediate_size,

@@ -2,43 +2,56 @@
 
 `resolve(spec)` turns a config entry into such a callable: a callable passes through, a
 'package.module:function' string is imported, 'path/to/file.py:function' is loaded from that
-file (once per path), and 'reward_model:<dir>' loads a trained reward model
-(`rloo_jax.rewards.scorer`) as a jit-compiled scorer. Options follow the directory as a query
-string, overriding what was saved with it:
+file (once per path), 'reward_model:<dir>' loads a trained reward model
+(`rloo_jax.rewards.scorer`) as a jit-compiled scorer, and 'hf_reward_model:<dir or hub id>' a
+Hugging Face *ForSequenceClassification checkpoint sharded over the mesh
+(`rloo_jax.rewards.hf_reward`). Options follow as a query string, overriding what was saved:
 
     reward_model:/tmp/rlhf/reward_model
     reward_model:/tmp/rlhf/reward_model?whiten=false&clip=3&batch_size=128
+    hf_reward_model:/ckpt/rm_hf?dtype=bfloat16&batch_size=64&max_len=1024
 """
 
 from __future__ import annotations
 
 import os
 
+from rloo_jax.rewards import hf_reward
 from rloo_jax.rewards import scorer
 from rloo_jax.rewards.verifiers import load_reward_fn
 
 REWARD_MODEL_PREFIX = "reward_model:"
+HF_REWARD_MODEL_PREFIX = "hf_reward_model:"
 _RM_OPTIONS = {"whiten": bool, "clip": float, "batch_size": int}
 _scorers: dict = {}
 
 
-def _parse_reward_model_spec(spec: str):
-  path, _, query = spec[len(REWARD_MODEL_PREFIX):].partition("?")
+def _parse_spec(spec: str, prefix: str, kinds: dict, what: str):
+  """(path, {option: typed value}) of '<prefix><path>?name=value&...'; errors name the option."""
+  path, _, query = spec[len(prefix):].partition("?")
   if not path:
-    raise ValueError(f"reward function {spec!r}: expected 'reward_model:<directory>'")
+    raise ValueError(f"reward function {spec!r}: expected '{prefix}<{what}>'")
   options = {}
   for item in filter(None, query.split("&")):
     name, eq, value = item.partition("=")
-    if name not in _RM_OPTIONS or not eq:
+    if name not in kinds or not eq:
       raise ValueError(f"reward function {spec!r}: unknown or valueless option {item!r}; "
-                       f"options are {sorted(_RM_OPTIONS)} as '?name=value&...'")
-    kind = _RM_OPTIONS[name]
+                       f"options are {sorted(kinds)} as '?name=value&...'")
+    kind = kinds[name]
+    if kind is bool and value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+      raise ValueError(f"reward function {spec!r}: option {name}={value!r} is not a bool "
+                       "(true / false)")
     try:
       options[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
     except ValueError:
       raise ValueError(f"reward function {spec!r}: option {name}={value!r} is not a "
                        f"{kind.__name__}") from None
-  return os.path.abspath(os.path.expanduser(path)), options
+  return os.path.expanduser(path), options
+
+
+def _parse_reward_model_spec(spec: str):
+  path, options = _parse_spec(spec, REWARD_MODEL_PREFIX, _RM_OPTIONS, "directory")
+  return os.path.abspath(path), options
 
 
 def load_reward_model(spec: str):
@@ -58,11 +71,30 @@ def load_reward_model(spec: str):
   return _scorers[key]
 
 
-def resolve(spec):
-  """A reward callable from a config entry: a callable, 'package.module:function', or
-  'reward_model:<dir>[?whiten=..&clip=..&batch_size=..]'."""
+def load_hf_reward_model(spec: str, layout=None):
+  """The scorer of a 'hf_reward_model:<dir or hub id>[?options]' spec on `layout` (the
+  experiment's; None: `hf_reward.default_layout()`), loaded once per (checkpoint state, options,
+  layout): a config is validated and then built, and an 8B model should be read once."""
+  path, options = _parse_spec(spec, HF_REWARD_MODEL_PREFIX, hf_reward.OPTIONS,
+                              "directory or hub id")
+  layout = layout or hf_reward.default_layout()
+  config_json = os.path.join(path, "config.json")
+  stamp = os.stat(config_json).st_mtime_ns if os.path.isfile(config_json) else None
+  key = (os.path.abspath(path) if os.path.isdir(path) else path,
+         tuple(sorted(options.items())), stamp, layout)
+  if key not in _scorers:
+    _scorers[key] = hf_reward.load(path, layout=layout, **options)
+  return _scorers[key]
+
+
+def resolve(spec, layout=None):
+  """A reward callable from a config entry: a callable, 'package.module:function',
+  'reward_model:<dir>[?whiten=..&clip=..&batch_size=..]' or 'hf_reward_model:<dir or hub
+  id>[?options]' (sharded over `layout`, a `sharding.Layout`, when given)."""
   if callable(spec):
     return spec
+  if isinstance(spec, str) and spec.startswith(HF_REWARD_MODEL_PREFIX):
+    return load_hf_reward_model(spec, layout)
   if isinstance(spec, str) and spec.startswith(REWARD_MODEL_PREFIX):
     return load_reward_model(spec)
   return load_reward_fn(spec)

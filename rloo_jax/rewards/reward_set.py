@@ -18,9 +18,12 @@ from rloo_jax.rewards import registry
 
 def reward_name(spec) -> str:
   """A short metric name: 'pkg.mod:fn' -> 'fn', 'a/b.py:fn' -> 'fn',
-  'reward_model:/runs/rm' -> 'reward_model', a callable -> its __name__."""
+  'reward_model:/runs/rm' -> 'reward_model', 'hf_reward_model:org/rm' -> 'hf_reward_model',
+  a callable -> its __name__."""
   if not isinstance(spec, str):
     return getattr(spec, "__name__", "fn")
+  if spec.startswith(registry.HF_REWARD_MODEL_PREFIX):
+    return "hf_reward_model"
   if spec.startswith(registry.REWARD_MODEL_PREFIX):
     return "reward_model"
   return spec.rsplit(":", 1)[-1]
@@ -45,12 +48,13 @@ class RewardSet:
                        "metrics need distinct names")
 
   @classmethod
-  def from_config(cls, c) -> "RewardSet":
-    """From config.rewards: `fns` (import paths, file paths or callables) and `weights`."""
+  def from_config(cls, c, layout=None) -> "RewardSet":
+    """From config.rewards: `fns` (import paths, file paths or callables) and `weights`;
+    `layout` (the experiment's sharding.Layout) is where Hugging Face reward models are put."""
     if len(c.fns) != len(c.weights):
       raise ValueError(f"config.rewards.fns has {len(c.fns)} entries but config.rewards.weights "
                        f"has {len(c.weights)}; give one weight per reward function")
-    return cls([registry.resolve(f) for f in c.fns], [float(w) for w in c.weights],
+    return cls([registry.resolve(f, layout) for f in c.fns], [float(w) for w in c.weights],
                [reward_name(f) for f in c.fns])
 
   @property

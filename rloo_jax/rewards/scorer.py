@@ -47,6 +47,40 @@ def sequence_scores(fns, params, tokens_ns, mask_ns, last_n):
   return jnp.take_along_axis(values_ns, last_n[:, None].astype(jnp.int32), axis=1)[:, 0]
 
 
+def encode_sft(prompts, completions, tokenizer, seq_len: int, add_bos: bool):
+  """(tokens [N, seq_len], mask, last [N], ok [N]) of `[bos] prompt completion eos` rows (the
+  layout reward models are trained on, `pipeline.make_sft_batch`); rows that cannot be tokenised
+  or do not fit are zeros with ok=False."""
+  n = len(prompts)
+  try:
+    b = pipeline.make_sft_batch(prompts, completions, tokenizer, seq_len, add_bos)
+    return b["tokens"], b["token_mask"], b["lengths"] - 1, np.ones((n,), bool)
+  except ValueError:
+    pass  # find the offending rows one by one; the common all-good case stays one call
+  tokens = np.full((n, seq_len), tokenizer.pad_id, np.int32)
+  mask = np.zeros((n, seq_len), bool)
+  last = np.zeros((n,), np.int64)
+  ok = np.zeros((n,), bool)
+  for i, (p, c) in enumerate(zip(prompts, completions)):
+    try:
+      b = pipeline.make_sft_batch([p], [c], tokenizer, seq_len, add_bos)
+    except ValueError as e:
+      logging.warning("reward model cannot score sample %d: %s", i, e)
+      continue
+    tokens[i], mask[i], last[i], ok[i] = b["tokens"][0], b["token_mask"][0], b["lengths"][0] - 1, True
+  return tokens, mask, last, ok
+
+
+def normalise(raw, whiten: bool, mean: float, std: float, clip: float) -> np.ndarray:
+  """float32 clip(whiten(raw)): (raw - mean) / std if whiten, then [-clip, clip] if clip > 0."""
+  r = np.asarray(raw, np.float32)
+  if whiten:
+    r = (r - np.float32(mean)) / np.float32(std)
+  if clip > 0:
+    r = np.clip(r, -clip, clip)  # NaN stays NaN
+  return r.astype(np.float32)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tokenizer (de)serialisation: a saved reward model must be scorable without its training code.
 
@@ -148,25 +182,7 @@ class RewardModelScorer:
     return self._counter[0]
 
   def _encode(self, prompts, completions):
-    """(tokens, mask, last, ok) for all rows; rows that fail are zeros with ok=False."""
-    n = len(prompts)
-    try:
-      b = pipeline.make_sft_batch(prompts, completions, self.tokenizer, self.seq_len, self.add_bos)
-      return b["tokens"], b["token_mask"], b["lengths"] - 1, np.ones((n,), bool)
-    except ValueError:
-      pass  # find the offending rows one by one; the common all-good case stays one call
-    tokens = np.full((n, self.seq_len), self.tokenizer.pad_id, np.int32)
-    mask = np.zeros((n, self.seq_len), bool)
-    last = np.zeros((n,), np.int64)
-    ok = np.zeros((n,), bool)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-      try:
-        b = pipeline.make_sft_batch([p], [c], self.tokenizer, self.seq_len, self.add_bos)
-      except ValueError as e:
-        logging.warning("reward model cannot score sample %d: %s", i, e)
-        continue
-      tokens[i], mask[i], last[i], ok[i] = b["tokens"][0], b["token_mask"][0], b["lengths"][0] - 1, True
-    return tokens, mask, last, ok
+    return encode_sft(prompts, completions, self.tokenizer, self.seq_len, self.add_bos)
 
   def raw(self, prompts: Sequence[str], completions: Sequence[str]) -> np.ndarray:
     """Unnormalised scores, float32 [N]; NaN where a text cannot be scored."""
@@ -195,12 +211,7 @@ class RewardModelScorer:
     return out
 
   def normalise(self, raw: np.ndarray) -> np.ndarray:
-    r = np.asarray(raw, np.float32)
-    if self.whiten:
-      r = (r - np.float32(self.mean)) / np.float32(self.std)
-    if self.clip > 0:
-      r = np.clip(r, -self.clip, self.clip)  # NaN stays NaN
-    return r.astype(np.float32)
+    return normalise(raw, self.whiten, self.mean, self.std, self.clip)
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **fields) -> np.ndarray:
     del fields  # a learned reward judges the text alone
