@@ -243,3 +243,27 @@ def test_an_fsdp_plan_counts_the_hoisted_head_gather():
   head = arch.vocab_size * arch.hidden_size * 4  # float32 [E, V], half of it held per device
   decode = r["programs"]["decode"]
   assert 0.4 * head <= decode["hoisted_gb"] * GIB <= 1.1 * head, decode
+
+
+def test_the_plan_counts_a_learned_reward_model_resident():
+  """An hf_reward_model: reward stays loaded beside every program: the plan sizes it from the
+  checkpoint's config.json in the spec's dtype, or, with no path yet, as the policy's own
+  architecture with a scalar head (the paper's reward models are the policy's size)."""
+  from rloo_jax.memory import programs
+  from rloo_jax.models import hf
+  c = load_config("smoke", "tldr")
+  rm_dir = os.path.join(REPO, "tests", "fixtures", "hf_rm", "gpt_neox")
+  with c.unlocked():
+    c.rewards.fns = [f"hf_reward_model:{rm_dir}?dtype=float32"]
+  exp = experiment.build_abstract(c)
+  with open(os.path.join(rm_dir, "config.json")) as f:
+    rm = hf.config_from_hf(json.load(f), dtype="float32", param_dtype="float32")
+  expected = 4 * rm.num_params
+  assert programs.reward_model_bytes(exp) == expected
+  r = plan.plan(RLOO(exp), names=("score",))
+  assert r["reward_model_gb"] * GIB == expected
+  with c.unlocked():
+    c.rewards.fns = ["hf_reward_model:"]  # a preset plan: the policy's size, bf16
+  exp = experiment.build_abstract(c)
+  policy = exp.model_config.replace(head="scalar")
+  assert programs.reward_model_bytes(exp) == 2 * policy.num_params

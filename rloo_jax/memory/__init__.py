@@ -228,6 +228,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       opt_state_gb=_gb(compiled.state_bytes["opt_state"]),
       ref_gb=_gb(compiled.state_bytes["ref_params"]),
       kv_cache_gb=_gb(compiled.kv_cache_bytes),
+      reward_model_gb=_gb(compiled.reward_model_bytes),
       rollout_gb={k: _gb(v) for k, v in compiled.rollout_bytes.items()},
       programs={n: dict(peak_gb=_gb(p.peak), temp_gb=_gb(p.temp), argument_gb=_gb(p.argument),
                         output_gb=_gb(p.output), alias_gb=_gb(p.alias),
@@ -264,6 +265,8 @@ def format_table(r: dict) -> str:
            f"  reference         {r['ref_gb']:10.4g}",
            f"  KV cache          {r['kv_cache_gb']:10.4g}  (one rollout chunk of "
            f"{r['rollout_chunk_prompts']} prompts)",
+           *([f"  reward model      {r['reward_model_gb']:10.4g}  (hf_reward_model:, resident)"]
+             if r.get("reward_model_gb") else []),
            f"  {'program':16}{'peak':>10}{'temp':>10}{'args':>10}{'out':>10}{'alias':>10}"
            f"{'resident':>10}{'compile_s':>11}"]
   for name, p in r["programs"].items():

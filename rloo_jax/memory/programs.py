@@ -11,14 +11,17 @@ the real shardings) and compiled, with what each holds in device memory.
 A program's peak on a device is its arguments + outputs - the donated (aliased) bytes + XLA's
 temporaries (`Compiled.memory_analysis`, per device for a partitioned program), plus what stays
 resident beside it: the parts of the persistent train state (params, reference, optimizer state)
-it does not take as arguments, and during the scoring pass and the update the rollout's own
-arrays (its sample output, rows and scores).
+it does not take as arguments, a learned reward model's weights (`hf_reward_model:` rewards),
+and during the scoring pass and the update the rollout's own arrays (its sample output, rows
+and scores).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 import time
 from typing import Any
 
@@ -135,6 +138,35 @@ def _sampler_static(exp) -> dict:
 ACCELERATOR_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
+def reward_model_bytes(exp) -> int:
+  """Per device, the weights of the config's `hf_reward_model:` rewards, which stay loaded (on
+  the policy's mesh, in the spec's dtype) beside every program of the run. A local checkpoint
+  is sized by its config.json; with no path yet (a preset plan) or a hub id not in this
+  machine's cache, as the policy's own architecture with a scalar head: the paper's setting,
+  whose reward models are the size of the policy."""
+  from rloo_jax.models import hf, hf_hub, lora, transformer  # pylint: disable=import-outside-toplevel
+  from rloo_jax.rewards import registry  # pylint: disable=import-outside-toplevel
+  total = 0
+  for spec in exp.config.rewards.fns:
+    if not (isinstance(spec, str) and spec.startswith(registry.HF_REWARD_MODEL_PREFIX)):
+      continue
+    path, _, query = spec[len(registry.HF_REWARD_MODEL_PREFIX):].partition("?")
+    options = dict(item.partition("=")[::2] for item in query.split("&") if item)
+    dtype = options.get("dtype", "bfloat16")
+    mcfg = lora.base_config(exp.model_config).replace(head="scalar")
+    try:
+      local = hf_hub.resolve_path(path, what="hf_reward_model") if path else None
+    except (FileNotFoundError, ValueError, OSError):
+      local = None
+    if local and os.path.isfile(os.path.join(local, "config.json")):
+      with open(os.path.join(local, "config.json")) as f:
+        mcfg = hf.config_from_hf(json.load(f))
+    mcfg = mcfg.replace(head="scalar", dtype=dtype, param_dtype=dtype)
+    params = transformer.abstract(mcfg)[1]
+    total += per_device_bytes(exp.layout.abstract(params))
+  return total
+
+
 def _compile_with(lowered, options=None):
   t0 = time.perf_counter()
   compiled = lowered().compile(compiler_options=options)
@@ -161,6 +193,7 @@ class Compiled:
   sampling_state: Any
   ref_itemsize: int  # bytes per element of the reference's floating weights (the widest)
   params_itemsize: int = 4  # the same of the trained params
+  reward_model_bytes: int = 0  # hf_reward_model: weights per device, resident throughout
 
 
 def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
@@ -174,7 +207,9 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   state = x.state
   parts = {name: per_device_bytes(getattr(state, name))
            for name in ("params", "ref_params", "opt_state")}
-  persistent = sum(parts.values())
+  # The reward model's weights (hf_reward_model:) stay loaded beside every program.
+  reward_model = reward_model_bytes(exp)
+  persistent = sum(parts.values()) + reward_model
   # The sampler runs on the policy's whole weights: with LoRA the base (ref_params) and the
   # adapters (params), the base then being no copy but the reference itself.
   policy_parts = ("params", "ref_params") if state.lora else ("params",)
@@ -233,4 +268,4 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
                  key=lambda n: NAMES.index(n.split("_")[0]))  # stable: gradients, then apply
   return Compiled({n: found[n] for n in order}, parts, kv_cache,
                   dict(sample_output=sample_output, rows=rows_bytes, scores=scores), samp,
-                  itemsize(state.ref_params), itemsize(state.params))
+                  itemsize(state.ref_params), itemsize(state.params), reward_model)
