@@ -196,6 +196,16 @@ def test_sweep_dry_run_lists_every_run_and_seed(path, tmp_path, capsys):
   assert not os.listdir(tmp_path)  # a dry run writes nothing
 
 
+def test_sweep_config_arg_replaces_the_base_configs_argument(tmp_path):
+  """--config_arg runs a sweep file's rows at another model size: it reaches get_config."""
+  path = os.path.join(REPO, "configs", "sweeps", "table1_tldr.py")
+  with pytest.raises(ValueError, match="unknown config argument 'bogus'"):
+    sweep.main(["--sweep", path, "--root", str(tmp_path), "--dry_run",
+                "--config_arg", "model=pythia-1b,bogus=1"])
+  sweep.main(["--sweep", path, "--root", str(tmp_path), "--dry_run",
+              "--config_arg", "model=pythia-1b"])
+
+
 def test_sweep_rejects_an_unknown_algorithm():
   base = sweep.load_config("configs/arithmetic.py:smoke")
   with pytest.raises(ValueError, match="unknown config.algorithm"):
