@@ -113,3 +113,17 @@ def test_the_smoke_config_trains_end_to_end(name, tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   train = [r for r in rows if "train/reward_mean" in r]
   assert len(train) == 2 and all(r["train/reward_mean"] == r["train/reward_mean"] for r in train)
+  if name == "gsm8k":
+    return
+  # The paper's evaluation on the trained run: greedy win rate against the references (TL;DR's
+  # summaries, HH's chosen responses), judged by the tiny reward model (Bradley-Terry).
+  fixtures = os.path.join(REPO, "tests", "fixtures")
+  judge = (f"reward:hf_reward_model:{fixtures}/hf_rm/gpt_neox?tokenizer={fixtures}/hf/gpt_neox"
+           "&batch_size=4&dtype=float32")
+  out = subprocess.run([sys.executable, "-m", "rloo_jax.winrate", f"--workdir={tmp_path}",
+                        f"--judge={judge}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert r["step"] in (1, 2) and r["n"] + r["n_unjudged"] + r["n_overlong"] == r["num_prompts"]
+  assert r["n"] > 0 and r["win_rate"] == pytest.approx((r["wins"] + 0.5 * r["ties"]) / r["n"])
