@@ -23,50 +23,12 @@ Evaluation the paper's way (greedy win rate against the reference summaries, at 
 with the best held-out reward): `python -m rloo_jax.winrate --workdir=... --judge=...`
 (docs/EVALUATION.md). Table 1's rows: configs/sweeps/table1_tldr.py.
 """
-import os
-
-from rloo_jax.config_utils import FIXTURES, base_config, parse_arg, reward_model_spec, set_model
-
-ROLLOUT_COMPLETIONS = 512  # per rollout batch, all methods (k samples of 512 / k prompts)
-ITERATIONS = 600
+from rloo_jax.config_utils import paper_rlhf_config
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, model="pythia-6.9b", k=2, rm="", smoke=False, lora=0, seed=0)
-  c = base_config()
-  c.seed = arg.seed
-  c.task = "tldr"
-  set_model(c, arg.model)
-  c.model.update(dtype="bfloat16", remat="full")
-  c.model.lora.rank = arg.lora
-  c.sft.steps = 0  # the policy starts from the SFT checkpoint of init_from
-  # comparison_batches: the human comparisons DPO trains on with dpo.pairs='dataset' ('' = all).
-  c.data.update(max_prompt_len=448, chat_template="", comparison_batches="")
-  c.rloo.update(k=arg.k, num_prompts=ROLLOUT_COMPLETIONS // arg.k, max_new_tokens=53,
-                temperature=1.0, trim_bucket=16)
-  c.kl.update(beta=0.03, estimator="k1", reduction="sum")
-  c.loss.update(type="reinforce")
-  steps = ITERATIONS * 2  # 2 optimizer steps (minibatches of 256 completions) per iteration
-  c.optim.update(learning_rate=1e-6, warmup_steps=int(0.03 * steps), schedule="constant",
-                 max_grad_norm=1.0)
-  c.train.update(num_iterations=ITERATIONS, num_epochs=1, num_minibatches=2,
-                 microbatch_size=8, eval_every=50, eval_prompts=512, eval_batch_size=64,
-                 checkpoint_every=50, keep_checkpoints=3)
-  c.rewards.fns = [reward_model_spec(arg.rm)]
-  c.rewards.weights = [1.0]
-  c.mesh.update(data=1, fsdp=-1)
-
-  if arg.smoke:  # tiny random checkpoint + TL;DR-format files: end to end on CPU in seconds
-    if arg.model == "pythia-6.9b":
-      set_model(c, os.path.join(FIXTURES, "hf", "gpt_neox"))
-    c.rewards.fns = [reward_model_spec(arg.rm or os.path.join(FIXTURES, "hf_rm", "gpt_neox"),
-                                       tokenizer=os.path.join(FIXTURES, "hf", "gpt_neox"),
-                                       batch_size=4)]
-    c.model.dtype = "float32"
-    c.data.update(source_dir=os.path.join(FIXTURES, "tldr"), max_prompt_len=52,
-                  comparison_batches="batch3")
-    c.rloo.update(num_prompts=4, max_new_tokens=8, trim_bucket=8)
-    c.optim.update(learning_rate=1e-4, warmup_steps=1)
-    c.train.update(num_iterations=2, num_minibatches=2, microbatch_size=0, eval_every=1,
-                   eval_prompts=8, eval_batch_size=4, checkpoint_every=1, progress_bar=False)
-  return c
+  return paper_rlhf_config(arg, task="tldr", beta=0.03, max_prompt_len=448, max_new_tokens=53,
+                           smoke_prompt_len=52,
+                           # The human comparisons DPO trains on with dpo.pairs='dataset' ('' = all
+                           # of them).
+                           comparison_batches="", smoke_data=dict(comparison_batches="batch3"))

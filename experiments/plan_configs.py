@@ -27,6 +27,8 @@ ROWS = (
     ("gsm8k single qwen2.5-0.5b full", "configs/gsm8k.py:single,model=qwen2.5-0.5b", 1, 80),
     ("gsm8k single qwen2.5-0.5b lora 16", "configs/gsm8k.py:single,model=qwen2.5-0.5b,lora=16",
      1, 80),
+    ("gsm8k colab qwen2.5-0.5b lora 16", "configs/gsm8k.py:colab,model=qwen2.5-0.5b,lora=16",
+     1, 15),
 )
 
 

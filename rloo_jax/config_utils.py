@@ -215,3 +215,55 @@ def reward_model_spec(path: str, **options) -> str:
   checkpoint; '' leaves the path for --config.rewards.fns to give (the spec then says so)."""
   query = "&".join(f"{k}={v}" for k, v in options.items())
   return f"hf_reward_model:{path}" + (f"?{query}" if query else "")
+
+
+def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_new_tokens: int,
+                      smoke_prompt_len: int, smoke_data=None, **data
+                      ) -> ml_collections.ConfigDict:
+  """The RLOO paper's RLHF setting shared by configs/tldr.py and configs/hh.py (which give the
+  task, beta, the prompt cut and the completion length): a checkpoint policy (`model=`, with no
+  SFT stage of its own) optimising a reward model (`rm=`); 512 completions per rollout batch
+  (512 / k prompts) in 2 optimizer steps of 256, one epoch, lr 1e-6 constant after a 3% warm-up,
+  600 iterations; bf16, fsdp over every device. `data`: the task's own config.data fields.
+  `smoke`: a tiny random GPT-NeoX checkpoint and reward model from tests/fixtures and the task's
+  source-format files there (with `smoke_data` for what those files hold), for CPU."""
+  arg = parse_arg(arg, model="pythia-6.9b", k=2, rm="", smoke=False, lora=0, seed=0)
+  c = base_config()
+  c.seed, c.task = arg.seed, task
+  set_model(c, arg.model)
+  c.model.update(dtype="bfloat16", remat="full")
+  c.model.lora.rank = arg.lora
+  c.sft.steps = 0  # the policy starts from the SFT checkpoint of init_from
+  c.data.update(max_prompt_len=max_prompt_len, chat_template="", **data)
+  c.rloo.update(k=arg.k, num_prompts=PAPER_ROLLOUT_COMPLETIONS // arg.k,
+                max_new_tokens=max_new_tokens, temperature=1.0,
+                trim_bucket=16 if max_new_tokens <= 64 else 32)
+  c.kl.update(beta=beta, estimator="k1", reduction="sum")
+  c.loss.update(type="reinforce")
+  steps = PAPER_ITERATIONS * 2  # 2 optimizer steps (minibatches of 256 completions) each
+  c.optim.update(learning_rate=1e-6, warmup_steps=int(0.03 * steps), schedule="constant",
+                 max_grad_norm=1.0)
+  c.train.update(num_iterations=PAPER_ITERATIONS, num_epochs=1, num_minibatches=2,
+                 microbatch_size=8, eval_every=50, eval_prompts=512, eval_batch_size=64,
+                 checkpoint_every=50, keep_checkpoints=3)
+  c.rewards.fns = [reward_model_spec(arg.rm)]
+  c.rewards.weights = [1.0]
+  c.mesh.update(data=1, fsdp=-1)
+  if arg.smoke:  # end to end on CPU in seconds
+    if arg.model == "pythia-6.9b":
+      set_model(c, os.path.join(FIXTURES, "hf", "gpt_neox"))
+    c.rewards.fns = [reward_model_spec(arg.rm or os.path.join(FIXTURES, "hf_rm", "gpt_neox"),
+                                       tokenizer=os.path.join(FIXTURES, "hf", "gpt_neox"),
+                                       batch_size=4)]
+    c.model.dtype = "float32"
+    c.data.update(source_dir=os.path.join(FIXTURES, task), max_prompt_len=smoke_prompt_len,
+                  **(smoke_data or {}))
+    c.rloo.update(num_prompts=4, max_new_tokens=8, trim_bucket=8)
+    c.optim.update(learning_rate=1e-4, warmup_steps=1)
+    c.train.update(num_iterations=2, num_minibatches=2, microbatch_size=0, eval_every=1,
+                   eval_prompts=8, eval_batch_size=4, checkpoint_every=1, progress_bar=False)
+  return c
+
+
+PAPER_ROLLOUT_COMPLETIONS = 512  # per rollout batch, every method (k samples of 512 / k prompts)
+PAPER_ITERATIONS = 600

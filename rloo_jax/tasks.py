@@ -126,9 +126,17 @@ def _log_drops(name: str, builder) -> dict:
   return counts
 
 
-def _source_dir(config) -> Optional[str]:
-  # '' downloads the public files (on a machine with network); a directory reads them offline.
-  return config.data.get("source_dir", "") or None
+def _builder_options(config, tokenizer, **lists) -> dict:
+  """A paper builder's options: the checkpoint's tokenizer and config.data.max_prompt_len for
+  the length filter, config.data.source_dir ('' downloads the public files; a directory reads
+  them offline), and each `option=<config.data field>` of `lists` as its comma list when set."""
+  d = config.data
+  options = dict(tokenizer=tokenizer, max_prompt_tokens=int(d.max_prompt_len),
+                 source_dir=d.get("source_dir", "") or None)
+  for option, field in lists.items():
+    if d.get(field, ""):
+      options[option] = [x.strip() for x in d[field].split(",") if x.strip()]
+  return options
 
 
 def _tldr(config, data_dir: str) -> Task:
@@ -137,19 +145,14 @@ def _tldr(config, data_dir: str) -> Task:
   config.data.max_prompt_len tokens (paper: 448) are dropped and counted."""
   tokenizer = _checkpoint_tokenizer(config, "tldr")
   d = config.data
-  builder = tldr.prepare_prompts(data_dir, tokenizer=tokenizer,
-                                 max_prompt_tokens=int(d.max_prompt_len),
-                                 source_dir=_source_dir(config))
+  builder = tldr.prepare_prompts(data_dir, **_builder_options(config, tokenizer))
   _log_drops("tldr", builder)
   train = load_split(builder, "train")
 
   def comparisons():
     # The human comparisons (Stiennon et al.), prepared only when DPO asks for them.
-    options = dict(tokenizer=tokenizer, max_prompt_tokens=int(d.max_prompt_len),
-                   source_dir=_source_dir(config))
-    if d.get("comparison_batches", ""):
-      options["batches"] = [b.strip() for b in d.comparison_batches.split(",") if b.strip()]
-    pairs = tldr.prepare_comparisons(data_dir, **options)
+    pairs = tldr.prepare_comparisons(
+        data_dir, **_builder_options(config, tokenizer, batches="comparison_batches"))
     _log_drops("tldr_comparisons", pairs)
     return load_split(pairs, "train")
 
@@ -162,12 +165,7 @@ def _hh(config, data_dir: str) -> Task:
   response is the demonstration and the win-rate reference (`answer`). Prompts over
   config.data.max_prompt_len tokens (paper: 348) are dropped and counted."""
   tokenizer = _checkpoint_tokenizer(config, "hh")
-  d = config.data
-  options = dict(tokenizer=tokenizer, max_prompt_tokens=int(d.max_prompt_len),
-                 source_dir=_source_dir(config))
-  if d.get("hh_subsets", ""):
-    options["subsets"] = [s.strip() for s in d.hh_subsets.split(",") if s.strip()]
-  builder = hh.prepare(data_dir, **options)
+  builder = hh.prepare(data_dir, **_builder_options(config, tokenizer, subsets="hh_subsets"))
   _log_drops("hh", builder)
   with_answer = lambda source: _Renamed(source, answer="chosen")
   train = with_answer(load_split(builder, "train"))
@@ -179,7 +177,7 @@ def _gsm8k(config, data_dir: str) -> Task:
   """GSM8K: questions in `data.gsm8k_template` (default: the builder's plain frame), the final
   number as `answer` (what `rewards.verifiers:gsm8k` checks); SFT imitates the worked solutions."""
   tokenizer = _checkpoint_tokenizer(config, "gsm8k")
-  options = dict(source_dir=_source_dir(config))
+  options = dict(source_dir=config.data.get("source_dir", "") or None)
   if config.data.get("gsm8k_template", ""):
     options["prompt_template"] = config.data.gsm8k_template
   builder = gsm8k.prepare(data_dir, **options)

@@ -11,27 +11,13 @@ evaluate each run the paper's way with `python -m rloo_jax.winrate` (docs/EVALUA
         --config_arg=model=/ckpt/pythia-6.9b-hh-sft,rm=/ckpt/pythia-6.9b-hh-rm
     # Llama-7B: the same with its checkpoints; --dry_run lists the runs
 """
+import importlib.util
+import os
+
 CONFIG = "configs/hh.py"
-SEEDS = (0,)  # one seed per row at 1-7B (the paper's table reports one run per cell)
-COMMON = {"train.progress_bar": False}
-COMPLETIONS = 512
-
-
-def samples(k: int) -> dict:
-  return {"rloo.k": k, "rloo.num_prompts": COMPLETIONS // k}
-
-
-def get_sweep():
-  return [
-      dict(name="rloo_k2", **{"advantage.estimator": "rloo", **samples(2)}),
-      dict(name="rloo_k4", **{"advantage.estimator": "rloo", **samples(4)}),
-      dict(name="raft_k2", **{"advantage.estimator": "raft", **samples(2)}),
-      dict(name="raft_k4", **{"advantage.estimator": "raft", **samples(4)}),
-      dict(name="reinforce_baseline", **{"advantage.estimator": "reinforce_ema", **samples(1)}),
-      dict(name="vanilla_pg", **{"advantage.estimator": "vanilla", **samples(1)}),
-      dict(name="ppo", algorithm="ppo", **samples(1)),
-      dict(name="dpo", algorithm="dpo", **{
-          "dpo.pairs": "dataset", "dpo.num_pair_prompts": 1_000_000, "dpo.steps": 2000,
-          "dpo.batch_size": 64, "dpo.beta": 0.1, "dpo.learning_rate": 1e-6,
-          "dpo.eval_every": 200}),
-  ]
+# The rows, budget and seeds are table1_tldr.py's: the two tables differ only in their config.
+_spec = importlib.util.spec_from_file_location(
+    "table1_tldr", os.path.join(os.path.dirname(os.path.abspath(__file__)), "table1_tldr.py"))
+_tldr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tldr)
+SEEDS, COMMON, get_sweep = _tldr.SEEDS, _tldr.COMMON, _tldr.get_sweep
