@@ -27,6 +27,7 @@ import argparse
 import json
 import resource
 import tempfile
+import time
 
 import numpy as np
 
@@ -59,6 +60,16 @@ def synthetic_reward(prompts, completions, **fields):
   """Fraction of completion tokens with an even id: cheap, dense, and learnable."""
   return np.array([np.mean([(ord(c) - 0xE000) % 2 == 0 for c in s]) if s else 0.0
                    for s in completions], np.float32)
+
+
+def delayed(reward, seconds: float):
+  """`reward` after `seconds` of host time per call: a slow verifier, a sandboxed code run or a
+  remote judge, whose latency the reference pass can hide (it runs on the devices meanwhile)."""
+  def fn(prompts, completions, **fields):
+    time.sleep(seconds)
+    return reward(prompts, completions, **fields)
+  fn.__name__ = reward.__name__
+  return fn
 
 
 def random_prompts(num, length, vocab, seed):
@@ -132,6 +143,8 @@ def main():
                  help="config.model.lora.rank (0: full fine-tuning)")
   p.add_argument("--lora_targets", default="q,k,v,o,gate,up,down",
                  help="config.model.lora.targets")
+  p.add_argument("--reward_delay_ms", type=float, default=0.0,
+                 help="host latency added to each reward call (a slow verifier or judge)")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
@@ -149,7 +162,8 @@ def main():
   c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix),
                  microbatch_size=args.microbatch_size,
                  logprob_chunk_size=args.logprob_chunk_size)
-  c.rewards.fns = [synthetic_reward]
+  c.rewards.fns = [delayed(synthetic_reward, args.reward_delay_ms / 1e3)
+                   if args.reward_delay_ms else synthetic_reward]
   c.rewards.weights = [1.0]
   task = bench_task(args.vocab, args.prompt_len)
   with tempfile.TemporaryDirectory() as workdir:

@@ -7,6 +7,7 @@ Prints one JSON line per size: the median over rounds of each phase (rollout, re
 iteration) on both sides and the median per-round ratio new / base.
 
     python experiments/compare_commits.py --base c6819af --sizes 256x4,64x2 --rounds 3
+    python experiments/compare_commits.py --base <rev> --sizes 256x4 --bench_args "--reward_delay_ms 200"
 """
 import argparse
 import json
@@ -20,12 +21,12 @@ from compare_trl import last_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
+PHASES = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
 
 
-def bench(root, hidden, layers, iterations):
+def bench(root, hidden, layers, iterations, extra=()):
   cmd = [sys.executable, os.path.join(root, "experiments", "bench_step.py"), "--hidden", hidden,
-         "--layers", layers, "--iterations", str(iterations)]
+         "--layers", layers, "--iterations", str(iterations), *extra]
   # PYTHONPATH first: the worktree's rloo_jax shadows the installed (editable) one.
   return last_json(cmd, env=dict(os.environ, PYTHONPATH=root), cwd=root)["median"]
 
@@ -36,6 +37,8 @@ def main():
   p.add_argument("--sizes", default="256x4,64x2", help="hidden x layers, comma separated")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--bench_args", default="",
+                 help="more bench_step.py flags for both sides, e.g. '--reward_delay_ms 200'")
   args = p.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     base_root = os.path.join(tmp, "base")
@@ -47,7 +50,7 @@ def main():
         rounds = []
         for r in range(args.rounds):
           sides = [("base", base_root), ("new", ROOT)]
-          res = {name: bench(root, hidden, layers, args.iterations)
+          res = {name: bench(root, hidden, layers, args.iterations, args.bench_args.split())
                  for name, root in (sides if r % 2 == 0 else sides[::-1])}
           rounds.append(res)
         med = lambda side, k: round(statistics.median(x[side][k] for x in rounds), 4)
