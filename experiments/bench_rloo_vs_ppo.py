@@ -88,8 +88,8 @@ def measure_memory(rloo, ppo, n, p, t):
   out["rloo"] = dict(
       state_bytes=tree_bytes(rloo_state),
       train_step=memory_of(rloo.step_fn, rloo_state, rloo_rows),
-      score=memory_of(rloo.score_fn, rloo_state.ref_params, rloo_state.adv_state, rloo_rows,
-                      s((b, k), jnp.float32), s((b, k), jnp.bool_)))
+      # The scoring pass's program of any size: the reference's log-probs (RLOO.reference_fn).
+      score=memory_of(rloo.reference_fn, rloo_state.ref_params, rloo_rows))
   out["ppo"] = dict(
       state_bytes=tree_bytes(ppo_state),
       train_step=memory_of(ppo.step_fn, ppo_state, ppo_rows),

@@ -11,7 +11,7 @@ Row n of the completion arrays is sample j of prompt b, n = b * k + j, in both.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from flax import struct
 import jax
@@ -234,35 +234,50 @@ def sample_batch(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=N
   return out, decode_completions(exp.tokenizer, tokens_nt, lengths_n)
 
 
-def rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None, rewards=None):
+def rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None, rewards=None,
+            on_sampled: Optional[Callable] = None):
   """Samples k completions per prompt and scores them with a reward set (host side).
 
-  Each process scores its own rows. Returns (SampleOutput, rewards [B, k] of the global batch,
-  this process's completions, {function name: global scores [B*k]})."""
+  Each process scores its own rows. `on_sampled(out)`, when given, runs between the sampling
+  and the rewards (its result is returned last): device work it dispatches, such as the
+  reference pass, runs while the host scores. Returns (SampleOutput, rewards [B, k] of the
+  global batch, this process's completions, {function name: global scores [B*k]}) and, with
+  on_sampled, its result."""
   rewards = rewards or exp.rewards
   out, completions = sample_batch(exp, params, batch, rng, k=k, method=method)
+  dispatched = on_sampled(out) if on_sampled is not None else None
   b = batch["prompt_tokens"].shape[0]
   prompts = list(np.repeat(np.asarray(batch["prompt"], object), k))
   rewards_n, parts = rewards(prompts, completions, reward_fields(batch, k))
   layout = exp.layout
   parts = {name: layout.gather_rows(v) for name, v in parts.items()}
-  return out, layout.gather_rows(rewards_n.reshape(b, k)), completions, parts
+  result = (out, layout.gather_rows(rewards_n.reshape(b, k)), completions, parts)
+  return result + (dispatched,) if on_sampled is not None else result
 
 
-def timed_rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int):
+def timed_rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int,
+                  on_sampled: Optional[Callable] = None):
   """The rollout and its validated rewards, timed: the first half of every on-policy iteration.
 
+  `on_sampled(out)` runs once the completions are sampled, before the rewards (`rollout`).
   Returns (sample output, rewards [B, k] float32, usable mask, number masked as non-finite,
-  per-function scores, {'rollout_s', 'reward_s'})."""
+  per-function scores, {'rollout_s': sampling, 'reward_s': the host's reward scoring, which
+  on_sampled's device work overlaps}) and, with on_sampled, its result."""
   t0 = time.perf_counter()
-  out, raw_rewards_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, 0), k=k)
-  jax.block_until_ready(out.tokens_bkt)
-  timings = {"rollout_s": time.perf_counter() - t0}
-  t0 = time.perf_counter()
+  timings = {}
+
+  def sampled(out):
+    jax.block_until_ready(out.tokens_bkt)
+    timings["rollout_s"] = time.perf_counter() - t0
+    return on_sampled(out) if on_sampled is not None else None
+
+  out, raw_rewards_bk, _, parts, dispatched = rollout(
+      exp, params, batch, jax.random.fold_in(rng, 0), k=k, on_sampled=sampled)
   rewards_bk, usable_bk, num_nonfinite = advantage.prepare_rewards(
       raw_rewards_bk, nan_policy=exp.config.rewards.nan_policy)
-  timings["reward_s"] = time.perf_counter() - t0
-  return out, rewards_bk, usable_bk, num_nonfinite, parts, timings
+  timings["reward_s"] = time.perf_counter() - t0 - timings["rollout_s"]
+  result = (out, rewards_bk, usable_bk, num_nonfinite, parts, timings)
+  return result + (dispatched,) if on_sampled is not None else result
 
 
 def sample_records(exp, params, records, rng, *, k: int, method, batch_size: int

@@ -1,7 +1,8 @@
 """The RLOO scoring pass and update: pure functions jitted by `algorithms.rloo`, and the loop of
 `num_epochs` x `num_minibatches` donated steps over one rollout's rows.
 
-    score_rollout: reference log-probs -> KL -> R = r - beta * KL -> advantages  (all [B, k])
+    score_rollout: reference log-probs -> KL -> R = r - beta * KL -> advantages  (all [B, k]);
+                   reference_logprobs and advantages_of are its two halves
     TrainStep:     one optimizer step on a minibatch of rows, its gradient accumulated over
                    microbatches -> (state, metrics)
 
@@ -157,12 +158,23 @@ def reference_logprobs(ref_params, rows, *, fns, k: int, chunk_size: int, microb
 def score_rollout(ref_params, adv_state, rows, rewards_bk, usable_bk, *, fns, beta: float,
                   kl_estimator: str, kl_reduction: str, estimator: str, options: tuple,
                   chunk_size: int, microbatches: int = 1, rows_sharding=None):
-  """Reference log-probs, KL, penalised rewards R = r - beta * KL and advantages, all [B, k].
+  """Reference log-probs, KL, penalised rewards R = r - beta * KL and advantages, all [B, k]:
+  `reference_logprobs` then `advantages_of`, which RLOO runs as two programs so the reference
+  pass runs on the devices while the host scores the rewards.
 
   Returns ({kl_bk, penalised_bk, advantages_bk, ref_logp_nt}, new estimator state)."""
+  ref_logp = reference_logprobs(ref_params, rows, fns=fns, k=rewards_bk.shape[1],
+                                chunk_size=chunk_size, microbatches=microbatches,
+                                rows_sharding=rows_sharding)
+  return advantages_of(ref_logp, adv_state, rows, rewards_bk, usable_bk, beta=beta,
+                       kl_estimator=kl_estimator, kl_reduction=kl_reduction,
+                       estimator=estimator, options=options)
+
+
+def advantages_of(ref_logp, adv_state, rows, rewards_bk, usable_bk, *, beta: float,
+                  kl_estimator: str, kl_reduction: str, estimator: str, options: tuple):
+  """KL, penalised rewards and advantages of the rows given the reference's log-probs [N, T]."""
   b, k = rewards_bk.shape
-  ref_logp = reference_logprobs(ref_params, rows, fns=fns, k=k, chunk_size=chunk_size,
-                                microbatches=microbatches, rows_sharding=rows_sharding)
   penalised, kl = loss.penalized_reward(rewards_bk.reshape(-1), rows.old_logp_nt, ref_logp,
                                         rows.cmask_nt, beta=beta, estimator=kl_estimator,
                                         reduction=kl_reduction)

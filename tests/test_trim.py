@@ -174,7 +174,7 @@ def test_iterations_compile_the_train_step_once_per_bucket(tmp_path, monkeypatch
                                m["update_s"], rtol=1e-6)
   assert columns == [4, 8, 12, 4, 8]
   assert algo.step_fn._cache_size() == 3 == math.ceil(MAX_NEW_TOKENS / BUCKET)
-  assert algo.score_fn._cache_size() <= 3
+  assert algo.reference_fn._cache_size() <= 3 and algo.advantage_fn._cache_size() <= 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,3 +284,26 @@ def test_microbatched_reference_pass_and_gradient_equal_one_pass(tmp_path, share
                                  err_msg=name)
     for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
       np.testing.assert_allclose(g, g1, rtol=1e-4, atol=1e-6)
+
+
+def test_the_reference_pass_is_dispatched_before_the_rewards_are_scored(tmp_path):
+  """The reference's log-probs need only the completions: RLOO dispatches them before it
+  scores the rewards on the host, so the devices run the pass while a slow verifier or judge
+  works: the rewards see a reference pass already in flight."""
+  exp = experiment.build(tiny_config(trim_bucket=BUCKET), str(tmp_path))
+  algo = RLOO(exp)
+  state = algo.init_state(models.create(exp.model_config)[1])
+  events = []
+  reference_fn = algo.reference_fn
+  algo.reference_fn = lambda *a: (events.append("reference"), reference_fn(*a))[1]
+  rewards = exp.rewards
+
+  def recording(*args, **kwargs):
+    events.append("rewards")
+    return rewards(*args, **kwargs)
+
+  exp.rewards = recording
+  batch = first_batch(exp)
+  _, m = algo.iteration(state, batch)
+  assert events == ["reference", "rewards"]
+  assert {"rollout_s", "reward_s", "reference_s"} <= set(m) and np.isfinite(m["kl"])

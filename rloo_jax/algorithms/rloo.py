@@ -101,18 +101,29 @@ class RLOO:
         fns=exp.fns, tx=exp.tx, spec=exp.loss_spec, k=self.k, chunk_size=chunk,
         microbatches=update.microbatches(c, per="minibatch"), state_shardings=state_sh,
         rows_sharding=rows_sh, replicated=rep)
-    self.score_fn = jax.jit(functools.partial(
-        update.score_rollout, fns=exp.base_fns or exp.fns, beta=float(c.kl.beta),
-        kl_estimator=c.kl.estimator, kl_reduction=c.kl.reduction,
-        estimator=c.advantage.estimator,
-        options=tuple(sorted(dict(c.advantage.options).items())), chunk_size=chunk,
+    # The scoring pass as two programs: the reference's log-probs (the heavy one, dispatched as
+    # soon as the completions exist, so it runs while the host scores the rewards) and the KL,
+    # penalised rewards and advantages (a few [B, k] operations once the rewards are in).
+    self.reference_fn = jax.jit(functools.partial(
+        update.reference_logprobs, fns=exp.base_fns or exp.fns, k=self.k, chunk_size=chunk,
         microbatches=update.microbatches(c, per="rollout"), rows_sharding=rows_sh),
-        in_shardings=(state_sh.ref_params, state_sh.adv_state, rows_sh, rows_sh, rows_sh),
+        in_shardings=(state_sh.ref_params, rows_sh), out_shardings=rows_sh)
+    self.advantage_fn = jax.jit(functools.partial(
+        update.advantages_of, beta=float(c.kl.beta), kl_estimator=c.kl.estimator,
+        kl_reduction=c.kl.reduction, estimator=c.advantage.estimator,
+        options=tuple(sorted(dict(c.advantage.options).items()))),
+        in_shardings=(rows_sh, state_sh.adv_state, rows_sh, rows_sh, rows_sh),
         out_shardings=(rows_sh, state_sh.adv_state))
     self.rows_fn = jax.jit(functools.partial(rollout.make_rows, k=self.k,
                                              shared_prefix=bool(c.train.shared_prefix)),
                            in_shardings=(rows_sh,) * 5, out_shardings=rows_sh)
     self.take_fn = jax.jit(lambda rows, idx: rows.take(idx, self.k), out_shardings=rows_sh)
+
+  def score_fn(self, ref_params, adv_state, rows, rewards_bk, usable_bk):
+    """`update.score_rollout` as the iteration runs it: ({kl_bk, penalised_bk, advantages_bk,
+    ref_logp_nt}, new estimator state)."""
+    return self.advantage_fn(self.reference_fn(ref_params, rows), adv_state, rows, rewards_bk,
+                             usable_bk)
 
   @property
   def num_iterations(self) -> int:
@@ -142,20 +153,25 @@ class RLOO:
     exp, c, k = self.exp, self.exp.config, self.k
     layout = exp.layout
     rng = jax.random.fold_in(state.rng, int(state.step))
-    out, rewards_bk, usable_bk, num_nonfinite, parts, timings = rollout.timed_rollout(
-        exp, state.policy_params, batch, rng, k=k)
 
+    def reference(out):
+      # Lengths (and so the rollout metrics) are unchanged by the trim; only columns go. The
+      # reference pass is dispatched here, before the rewards, and runs while they are scored.
+      out = trim_rollout(exp, out, exp.loss_spec.aggregation, exp.loss_spec.max_len)
+      rows = rollout_rows(self, batch, out)
+      return out, rows, self.reference_fn(state.ref_params, rows)
+
+    _, rewards_bk, usable_bk, num_nonfinite, parts, timings, (out, rows, ref_logp) = (
+        rollout.timed_rollout(exp, state.policy_params, batch, rng, k=k, on_sampled=reference))
     t0 = time.perf_counter()
     b = rewards_bk.shape[0]  # the global batch
     n = b * k
-    # Lengths (and so the rollout metrics) are unchanged by the trim; only columns go.
-    out = trim_rollout(exp, out, exp.loss_spec.aggregation, exp.loss_spec.max_len)
     t = out.tokens_bkt.shape[2]
-    rows = rollout_rows(self, batch, out)
-    scored, adv_state = self.score_fn(state.ref_params, state.adv_state, rows,
-                                      layout.put_global_batch(rewards_bk.astype(np.float32)),
-                                      layout.put_global_batch(usable_bk))
+    scored, adv_state = self.advantage_fn(ref_logp, state.adv_state, rows,
+                                          layout.put_global_batch(rewards_bk.astype(np.float32)),
+                                          layout.put_global_batch(usable_bk))
     jax.block_until_ready(scored["advantages_bk"])
+    # What of the reference pass the reward scoring did not hide, and the advantages.
     timings["reference_s"] = time.perf_counter() - t0
     state = state.replace(adv_state=adv_state)
 

@@ -4,7 +4,8 @@ the real shardings) and compiled, with what each holds in device memory.
     update   `RLOO.step_fn` on one minibatch of rows (worst case: T = max_new_tokens); when
              it runs as several programs (`update.TrainStep.lower` gives them by name:
              update_gradients, update_apply), each is measured under its own name
-    score    `RLOO.score_fn` on the whole rollout (reference log-probs, KL, advantages)
+    score    `RLOO.reference_fn` on the whole rollout (the reference's log-probs; the KL and
+             advantages after it, `RLOO.advantage_fn`, are a few [B, k] arrays)
     start    `sampler.start` on one rollout chunk (prefill + the first token)
     decode   `sampler.decode_loop` on that chunk's SamplingState (donated)
 
@@ -246,7 +247,9 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   # The scoring pass's outputs (KL, advantages, reference log-probs), split like the rows.
   scores = per_device_bytes(_with(jax.eval_shape(algo.score_fn, *score_args)[0], rows_sh))
   if "score" in names:
-    compiled, s = _compile(lambda: algo.score_fn.lower(*score_args))
+    # The scoring pass's program of any size: the reference's log-probs (the KL and advantages
+    # after it are a few [B, k] operations, `RLOO.advantage_fn`).
+    compiled, s = _compile(lambda: algo.reference_fn.lower(state.ref_params, x.rows))
     found["score"] = _measure("score", compiled, s,
                               persistent - parts["ref_params"] + sample_output)
   if "update" in names:
