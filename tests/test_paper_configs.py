@@ -45,10 +45,13 @@ def test_gsm8k_is_verls_rloo_example():
   assert load_config("single", "gsm8k").model.init_from == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
-def test_a_paper_task_without_a_checkpoint_names_the_fix(tmp_path):
+def test_a_paper_task_without_a_checkpoint_or_reward_model_names_the_fix(tmp_path):
   c = load_config("model=pythia-1b", "tldr")
   with pytest.raises(ValueError, match=r"config\.model\.init_from"):
     tasks.make(c, str(tmp_path))
+  with pytest.raises(ValueError, match=r"rm= argument"):
+    experiment.build(c, str(tmp_path))
+  assert not os.listdir(tmp_path)  # refused before anything was prepared or written
 
 
 def test_tldr_prompts_are_formatted_and_long_ones_dropped_and_counted(tmp_path, capsys):

@@ -30,7 +30,10 @@ def _parse_spec(spec: str, prefix: str, kinds: dict, what: str):
   """(path, {option: typed value}) of '<prefix><path>?name=value&...'; errors name the option."""
   path, _, query = spec[len(prefix):].partition("?")
   if not path:
-    raise ValueError(f"reward function {spec!r}: expected '{prefix}<{what}>'")
+    hint = (" (configs/tldr.py and configs/hh.py take the reward model as their rm= argument: "
+            "--config=configs/tldr.py:model=<sft>,rm=<reward model>)"
+            if prefix == HF_REWARD_MODEL_PREFIX else "")
+    raise ValueError(f"reward function {spec!r}: expected '{prefix}<{what}>'{hint}")
   options = {}
   for item in filter(None, query.split("&")):
     name, eq, value = item.partition("=")
