@@ -67,8 +67,14 @@ def random_prompts(num, length, vocab, seed):
   return [{"prompt": "".join(chr(0xE000 + int(i)) for i in row), "answer": ""} for row in ids]
 
 
-def bench_task(vocab, prompt_len):
-  return tasks.Task("bench", IdTokenizer(vocab), random_prompts(512, prompt_len, vocab, 0), [])
+def bench_task(vocab, prompt_len, fixed_length=False):
+  """The bench prompts; `fixed_length`: a tokenizer without an end token, so every completion
+  runs to max_new_tokens (the work of a side-by-side comparison does not depend on when a random
+  policy happens to sample id 2)."""
+  tokenizer = IdTokenizer(vocab)
+  if fixed_length:
+    tokenizer.eos_id = None
+  return tasks.Task("bench", tokenizer, random_prompts(512, prompt_len, vocab, 0), [])
 
 
 def prompt_batches(task, num_prompts, prompt_len):
@@ -132,6 +138,8 @@ def main():
                  help="config.model.lora.rank (0: full fine-tuning)")
   p.add_argument("--lora_targets", default="q,k,v,o,gate,up,down",
                  help="config.model.lora.targets")
+  p.add_argument("--fixed_length", type=int, default=0, choices=(0, 1),
+                 help="1: no end token, every completion is --new_tokens long")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
@@ -151,7 +159,7 @@ def main():
                  logprob_chunk_size=args.logprob_chunk_size)
   c.rewards.fns = [synthetic_reward]
   c.rewards.weights = [1.0]
-  task = bench_task(args.vocab, args.prompt_len)
+  task = bench_task(args.vocab, args.prompt_len, bool(args.fixed_length))
   with tempfile.TemporaryDirectory() as workdir:
     algo, state = build(c, task, workdir)
     exp = algo.exp
