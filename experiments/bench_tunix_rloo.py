@@ -131,7 +131,7 @@ def main():
   learner.train(train_ds)
   gaps = np.diff(times)[1:]  # the first gap holds the update's compilation
   print(json.dumps({
-      "framework": "tunix", "tunix": getattr(tunix, "__version__", "0.1.7"),
+      "framework": "tunix", "tunix": tunix.__version__,
       "jax": jax.__version__, "config": vars(args), "params": int(params),
       "advantage_estimator": algo.advantage_estimator, "steps_run": len(times),
       "optimizer_steps": int(cluster.actor_trainer.train_steps),

@@ -62,7 +62,7 @@ def bench_args(size):
   return args + ["--dtype", "float32"]
 
 
-def run_side(python, script, args, mem_limit_gb):
+def run_side(python, script, args, mem_limit_gb, env=None):
   """(result JSON, None) of one bench run, or (None, failure dict)."""
   def limit():
     if mem_limit_gb > 0:
@@ -70,7 +70,8 @@ def run_side(python, script, args, mem_limit_gb):
       resource.setrlimit(resource.RLIMIT_DATA, (n, n))
   start = time.perf_counter()
   proc = subprocess.run([python, os.path.join(HERE, script), *args], capture_output=True,
-                        text=True, preexec_fn=limit, cwd=REPO)
+                        text=True, preexec_fn=limit, cwd=REPO,
+                        env=None if env is None else {**os.environ, **env})
   wall = round(time.perf_counter() - start, 2)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode == 0 and lines:
@@ -92,10 +93,15 @@ def round_order(r, sides):
   return sides[r % len(sides):] + sides[:r % len(sides)]
 
 
-def compare_size(name, size, pythons, rounds, mem_limit_gb):
+def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads):
   """One size's line: every round's seconds and ratios, the medians, and the peers' fate."""
   args = bench_args(size)
-  extra = {"rloo_jax": ["--fixed_length", "1"], "trl": ["--fixed_length", "1"], "tunix": []}
+  extra = {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
+           "trl": ["--fixed_length", "1", "--threads", str(trl_threads)]}
+  # Torch's OpenMP threads spin while they wait: with another process on one of the 2 cores
+  # (as on this shared machine) a 2-thread TRL step took 2.9 s instead of 0.23 s waiting
+  # passively (size a). Passive waiting is TRL's best case here, so it is what we compare with.
+  envs = {"trl": {"OMP_WAIT_POLICY": "PASSIVE"}}
   status = {}  # side -> why it is not run
   for side in SIDES[1:]:
     if side not in pythons:
@@ -112,7 +118,8 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb):
         continue
       row["order"].append(side)
       python = sys.executable if side == "rloo_jax" else pythons[side]
-      result, failure = run_side(python, SCRIPTS[side], args + extra[side], mem_limit_gb)
+      result, failure = run_side(python, SCRIPTS[side], args + extra[side], mem_limit_gb,
+                                 envs.get(side))
       if failure is not None:
         if side == "rloo_jax":
           sys.exit(f"rloo_jax failed at size {name}: {json.dumps(failure)}")
@@ -135,6 +142,7 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb):
   ours = last["rloo_jax"]
   out = {"size": name, **{k: v for k, v in size.items()}, "dtype": "float32",
          "fixed_length": True, "params": ours["params"], "rounds": rounds,
+         "trl_threads": trl_threads, "trl_env": envs["trl"],
          "median_rloo_jax_iteration_s": median_of("rloo_jax_s"),
          "median_rloo_jax_rollout_s": round(statistics.median(
              row["rloo_jax_split_s"]["rollout_s"] for row in per_round), 5)}
@@ -167,6 +175,7 @@ def main(argv=None):
   p.add_argument("--peers", default="trl,tunix", help="comma separated: trl, tunix (or '')")
   p.add_argument("--trl_python", default=os.path.join(REPO, ".venv-trl", "bin", "python"))
   p.add_argument("--tunix_python", default=os.path.join(REPO, ".venv-tunix", "bin", "python"))
+  p.add_argument("--trl_threads", type=int, default=2, help="torch threads of the TRL side")
   p.add_argument("--mem_limit_gb", type=float, default=20.0,
                  help="RLIMIT_DATA of every run, GiB (0: none)")
   args = p.parse_args(argv)
@@ -184,7 +193,7 @@ def main(argv=None):
     size = dict(SIZES[name])
     if args.iterations:
       size["iterations"] = args.iterations
-    line = compare_size(name, size, pythons, args.rounds, args.mem_limit_gb)
+    line = compare_size(name, size, pythons, args.rounds, args.mem_limit_gb, args.trl_threads)
     print(json.dumps(line), flush=True)
     summary["sizes"][name] = {
         k: line[k] for k in ("median_rloo_jax_iteration_s", "median_trl_step_s",
