@@ -128,6 +128,8 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads):
       last[side] = result
       row[f"{side}_s"] = step_seconds(side, result)
       row[f"{side}_wall_s"] = result["wall_s"]
+      if "peak_rss_gb" in result:  # bench_step's and Tunix's (TRL's bench does not say)
+        row[f"{side}_peak_rss_gb"] = result["peak_rss_gb"]
     ours = row["rloo_jax_s"]
     row["rloo_jax_split_s"] = last["rloo_jax"]["median"]
     for peer in SIDES[1:]:
