@@ -93,15 +93,15 @@ def round_order(r, sides):
   return sides[r % len(sides):] + sides[:r % len(sides)]
 
 
-def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads):
+def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wait_policy):
   """One size's line: every round's seconds and ratios, the medians, and the peers' fate."""
   args = bench_args(size)
   extra = {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
            "trl": ["--fixed_length", "1", "--threads", str(trl_threads)]}
-  # Torch's OpenMP threads spin while they wait: with another process on one of the 2 cores
-  # (as on this shared machine) a 2-thread TRL step took 2.9 s instead of 0.23 s waiting
-  # passively (size a). Passive waiting is TRL's best case here, so it is what we compare with.
-  envs = {"trl": {"OMP_WAIT_POLICY": "PASSIVE"}}
+  # Torch's OpenMP threads spin while they wait: with another process on one of the 2 cores a
+  # 2-thread TRL step at size a took 2.9 s, 0.23 s with OMP_WAIT_POLICY=PASSIVE; on a quiet
+  # machine passive waiting doubles it (0.27 s against 0.13-0.16 s). Pick by the load.
+  envs = {"trl": {"OMP_WAIT_POLICY": omp_wait_policy} if omp_wait_policy else {}}
   status = {}  # side -> why it is not run
   for side in SIDES[1:]:
     if side not in pythons:
@@ -178,6 +178,9 @@ def main(argv=None):
   p.add_argument("--trl_python", default=os.path.join(REPO, ".venv-trl", "bin", "python"))
   p.add_argument("--tunix_python", default=os.path.join(REPO, ".venv-tunix", "bin", "python"))
   p.add_argument("--trl_threads", type=int, default=2, help="torch threads of the TRL side")
+  p.add_argument("--trl_omp_wait_policy", default="", choices=("", "PASSIVE", "ACTIVE"),
+                 help="OMP_WAIT_POLICY of the TRL side ('': torch's default, spinning); "
+                      "PASSIVE on a loaded machine")
   p.add_argument("--mem_limit_gb", type=float, default=20.0,
                  help="RLIMIT_DATA of every run, GiB (0: none)")
   args = p.parse_args(argv)
@@ -195,7 +198,8 @@ def main(argv=None):
     size = dict(SIZES[name])
     if args.iterations:
       size["iterations"] = args.iterations
-    line = compare_size(name, size, pythons, args.rounds, args.mem_limit_gb, args.trl_threads)
+    line = compare_size(name, size, pythons, args.rounds, args.mem_limit_gb, args.trl_threads,
+                        args.trl_omp_wait_policy)
     print(json.dumps(line), flush=True)
     summary["sizes"][name] = {
         k: line[k] for k in ("median_rloo_jax_iteration_s", "median_trl_step_s",
