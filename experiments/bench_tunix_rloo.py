@@ -32,7 +32,6 @@ import time
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
