@@ -78,8 +78,14 @@ def random_prompts(num, length, vocab, seed):
   return [{"prompt": "".join(chr(0xE000 + int(i)) for i in row), "answer": ""} for row in ids]
 
 
-def bench_task(vocab, prompt_len):
-  return tasks.Task("bench", IdTokenizer(vocab), random_prompts(512, prompt_len, vocab, 0), [])
+def bench_task(vocab, prompt_len, fixed_length=False):
+  """The bench prompts; `fixed_length`: a tokenizer without an end token, so every completion
+  runs to max_new_tokens (the work of a side-by-side comparison does not depend on when a random
+  policy happens to sample id 2)."""
+  tokenizer = IdTokenizer(vocab)
+  if fixed_length:
+    tokenizer.eos_id = None
+  return tasks.Task("bench", tokenizer, random_prompts(512, prompt_len, vocab, 0), [])
 
 
 def prompt_batches(task, num_prompts, prompt_len):
@@ -145,6 +151,8 @@ def main():
                  help="config.model.lora.targets")
   p.add_argument("--reward_delay_ms", type=float, default=0.0,
                  help="host latency added to each reward call (a slow verifier or judge)")
+  p.add_argument("--fixed_length", type=int, default=0, choices=(0, 1),
+                 help="1: no end token, every completion is --new_tokens long")
   p.add_argument("--peak_gflops", type=float, default=390.0,
                  help="float32 matmul peak of this machine, for the utilisation figure")
   args = p.parse_args()
@@ -165,7 +173,7 @@ def main():
   c.rewards.fns = [delayed(synthetic_reward, args.reward_delay_ms / 1e3)
                    if args.reward_delay_ms else synthetic_reward]
   c.rewards.weights = [1.0]
-  task = bench_task(args.vocab, args.prompt_len)
+  task = bench_task(args.vocab, args.prompt_len, bool(args.fixed_length))
   with tempfile.TemporaryDirectory() as workdir:
     algo, state = build(c, task, workdir)
     exp = algo.exp

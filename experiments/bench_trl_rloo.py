@@ -33,9 +33,13 @@ def make_tokenizer(vocab):
                                  eos_token="<eos>")
 
 
+COMPLETION_WORDS = []  # each completion's word count (specials dropped by the decode excepted)
+
+
 def synthetic_reward(prompts, completions, **kwargs):
   out = []
   for text in completions:
+    COMPLETION_WORDS.append(len(text.split()))
     ids = [int(w[1:]) for w in text.split() if w.startswith("t") and w[1:].isdigit()]
     out.append(sum(i % 2 == 0 for i in ids) / len(ids) if ids else 0.0)
   return out
@@ -67,6 +71,9 @@ def main():
   p.add_argument("--threads", type=int, default=2)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="bfloat16: TRL's bf16 mixed precision (torch CPU autocast)")
+  p.add_argument("--fixed_length", type=int, default=0, choices=(0, 1),
+                 help="1: the end token suppressed (min_new_tokens), every completion is "
+                      "--new_tokens long")
   args = p.parse_args()
   torch.manual_seed(0)
   torch.set_num_threads(args.threads)
@@ -93,7 +100,8 @@ def main():
         logging_steps=1000, save_strategy="no", report_to="none", use_cpu=True,
         bf16=args.dtype == "bfloat16",
         shuffle_dataset=False, temperature=1.0, seed=0, dataloader_num_workers=0,
-        model_init_kwargs={"dtype": torch.float32})
+        model_init_kwargs={"dtype": torch.float32},
+        generation_kwargs={"min_new_tokens": args.new_tokens} if args.fixed_length else None)
     timer = StepTimer()
     t = trl.RLOOTrainer(model=f"{out}/policy", reward_funcs=[synthetic_reward], args=config,
                         train_dataset=Dataset.from_dict({"prompt": prompts}),
@@ -104,7 +112,8 @@ def main():
       "framework": "trl", "trl": trl.__version__, "torch": torch.__version__,
       "threads": torch.get_num_threads(), "config": vars(args),
       "params": sum(p.numel() for p in model.parameters()),
-      "median_step_s": round(statistics.median(timed), 5), "steps_timed": len(timed)}))
+      "median_step_s": round(statistics.median(timed), 5), "steps_timed": len(timed),
+      "mean_completion_words": round(statistics.mean(COMPLETION_WORDS), 3)}))
 
 
 if __name__ == "__main__":

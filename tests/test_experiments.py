@@ -55,7 +55,7 @@ def test_bench_step_reports_a_consistent_iteration():
                                shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
                                remat="full", microbatch_size=0, logprob_chunk_size=32,
                                lora_rank=0, lora_targets="q,k,v,o,gate,up,down",
-                               reward_delay_ms=0.0)
+                               reward_delay_ms=0.0, fixed_length=0)
     assert r["trainable_params"] == r["params"]  # full fine-tuning: every parameter trains
     # The process held at least its float32 params (and a python + jax runtime).
     assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
@@ -133,6 +133,67 @@ def test_ab_compiled_runs_a_variant_and_checks_equal_results(variant):
   # The variant still reaches the model code it patches, and only the programs that run it.
   assert {p for p in ("rollout", "forward", "gradient")
           if result[p]["program_changed"]} == changed
+
+
+# ----------------------------------------------------------------------------------------------
+# compare_peers.py
+
+# A stand-in peer interpreter: its first run prints a bench line, every later one runs out of
+# memory the way XLA or torch says so.
+FAKE_PEER = """#!/bin/sh
+if [ -e "$0.ran" ]; then
+  echo "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes" >&2
+  exit 1
+fi
+touch "$0.ran"
+echo '{"framework": "trl", "trl": "fake", "torch": "fake", "params": %d, "median_step_s": 0.25}'
+"""
+
+
+def test_compare_peers_rounds_ratios_and_peer_failures(tmp_path):
+  """Our side runs every round; a peer's ratio is its seconds over ours in the same round; a
+  peer that runs out of memory is reported and not run again; a missing peer is skipped with
+  its reason, never silently."""
+  hidden, layers, vocab = 32, 1, 256  # compare_peers' size 't'
+  params = 2 * vocab * hidden + layers * (4 * hidden**2 + 3 * hidden * 4 * hidden + 2 * hidden) \
+      + hidden
+  fake = tmp_path / "fake_python"
+  fake.write_text(FAKE_PEER % params)
+  fake.chmod(0o755)
+  out = subprocess.run(
+      [sys.executable, os.path.join(EXPERIMENTS, "compare_peers.py"), "--sizes", "t",
+       "--rounds", "3", "--iterations", "1", "--trl_python", str(fake),
+       "--tunix_python", str(tmp_path / "no_venv" / "python")],
+      check=True, capture_output=True, text=True, cwd=REPO).stdout
+  size, summary = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+  assert size["size"] == "t" and size["hidden"] == hidden and size["params"] == params
+  assert size["fixed_length"] is True and "warning" not in size
+  assert size["trl_threads"] == 2 and size["trl_env"] == {}
+  rounds = size["per_round"]
+  # The order rotates (ours, TRL, Tunix; TRL, Tunix, ours; Tunix, ours, TRL) less the peers
+  # that do not run: Tunix is missing, and TRL ran out of memory in round 1.
+  assert [r["order"] for r in rounds] == [["rloo_jax", "trl"], ["trl", "rloo_jax"], ["rloo_jax"]]
+  assert all(r["rloo_jax_s"] > 0 and r["rloo_jax_split_s"]["iteration_s"] == r["rloo_jax_s"]
+             for r in rounds)
+  assert rounds[0]["trl_s"] == 0.25
+  assert rounds[0]["vs_trl"] == pytest.approx(0.25 / rounds[0]["rloo_jax_s"], rel=1e-2)
+  assert "vs_trl" not in rounds[1] and "vs_trl" not in rounds[2]
+  assert size["median_vs_trl"] == pytest.approx(rounds[0]["vs_trl"])
+  assert size["median_rloo_jax_iteration_s"] == pytest.approx(
+      sorted(r["rloo_jax_s"] for r in rounds)[1], rel=1e-3)
+  failed = size["trl_status"]["failed"]
+  assert size["trl_status"]["round"] == 1
+  assert failed["out_of_memory"] is True and failed["returncode"] == 1
+  assert "RESOURCE_EXHAUSTED" in failed["output_tail"] and failed["mem_limit_gb"] == 20.0
+  assert "no interpreter at" in size["tunix_status"]["skipped"]
+  assert "setup_tunix_venv.sh" in size["tunix_status"]["skipped"]
+  assert size["median_tunix_step_s"] is None and size["median_vs_tunix"] is None
+  assert size["versions"]["trl"] == "fake" and len(size["load_before"]) == 3
+  # The summary line repeats each size's medians and says what became of each peer.
+  assert summary["summary"] is True and summary["rounds"] == 3
+  t = summary["sizes"]["t"]
+  assert t["median_vs_trl"] == size["median_vs_trl"] and t["trl_status"] == "out of memory"
+  assert t["tunix_status"].startswith("no interpreter at")
 
 
 # ----------------------------------------------------------------------------------------------
