@@ -40,6 +40,8 @@ from rloo_jax.data import pipeline
 from rloo_jax.models import lora, transformer
 from rloo_jax.memory.flops import model_flops_per_iteration
 
+from workload import add_workload_flags  # experiments/workload.py
+
 
 class IdTokenizer:
   """Token ids <-> one private-use character each: prompts and completions survive a round trip.
@@ -54,7 +56,6 @@ class IdTokenizer:
 
   def decode(self, ids):
     return "".join(chr(0xE000 + int(i)) for i in ids)
-
 
 def synthetic_reward(prompts, completions, **fields):
   """Fraction of completion tokens with an even id: cheap, dense, and learnable."""
@@ -125,15 +126,7 @@ def default_workload(hidden, layers, model=None, **train):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--hidden", type=int, default=64)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--prompts", type=int, default=8)
-  p.add_argument("--prompt_len", type=int, default=16)
-  p.add_argument("--k", type=int, default=4)
-  p.add_argument("--new_tokens", type=int, default=32)
-  p.add_argument("--iterations", type=int, default=12, help="timed iterations after warm-up")
+  add_workload_flags(p)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="activation dtype (params, log-probs, KL and loss stay float32)")
   p.add_argument("--shared_prefix", type=int, default=1, choices=(0, 1),

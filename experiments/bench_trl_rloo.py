@@ -23,6 +23,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 import trl
 
+from workload import add_workload_flags  # experiments/workload.py
+
 
 def make_tokenizer(vocab):
   words = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
@@ -59,15 +61,7 @@ class StepTimer(TrainerCallback):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--hidden", type=int, default=64)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--prompts", type=int, default=8)
-  p.add_argument("--prompt_len", type=int, default=16)
-  p.add_argument("--k", type=int, default=4)
-  p.add_argument("--new_tokens", type=int, default=32)
-  p.add_argument("--iterations", type=int, default=12, help="timed steps after 2 warm-up steps")
+  add_workload_flags(p, steps_help="timed steps after 2 warm-up steps")
   p.add_argument("--threads", type=int, default=2)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="bfloat16: TRL's bf16 mixed precision (torch CPU autocast)")

@@ -41,6 +41,8 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout
 
+from workload import add_workload_flags  # experiments/workload.py
+
 BASE = 0xE000  # token id i <-> the private-use character BASE + i, as bench_step's IdTokenizer
 
 
@@ -63,7 +65,6 @@ class IdTokenizer:
   def pad_id(self):
     return 0
 
-
 def make_reward(times, lengths):
   def synthetic_reward(prompts, completions, **kwargs):
     times.append(time.perf_counter())
@@ -75,15 +76,7 @@ def make_reward(times, lengths):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--hidden", type=int, default=64)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--prompts", type=int, default=8)
-  p.add_argument("--prompt_len", type=int, default=16)
-  p.add_argument("--k", type=int, default=4)
-  p.add_argument("--new_tokens", type=int, default=32)
-  p.add_argument("--iterations", type=int, default=12, help="timed steps after 2 warm-up steps")
+  add_workload_flags(p, steps_help="timed steps after 2 warm-up steps")
   p.add_argument("--dtype", default="float32", choices=("float32",),
                  help="Tunix's Llama3 computes in its params' dtype: float32 here")
   args = p.parse_args()
