@@ -151,8 +151,7 @@ def reward_model_bytes(exp) -> int:
   for spec in exp.config.rewards.fns:
     if not (isinstance(spec, str) and spec.startswith(registry.HF_REWARD_MODEL_PREFIX)):
       continue
-    path, _, query = spec[len(registry.HF_REWARD_MODEL_PREFIX):].partition("?")
-    options = dict(item.partition("=")[::2] for item in query.split("&") if item)
+    path, options = registry.parse_hf_reward_model_spec(spec, require_path=False)
     dtype = options.get("dtype", "bfloat16")
     mcfg = lora.base_config(exp.model_config).replace(head="scalar")
     try:

@@ -26,10 +26,11 @@ _RM_OPTIONS = {"whiten": bool, "clip": float, "batch_size": int}
 _scorers: dict = {}
 
 
-def _parse_spec(spec: str, prefix: str, kinds: dict, what: str):
-  """(path, {option: typed value}) of '<prefix><path>?name=value&...'; errors name the option."""
+def _parse_spec(spec: str, prefix: str, kinds: dict, what: str, require_path: bool = True):
+  """(path, {option: typed value}) of '<prefix><path>?name=value&...'; errors name the option.
+  require_path=False: a spec naming no checkpoint yet gives path ''."""
   path, _, query = spec[len(prefix):].partition("?")
-  if not path:
+  if not path and require_path:
     hint = (" (configs/tldr.py and configs/hh.py take the reward model as their rm= argument: "
             "--config=configs/tldr.py:model=<sft>,rm=<reward model>)"
             if prefix == HF_REWARD_MODEL_PREFIX else "")
@@ -74,12 +75,18 @@ def load_reward_model(spec: str):
   return _scorers[key]
 
 
+def parse_hf_reward_model_spec(spec: str, require_path: bool = True):
+  """(path, typed options) of a 'hf_reward_model:<dir or hub id>[?options]' spec; with
+  require_path=False a spec with no checkpoint yet (a plan at a preset) gives path ''."""
+  return _parse_spec(spec, HF_REWARD_MODEL_PREFIX, hf_reward.OPTIONS, "directory or hub id",
+                     require_path)
+
+
 def load_hf_reward_model(spec: str, layout=None):
   """The scorer of a 'hf_reward_model:<dir or hub id>[?options]' spec on `layout` (the
   experiment's; None: `hf_reward.default_layout()`), loaded once per (checkpoint state, options,
   layout): a config is validated and then built, and an 8B model should be read once."""
-  path, options = _parse_spec(spec, HF_REWARD_MODEL_PREFIX, hf_reward.OPTIONS,
-                              "directory or hub id")
+  path, options = parse_hf_reward_model_spec(spec)
   layout = layout or hf_reward.default_layout()
   config_json = os.path.join(path, "config.json")
   stamp = os.stat(config_json).st_mtime_ns if os.path.isfile(config_json) else None
