@@ -239,20 +239,19 @@ def rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None, 
   """Samples k completions per prompt and scores them with a reward set (host side).
 
   Each process scores its own rows. `on_sampled(out)`, when given, runs between the sampling
-  and the rewards (its result is returned last): device work it dispatches, such as the
-  reference pass, runs while the host scores. Returns (SampleOutput, rewards [B, k] of the
-  global batch, this process's completions, {function name: global scores [B*k]}) and, with
-  on_sampled, its result."""
+  and the rewards: device work it dispatches, such as the reference pass, runs while the host
+  scores. Returns (SampleOutput, rewards [B, k] of the global batch, this process's
+  completions, {function name: global scores [B*k]})."""
   rewards = rewards or exp.rewards
   out, completions = sample_batch(exp, params, batch, rng, k=k, method=method)
-  dispatched = on_sampled(out) if on_sampled is not None else None
+  if on_sampled is not None:
+    on_sampled(out)
   b = batch["prompt_tokens"].shape[0]
   prompts = list(np.repeat(np.asarray(batch["prompt"], object), k))
   rewards_n, parts = rewards(prompts, completions, reward_fields(batch, k))
   layout = exp.layout
   parts = {name: layout.gather_rows(v) for name, v in parts.items()}
-  result = (out, layout.gather_rows(rewards_n.reshape(b, k)), completions, parts)
-  return result + (dispatched,) if on_sampled is not None else result
+  return out, layout.gather_rows(rewards_n.reshape(b, k)), completions, parts
 
 
 def timed_rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int,
@@ -262,22 +261,21 @@ def timed_rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int,
   `on_sampled(out)` runs once the completions are sampled, before the rewards (`rollout`).
   Returns (sample output, rewards [B, k] float32, usable mask, number masked as non-finite,
   per-function scores, {'rollout_s': sampling, 'reward_s': the host's reward scoring, which
-  on_sampled's device work overlaps}) and, with on_sampled, its result."""
+  on_sampled's device work overlaps}, on_sampled's result or None)."""
   t0 = time.perf_counter()
-  timings = {}
+  timings, dispatched = {}, []
 
   def sampled(out):
     jax.block_until_ready(out.tokens_bkt)
     timings["rollout_s"] = time.perf_counter() - t0
-    return on_sampled(out) if on_sampled is not None else None
+    dispatched.append(on_sampled(out) if on_sampled is not None else None)
 
-  out, raw_rewards_bk, _, parts, dispatched = rollout(
-      exp, params, batch, jax.random.fold_in(rng, 0), k=k, on_sampled=sampled)
+  out, raw_rewards_bk, _, parts = rollout(exp, params, batch, jax.random.fold_in(rng, 0), k=k,
+                                          on_sampled=sampled)
   rewards_bk, usable_bk, num_nonfinite = advantage.prepare_rewards(
       raw_rewards_bk, nan_policy=exp.config.rewards.nan_policy)
   timings["reward_s"] = time.perf_counter() - t0 - timings["rollout_s"]
-  result = (out, rewards_bk, usable_bk, num_nonfinite, parts, timings)
-  return result + (dispatched,) if on_sampled is not None else result
+  return out, rewards_bk, usable_bk, num_nonfinite, parts, timings, dispatched[0]
 
 
 def sample_records(exp, params, records, rng, *, k: int, method, batch_size: int

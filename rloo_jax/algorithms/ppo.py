@@ -225,7 +225,7 @@ class PPO:
     """rollout -> rewards -> reference + critic -> GAE -> epochs x minibatches."""
     exp, k = self.exp, self.k
     rng = jax.random.fold_in(state.rng, int(state.step))
-    out, rewards_bk, usable_bk, num_nonfinite, parts, timings = rollout.timed_rollout(
+    out, rewards_bk, usable_bk, num_nonfinite, parts, timings, _ = rollout.timed_rollout(
         exp, state.params, batch, rng, k=k)
 
     t0 = time.perf_counter()
