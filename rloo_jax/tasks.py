@@ -126,13 +126,18 @@ def _log_drops(name: str, builder) -> dict:
   return counts
 
 
+def _source_dir(config) -> Optional[str]:
+  # '' downloads the public files (on a machine with network); a directory reads them offline.
+  return config.data.get("source_dir", "") or None
+
+
 def _builder_options(config, tokenizer, **lists) -> dict:
   """A paper builder's options: the checkpoint's tokenizer and config.data.max_prompt_len for
-  the length filter, config.data.source_dir ('' downloads the public files; a directory reads
-  them offline), and each `option=<config.data field>` of `lists` as its comma list when set."""
+  the length filter, `_source_dir`, and each `option=<config.data field>` of `lists` as its
+  comma list when set."""
   d = config.data
   options = dict(tokenizer=tokenizer, max_prompt_tokens=int(d.max_prompt_len),
-                 source_dir=d.get("source_dir", "") or None)
+                 source_dir=_source_dir(config))
   for option, field in lists.items():
     if d.get(field, ""):
       options[option] = [x.strip() for x in d[field].split(",") if x.strip()]
@@ -177,7 +182,7 @@ def _gsm8k(config, data_dir: str) -> Task:
   """GSM8K: questions in `data.gsm8k_template` (default: the builder's plain frame), the final
   number as `answer` (what `rewards.verifiers:gsm8k` checks); SFT imitates the worked solutions."""
   tokenizer = _checkpoint_tokenizer(config, "gsm8k")
-  options = dict(source_dir=config.data.get("source_dir", "") or None)
+  options = dict(source_dir=_source_dir(config))
   if config.data.get("gsm8k_template", ""):
     options["prompt_template"] = config.data.gsm8k_template
   builder = gsm8k.prepare(data_dir, **options)
