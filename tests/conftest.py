@@ -9,6 +9,8 @@ again by a child process: compile time dominates this suite on a 2-core CPU.
 script from here).
 """
 import os
+import socket
+import subprocess
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -25,3 +27,25 @@ REPO = os.path.dirname(TESTS)
 def load_config(arg="smoke", name="arithmetic"):
   """`get_config(arg)` of configs/<name>.py (the shrunk smoke config by default)."""
   return config_utils.load_config_file(os.path.join(REPO, "configs", f"{name}.py"), arg)
+
+
+def free_port() -> int:
+  """A free TCP port on 127.0.0.1: the jax.distributed coordinator of a multi-process test."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(commands, *, env, timeout: float, cwd=None):
+  """Starts every command (an argument list) at once, stdout and stderr merged, and returns
+  [(returncode, log)] in order. Whatever is still running when one times out or fails to
+  finish is killed: a process that failed leaves the others waiting on the coordinator."""
+  procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for cmd in commands]
+  try:
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return [(p.returncode, log) for p, log in zip(procs, logs)]

@@ -349,22 +349,14 @@ MP_ROWS = [(PROMPTS * 2, COMPLETIONS * 2),  # process 0: 6 rows, 3 device batche
 
 
 def test_two_processes_score_their_own_rows(tmp_path):
-  import socket
+  from conftest import free_port, run_processes
   from rloo_jax.rewards import registry
 
-  with socket.socket() as sock:
-    port = sock.bind(('127.0.0.1', 0)) or sock.getsockname()[1]
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), 'mp', str(i), str(port),
-                             str(tmp_path / f'{i}.json')], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  try:
-    logs = [proc.communicate(timeout=300)[0] for proc in procs]
-  finally:
-    for proc in procs:  # one that failed leaves the other waiting on the coordinator
-      if proc.poll() is None:
-        proc.kill()
-  for proc, log in zip(procs, logs):
-    assert proc.returncode == 0, log[-5000:]
+  port = free_port()
+  runs = run_processes([[sys.executable, os.path.abspath(__file__), 'mp', str(i), str(port),
+                         str(tmp_path / f'{i}.json')] for i in range(2)], env=_env(), timeout=300)
+  for returncode, log in runs:
+    assert returncode == 0, log[-5000:]
   one = registry.resolve(spec('llama', dtype='float32', batch_size=4))  # this process: 1 device
   for i, (prompts, completions) in enumerate(MP_ROWS):
     r = json.loads((tmp_path / f'{i}.json').read_text())

@@ -8,13 +8,11 @@ jax starts); each writes what it read and what it checked as JSON, and the test 
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, TESTS
+from conftest import REPO, TESTS, free_port, run_processes
 
 FIXTURE = os.path.join(TESTS, 'fixtures', 'hf', 'llama')
 # fsdp is the mesh's process axis (devices are process-major: process 0 has fsdp index 0), and
@@ -83,31 +81,17 @@ def _blocks(array) -> set:
           for index in array.sharding.addressable_devices_indices_map(array.shape).values()}
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
   out = tmp_path_factory.mktemp('multiprocess_load')
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join(
       [REPO, TESTS] + [p for p in [os.environ.get('PYTHONPATH', '')] if p]))
-  port = _free_port()
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(i), str(port),
-                             str(out / f'{i}.json')], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=240)[0])
-  finally:
-    for p in procs:  # one that failed leaves the other waiting on the coordinator
-      if p.poll() is None:
-        p.kill()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-5000:]
+  port = free_port()
+  runs = run_processes([[sys.executable, os.path.abspath(__file__), str(i), str(port),
+                         str(out / f'{i}.json')] for i in range(2)], env=env, cwd=REPO,
+                       timeout=240)
+  for returncode, log in runs:
+    assert returncode == 0, log[-5000:]
   return [json.loads((out / f'{i}.json').read_text()) for i in range(2)]
 
 

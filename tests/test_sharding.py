@@ -7,7 +7,6 @@ one per (mesh, program), the cost that dominates on CPU.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, TESTS, load_config
+from conftest import REPO, TESTS, free_port, load_config, run_processes
 
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 2, 4), (2, 2, 2)]
 # Metrics that must agree across meshes (timings and throughputs excluded).
@@ -179,12 +178,6 @@ def test_checkpoint_restores_onto_another_mesh_and_training_continues(mesh_resul
   assert mesh_results["restore"]["1 device"]["num_devices"] == 1
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 _MP_CONFIG = """
 import importlib.util
 def get_config(arg=None):
@@ -205,29 +198,20 @@ def _mp_flags(workdir, config_path):
 
 def test_two_processes_train_and_checkpoint_like_one(tmp_path):
   """Two processes x 4 CPU devices (gloo) vs one process x 8 devices, same global batch."""
-  port = _free_port()
+  port = free_port()
   mp_dir, sp_dir = str(tmp_path / "two_processes"), str(tmp_path / "one_process")
   config_path = str(tmp_path / "mp_config.py")
   with open(config_path, "w") as f:
     f.write(_MP_CONFIG.format(path=os.path.join(REPO, "configs", "arithmetic.py")))
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "rloo_jax.train", *_mp_flags(mp_dir, config_path),
-       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
-       "--num_cpu_devices=4"], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  single = subprocess.Popen([sys.executable, "-m", "rloo_jax.train", *_mp_flags(sp_dir, config_path),
-                             "--num_cpu_devices=8"], env=_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  logs = []
-  for p in procs + [single]:
-    try:
-      logs.append(p.communicate(timeout=900)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs + [single]:
-        q.kill()
-      raise
-  for p, log in zip(procs + [single], logs):
-    assert p.returncode == 0, log[-5000:]
+  train = [sys.executable, "-m", "rloo_jax.train"]
+  runs = run_processes(
+      [train + _mp_flags(mp_dir, config_path) + [
+          f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+          "--num_cpu_devices=4"] for i in range(2)]
+      + [train + _mp_flags(sp_dir, config_path) + ["--num_cpu_devices=8"]],
+      env=_env(), cwd=REPO, timeout=900)
+  for returncode, log in runs:
+    assert returncode == 0, log[-5000:]
 
   import jax
   from rloo_jax import experiment
