@@ -11,6 +11,13 @@ processes hits them alike. Two more modes time the two forms of the shared cache
 'shared' mode picks one by prompt length, transformer.COPY_PREFIX_MAX_LEN):
   copied_s      the prompt's K/V copied into the front of every stream's cache
   kept_s        one prefix cache per prompt that its k streams all read
+and one the layout of the decode loop's weights:
+  unstacked_s   'shared' with the weights split into per-layer buffers before the decode loop
+                (`sampler.sample(unstack_layers=True)`) instead of the layer scan over the
+                stacked weights ('shared', the sampler's default), which slices a copy of each
+                layer out at every token
+
+  python experiments/bench_sampler.py --modes=shared,unstacked --prompt_len=64 --new_tokens=64
 
   python experiments/bench_sampler.py --modes=copied,kept --prompt_len=16 --new_tokens=32 --layers=4
 
@@ -33,14 +40,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rloo_jax import sampler, sampler_args, sampling  # noqa: E402
 from rloo_jax.models import transformer  # noqa: E402
 
-ALL_MODES = ('shared', 'unshared', 'recompute', 'hf', 'copied', 'kept')
+ALL_MODES = ('shared', 'unshared', 'recompute', 'hf', 'copied', 'kept', 'unstacked')
 # Modes that run the sampler's 'shared' mode with the prefix copied into every stream / kept
 # once per prompt, whatever the prompt length.
 PREFIX_FORMS = {'copied': 1 << 30, 'kept': 0}
@@ -85,7 +91,7 @@ def make_method(args):
   return sampling.TopP(args.top_p, args.temperature)
 
 
-def compile_sampler(fns, params, tokens, lengths, rng, *, mode, **kw):
+def compile_sampler(fns, params, tokens, lengths, rng, *, mode, unstack_layers=False, **kw):
   """AOT-compiles both sampler programs (fills jit's cache) without running a rollout."""
   # As sampler.sample passes them: the stop ids an int32 [S] array, pad an int32 scalar.
   eos = jnp.asarray(sampler_args.stop_ids(kw['eos_id']), jnp.int32)
@@ -104,6 +110,8 @@ def compile_sampler(fns, params, tokens, lengths, rng, *, mode, **kw):
       lambda p, t, l, r: sampler.start(fns, p, t, l, r, eos, pad, k=kw['k'],
                                        max_new_tokens=kw['max_new_tokens'], **start_static),
       params, tokens, lengths, rng)
+  if 'unstack_layers' in inspect.signature(sampler.sample).parameters:
+    static['unstack_layers'] = unstack_layers
   sampler.decode_loop.lower(fns, params, state, eos, pad, **static).compile()
 
 
@@ -111,44 +119,21 @@ def compile_sampler(fns, params, tokens, lengths, rng, *, mode, **kw):
 # Hugging Face side
 
 
-def to_hf_llama(config: transformer.TransformerConfig, graphdef, params):
-  """Our Llama params as a transformers LlamaForCausalLM (the inverse of models/hf.py's import)."""
+def to_hf_llama(config, graphdef, params):
+  """Our Llama params as a transformers LlamaForCausalLM: written by the project's own exporter
+  (`models.hf_export.save_pretrained`, float32) and loaded back by transformers."""
+  del graphdef
+  import tempfile
+
   import torch
   import transformers
 
-  c = config
-  hf_config = transformers.LlamaConfig(
-      vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-      max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
-      rope_theta=c.rope_theta, rope_parameters={'rope_type': 'default', 'rope_theta': c.rope_theta},
-      tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-  model = nnx.merge(graphdef, params)
-  e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-  a = lambda x: np.asarray(jnp.asarray(x[...], jnp.float32))  # noqa: E731
-  sd = {'model.embed_tokens.weight': a(model.embedding),
-        'model.norm.weight': a(model.final_norm.scale),
-        'lm_head.weight': a(model.lm_head).T}
-  for i, blk in enumerate(model.layers):
-    p = f'model.layers.{i}.'
-    sd[p + 'input_layernorm.weight'] = a(blk.attn_norm.scale)
-    sd[p + 'post_attention_layernorm.weight'] = a(blk.mlp_norm.scale)
-    sd[p + 'self_attn.q_proj.weight'] = a(blk.attn.q_kernel).reshape(e, hq * d).T
-    sd[p + 'self_attn.k_proj.weight'] = a(blk.attn.k_kernel).reshape(e, hkv * d).T
-    sd[p + 'self_attn.v_proj.weight'] = a(blk.attn.v_kernel).reshape(e, hkv * d).T
-    sd[p + 'self_attn.o_proj.weight'] = a(blk.attn.o_kernel).reshape(hq * d, e).T
-    sd[p + 'mlp.gate_proj.weight'] = a(blk.mlp.gate_kernel).T
-    sd[p + 'mlp.up_proj.weight'] = a(blk.mlp.up_kernel).T
-    sd[p + 'mlp.down_proj.weight'] = a(blk.mlp.down_kernel).T
-  hf = transformers.LlamaForCausalLM(hf_config)
-  missing, unexpected = hf.load_state_dict(
-      {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}, strict=False)
-  missing = [m for m in missing if 'rotary' not in m]
-  if missing or unexpected:
-    raise RuntimeError(f'HF state dict mismatch: missing={missing} unexpected={unexpected}')
-  return hf.eval().to(torch.float32 if c.dtype == 'float32' else torch.bfloat16)
+  from rloo_jax.models import hf_export
+
+  with tempfile.TemporaryDirectory() as out:
+    hf_export.save_pretrained(params, config, out, dtype='float32')
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+  return hf.eval().to(torch.float32 if config.dtype == 'float32' else torch.bfloat16)
 
 
 def hf_generate_fn(hf_model, tokens, args, eos_id, pad_id):
@@ -201,19 +186,23 @@ def main(argv=None):
   for mode in args.modes:
     if mode == 'hf':
       continue
-    mode_fns, sampler_mode = fns, mode
+    mode_fns, sampler_mode, layout = fns, mode, {}
     if mode in PREFIX_FORMS:
       mode_fns = fns._replace(init_cache=functools.partial(
           fns.init_cache, copy_prefix_max_len=PREFIX_FORMS[mode]))
       sampler_mode = 'shared'
+    if mode == 'unstacked':
+      sampler_mode, layout = 'shared', {'unstack_layers': True}
     t0 = time.perf_counter()
-    compile_sampler(mode_fns, params, tokens, lengths, jax.random.key(0), mode=sampler_mode, **kw)
+    compile_sampler(mode_fns, params, tokens, lengths, jax.random.key(0), mode=sampler_mode,
+                    **layout, **kw)
     compile_s[mode] = round(time.perf_counter() - t0, 2)
 
-    def run(mode_fns=mode_fns, sampler_mode=sampler_mode, counter=[0]):  # noqa: B006
+    def run(mode_fns=mode_fns, sampler_mode=sampler_mode, layout=layout,
+            counter=[0]):  # noqa: B006
       counter[0] += 1  # a fresh rng per rollout, as in training
       out = sampler.sample(mode_fns, params, tokens, lengths, jax.random.key(counter[0]),
-                           mode=sampler_mode, **kw)
+                           mode=sampler_mode, **layout, **kw)
       jax.block_until_ready(out)
       return out
     runners[mode] = run
@@ -262,6 +251,9 @@ def main(argv=None):
   result['copied_s'], result['kept_s'] = med('copied'), med('kept')
   result['copied_over_kept'] = (round(med('copied') / med('kept'), 3)
                                 if 'copied' in times and 'kept' in times else None)
+  result['unstacked_s'] = med('unstacked')
+  result['unstacked_over_shared'] = (round(med('unstacked') / med('shared'), 3)
+                                     if 'shared' in times and 'unstacked' in times else None)
   s, u, r, h = (med(m) for m in ('shared', 'unshared', 'recompute', 'hf'))
   result['shared_over_unshared'] = round(s / u, 3) if s and u else None
   result['shared_over_recompute'] = round(s / r, 3) if s and r else None

@@ -6,6 +6,7 @@ program at the peak, the reward model's resident GiB, fits) and one JSON line pe
 
     python experiments/plan_configs.py                 # every row
     python experiments/plan_configs.py --only tldr     # rows whose name starts with it
+    python experiments/plan_configs.py --speedups      # and the faster settings that fit
 """
 import argparse
 import json
@@ -32,9 +33,9 @@ ROWS = (
 )
 
 
-def plan(config: str, devices: int, memory_gb: float) -> dict:
+def plan(config: str, devices: int, memory_gb: float, speedups: bool = False) -> dict:
   cmd = [sys.executable, "-m", "rloo_jax.plan", f"--config={config}", f"--devices={devices}",
-         f"--device_memory_gb={memory_gb}"]
+         f"--device_memory_gb={memory_gb}", "--speedups" if speedups else "--nospeedups"]
   out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
   if out.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
@@ -46,19 +47,25 @@ def plan(config: str, devices: int, memory_gb: float) -> dict:
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--only", default="", help="run the rows whose name starts with this")
+  p.add_argument("--speedups", action="store_true",
+                 help="also each row's faster settings that fit (memory.speedups: more compiles)")
   args = p.parse_args()
   rows = [r for r in ROWS if r[0].startswith(args.only)]
-  print(f"| config | devices | peak GiB / device | at | reward model GiB | fits |")
-  print("|---|---|---|---|---|---|")
+  print(f"| config | devices | peak GiB / device | at | reward model GiB | fits |"
+        + (" faster, and fits |" if args.speedups else ""))
+  print("|---|---|---|---|---|---|" + ("---|" if args.speedups else ""))
   for name, config, devices, memory in rows:
-    r = plan(config, devices, memory)
+    r = plan(config, devices, memory, args.speedups)
     at = max(r["programs"], key=lambda n: r["programs"][n]["peak_gb"])
     print(f"| {name} | {devices} x {memory} GiB | {r['peak_gb_per_device']:.1f} | {at} | "
-          f"{r.get('reward_model_gb', 0):.2f} | {'yes' if r['fits'] else 'NO'} |", flush=True)
+          f"{r.get('reward_model_gb', 0):.2f} | {'yes' if r['fits'] else 'NO'} |"
+          + (f" {'; '.join(x['setting'] for x in r['speedups']) or '-'} |"
+             if args.speedups else ""), flush=True)
     print(json.dumps(dict(name=name, config=config, devices=devices, device_memory_gb=memory,
                           peak_gb_per_device=r["peak_gb_per_device"], program=at,
                           reward_model_gb=r.get("reward_model_gb", 0), fits=r["fits"],
-                          advice=r["advice"], command=r["command"])), flush=True)
+                          advice=r["advice"], speedups=r["speedups"],
+                          command=r["command"])), flush=True)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,13 @@ def base_config() -> ml_collections.ConfigDict:
       # of this (0 = keep max_new_tokens): short answers do not pay for the longest allowed.
       trim_bucket=32,
       # Prompts per sampler call (0 = the whole batch at once): smaller bounds the KV cache.
-      rollout_chunk_prompts=0))
+      rollout_chunk_prompts=0,
+      # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'unstacked' splits
+      # them into one buffer per layer for the rollout (a copy of the policy's layers, held while
+      # it decodes) so no step copies a layer out of the stacked weights, as the layer scan
+      # does ('scanned'); 'auto' unstacks layers of 8 MiB or more a device unless FSDP gathers
+      # them (the gather is then the per-step copy) or LoRA (the base would be held twice).
+      decode_layers="auto"))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))
   c.loss = ml_collections.ConfigDict(dict(
@@ -224,14 +230,18 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
   task, beta, the prompt cut and the completion length): a checkpoint policy (`model=`, with no
   SFT stage of its own) optimising a reward model (`rm=`); 512 completions per rollout batch
   (512 / k prompts) in 2 optimizer steps of 256, one epoch, lr 1e-6 constant after a 3% warm-up,
-  600 iterations; bf16, fsdp over every device. `data`: the task's own config.data fields.
+  600 iterations; bf16, fsdp over every device. The update keeps the layers' matmul outputs
+  (remat='dots') and takes each minibatch whole (no microbatches): at Pythia-6.9B / a Llama-7B
+  shape on 8 x 80 GB the plan's peak is then 30-40 GiB a device, and the update runs the trunk
+  forward once fewer than with remat='full' (`python -m rloo_jax.plan` prints what a bigger
+  model should turn back). `data`: the task's own config.data fields.
   `smoke`: a tiny random GPT-NeoX checkpoint and reward model from tests/fixtures and the task's
   source-format files there (with `smoke_data` for what those files hold), for CPU."""
   arg = parse_arg(arg, model="pythia-6.9b", k=2, rm="", smoke=False, lora=0, seed=0)
   c = base_config()
   c.seed, c.task = arg.seed, task
   set_model(c, arg.model)
-  c.model.update(dtype="bfloat16", remat="full")
+  c.model.update(dtype="bfloat16", remat="dots")
   c.model.lora.rank = arg.lora
   c.sft.steps = 0  # the policy starts from the SFT checkpoint of init_from
   c.data.update(max_prompt_len=max_prompt_len, chat_template="", **data)
@@ -244,7 +254,7 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
   c.optim.update(learning_rate=1e-6, warmup_steps=int(0.03 * steps), schedule="constant",
                  max_grad_norm=1.0)
   c.train.update(num_iterations=PAPER_ITERATIONS, num_epochs=1, num_minibatches=2,
-                 microbatch_size=8, eval_every=50, eval_prompts=512, eval_batch_size=64,
+                 microbatch_size=0, eval_every=50, eval_prompts=512, eval_batch_size=64,
                  checkpoint_every=50, keep_checkpoints=3)
   c.rewards.fns = [reward_model_spec(arg.rm)]
   c.rewards.weights = [1.0]

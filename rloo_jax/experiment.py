@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 import ml_collections
 import optax
 
-from rloo_jax import adapters, advantage, loss, rollout, sampling, tasks
+from rloo_jax import adapters, advantage, loss, rollout, sampler_args, sampling, tasks
 from rloo_jax import sharding as sharding_lib
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import chat, pipeline
@@ -159,6 +159,8 @@ def validate_config(config) -> None:
   _check_choice("config.kl.estimator", config.kl.estimator, loss.KL_ESTIMATORS)
   _check_choice("config.kl.reduction", config.kl.reduction, ("sum", "mean"))
   _check_choice("config.rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask"))
+  _check_choice("config.rloo.decode_layers", r.get("decode_layers", "auto"),
+                sampler_args.DECODE_LAYERS)
   n = r.num_prompts * r.k
   if n % t.num_minibatches:
     raise ValueError(f"the rollout batch (config.rloo.num_prompts * config.rloo.k = {n}) is not "

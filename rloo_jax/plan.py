@@ -9,6 +9,9 @@ temporaries approximate an accelerator's, compiled without the float32 copies of
 only XLA:CPU makes (`memory.programs.ACCELERATOR_OPTIONS`; --as_compiled keeps them); without
 it the plan is for this machine's devices, as they compile.
 --num_layers=L replaces the architecture's depth after the preset / checkpoint is resolved.
+A job that fits also gets the faster settings its spare memory allows ("faster, and fits":
+less rematerialisation, bigger microbatches; `memory.speedups`), each compiled; --nospeedups
+skips those compiles.
 Exits 0 whether or not the job fits (the JSON says); 1 on a config error.
 """
 import json
@@ -32,6 +35,9 @@ _LAYERS = flags.DEFINE_integer("num_layers", None, "override the architecture's 
 _AS_COMPILED = flags.DEFINE_bool(
     "as_compiled", False, "with --devices: the programs as XLA:CPU compiles them, float32 "
     "copies of 16-bit weights included, instead of as for an accelerator")
+_SPEEDUPS = flags.DEFINE_bool(
+    "speedups", True, "a job that fits: also the faster settings its spare memory allows "
+    "(less rematerialisation, bigger microbatches), each compiled to check it fits")
 
 
 def main(argv):
@@ -54,7 +60,8 @@ def main(argv):
                        "programs only (config.algorithm='rloo')")
     exp = experiment.build_abstract(config, num_layers=_LAYERS.value)
     report = memory.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=_MEMORY.value,
-                         accelerator=bool(_DEVICES.value) and not _AS_COMPILED.value)
+                         accelerator=bool(_DEVICES.value) and not _AS_COMPILED.value,
+                         speedups=_SPEEDUPS.value)
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("RLOO_JAX_TRACEBACK"):
       raise

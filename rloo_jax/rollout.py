@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import advantage, loss, sampler
+from rloo_jax import advantage, loss, sampler, sampler_args
 from rloo_jax.data import pipeline
 
 # Fields of a data batch that are not reward-function fields.
@@ -305,7 +305,8 @@ def _sample_rows(exp, params, prompt_tokens, prompt_lengths, rng, *, k: int, met
                         method=method or exp.method, eos_id=stop_ids(exp.tokenizer),
                         pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
                         max_seq_len=exp.model_config.max_seq_len,
-                        batch_sharding=layout.batch_sharding)
+                        batch_sharding=layout.batch_sharding,
+                        unstack_layers=sampler_args.decode_unstacked(exp))
 
 
 def sample_chunked(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None,

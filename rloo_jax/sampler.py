@@ -153,15 +153,17 @@ def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mod
   return first_nv.reshape(num_prompts, k, -1), buffer
 
 
-def _decode(fns, params, state: SamplingState, *, mode):
-  """Feeds each stream's last token; returns (logits [B, K, V], updated model state)."""
+def _decode(fns, params, state: SamplingState, *, mode, layers=None):
+  """Feeds each stream's last token; returns (logits [B, K, V], updated model state).
+  `layers`: the per-layer weights (`ModelFns.unstack_layers`), split once before the loop."""
   num_prompts, k = state.last_tokens_bk.shape
   positions_bk = state.prompt_lengths_bk + state.step - 1
+  split = {} if layers is None else {'layers': layers}
   if mode == 'shared':
-    return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache)
+    return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache, **split)
   if mode == 'unshared':
     logits_n1v, cache = fns.decode(params, state.last_tokens_bk.reshape(-1, 1),
-                                   positions_bk.reshape(-1, 1), state.cache)
+                                   positions_bk.reshape(-1, 1), state.cache, **split)
     return logits_n1v.reshape(num_prompts, k, -1), cache
   buffer = state.cache
   col = buffer.tokens_ns.shape[1] - state.tokens_bkt.shape[2] + state.step - 1
@@ -257,17 +259,23 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
 
 
 # The state is donated so the while_loop updates the cache in the caller's buffers, not a copy.
-@functools.partial(jax.jit, static_argnames=('fns', 'method', 'mode', 'batch_sharding'),
+@functools.partial(jax.jit, static_argnames=('fns', 'method', 'mode', 'batch_sharding',
+                                             'unstack_layers'),
                    donate_argnames=('state',))
 def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
-                mode, batch_sharding=None) -> SamplingState:
+                mode, batch_sharding=None, unstack_layers=False) -> SamplingState:
   max_new_tokens = state.tokens_bkt.shape[2]
+  # One copy of the layer weights per rollout, split per layer, instead of the layer scan's
+  # slice of every layer at every token (`Transformer._scan`; `sample`'s unstack_layers).
+  layers = None
+  if unstack_layers and mode != 'recompute' and getattr(fns, 'unstack_layers', None):
+    layers = fns.unstack_layers(params)
 
   def cond(state):
     return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)
 
   def body(state):
-    logits_bkv, cache = _decode(fns, params, state, mode=mode)
+    logits_bkv, cache = _decode(fns, params, state, mode=mode, layers=layers)
     return _shard_state(_record(state.replace(cache=cache), logits_bkv, method=method,
                                 eos_id=eos_id, pad_id=pad_id), batch_sharding)
 
@@ -282,7 +290,8 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
            method: sampling.Method, eos_id: int | Sequence[int], pad_id: int,
            mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
-           noise_budget_bytes: int = NOISE_BUDGET_BYTES) -> SampleOutput:
+           noise_budget_bytes: int = NOISE_BUDGET_BYTES,
+           unstack_layers: bool = False) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -306,6 +315,11 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       already placed with it; params keep their own (e.g. FSDP/tensor) shardings.
     noise_budget_bytes: the rollout's Gumbel noise (T * B * K * V float32) is drawn before the
       decode loop when it fits in this; otherwise at each step. The tokens are the same.
+    unstack_layers: the decode loop splits the layer weights into one buffer per layer before
+      it starts (a copy of them for the rollout's duration) and runs the layers unrolled over
+      those, instead of scanning the stacked weights, which copies every layer's weights out of
+      the stack at every token: faster for layers no cache holds. The tokens are the same
+      (`sampler_args.decode_unstacked` picks it from config.rloo.decode_layers).
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -325,5 +339,5 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
                 batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes))
   state = decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
-                      batch_sharding=batch_sharding)
+                      batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
   return state.output()

@@ -1,4 +1,5 @@
-"""Argument checks of `rloo_jax.sampler.sample`, run on the host before anything is compiled."""
+"""Argument checks of `rloo_jax.sampler.sample`, run on the host before anything is compiled, and
+the trainer's choice of its `unstack_layers` (config.rloo.decode_layers)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,40 @@ def validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, e
           f'sample: prompt length {longest} + max_new_tokens {max_new_tokens} = '
           f'{longest + max_new_tokens} exceeds the model context max_seq_len={max_seq_len}')
   return k, max_new_tokens, eos_id, pad_id
+
+
+DECODE_LAYERS = ('auto', 'unstacked', 'scanned')
+# 'auto' unstacks layers of at least this many bytes a device: measured on this repo's CPU
+# (docs/PERFORMANCE.md, 'The decode loop on per-layer weights'), small layers decode faster
+# scanned (the slice copy leaves the layer in the cache for its matmuls), large ones, which no
+# cache holds, faster unstacked.
+AUTO_UNSTACK_LAYER_BYTES = 8 << 20
+
+
+def layer_bytes(m, itemsize: int, tensor: int = 1) -> float:
+  """One layer's weights of TransformerConfig `m` on one device, at `itemsize` bytes a weight
+  and split over `tensor` devices."""
+  embedding = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+  return (m.num_params - embedding) / m.num_layers * itemsize / tensor
+
+
+def layer_bytes_per_device(exp) -> float:
+  """One layer's weights on one device, as stored (param_dtype; split over mesh.tensor)."""
+  m = exp.model_config
+  return layer_bytes(m, jnp.dtype(m.param_dtype).itemsize, exp.layout.shape['tensor'])
+
+
+def decode_unstacked(exp) -> bool:
+  """config.rloo.decode_layers resolved: whether the decode loop runs on per-layer copies of the
+  weights (`sampler.sample`'s unstack_layers). 'auto': yes for layers of at least
+  AUTO_UNSTACK_LAYER_BYTES a device, unless they are FSDP-sharded (each step gathers a layer
+  into a new buffer anyway, and a copy of the shards would buy 1 / fsdp of that) or the policy
+  is LoRA (its frozen base would be held twice)."""
+  c = exp.config
+  mode = c.rloo.get('decode_layers', 'auto')
+  if mode not in DECODE_LAYERS:
+    raise ValueError(f'config.rloo.decode_layers={mode!r}; one of {DECODE_LAYERS}')
+  if mode != 'auto':
+    return mode == 'unstacked'
+  return (exp.layout.shape['fsdp'] == 1 and not exp.model_config.lora_rank
+          and layer_bytes_per_device(exp) >= AUTO_UNSTACK_LAYER_BYTES)

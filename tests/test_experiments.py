@@ -115,6 +115,7 @@ VARIANTS = {
     "unfused_decode_qkv.py": ({"rollout"}, 0.0),
     "head_major_attention.py": ({"forward", "gradient"}, 1e-4),
     "swiglu_vjp.py": ({"gradient"}, 1e-4),
+    "unrolled_layers.py": ({"rollout", "forward", "gradient"}, 1e-4),
 }
 
 
@@ -219,7 +220,7 @@ def test_variance_k_is_unbiased_and_falls_with_k():
 
 
 def test_bench_sampler_modes_agree():
-  modes = ["shared", "unshared", "recompute", "copied", "kept"]
+  modes = ["shared", "unshared", "recompute", "copied", "kept", "unstacked"]
   prompts, k, new_tokens = 2, 2, 4
   r = run_json("bench_sampler.py", "--prompt_len", 4, "--new_tokens", new_tokens, "--prompts",
                prompts, "--k", k, "--vocab", 64, "--hidden", 32, "--layers", 1, "--heads", 2,
@@ -237,6 +238,42 @@ def test_bench_sampler_modes_agree():
   for mode in modes:
     assert r["all_times_s"][mode][0] < r["compile_s"][mode], (mode, r["all_times_s"], r["compile_s"])
   assert r["copied_over_kept"] == pytest.approx(r["copied_s"] / r["kept_s"], rel=0.01)
+  assert r["unstacked_over_shared"] == pytest.approx(r["unstacked_s"] / r["shared_s"], rel=0.01)
+
+
+def test_trace_programs_sums_each_programs_kernels():
+  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "trace_programs.py"),
+                        "--hidden", "32", "--layers", "1", "--runs", "2", "--top", "4"],
+                       check=True, capture_output=True, text=True, cwd=REPO).stdout
+  rows = {r["program"]: r for r in map(json.loads, out.splitlines()) if r}
+  assert set(rows) == {"rollout", "reference", "gradient"}
+  for r in rows.values():
+    assert r["wall_s"] > 0 and r["thunks"] > 0 and 0 < r["thunk_s"]
+    # The kernels' summed time over the threads: at most every core busy the whole run.
+    assert r["concurrency"] == pytest.approx(r["thunk_s"] / r["wall_s"], rel=0.01, abs=1e-3)
+    assert r["concurrency"] <= 1.2 * os.cpu_count()
+    assert len(r["top"]) == 4 and sum(t[1] for t in r["top"]) <= 1e3 * r["thunk_s"] * 1.001
+  # The decode loop launches kernels at every one of its 31 steps; a forward pass, a few
+  # hundred at most.
+  assert rows["rollout"]["thunks"] > 31 * 20 > rows["reference"]["thunks"] / 2
+
+
+def test_gpu_check_figures_follow_from_their_measurements():
+  r = run_json("gpu_check.py", "--preset", "pythia-160m", "--prompts", 2, "--prompt_len", 16,
+               "--new_tokens", 8, "--iterations", 1, "--repeats", 1, "--microbatch_size", 0,
+               cwd=EXPERIMENTS)
+  d, u = r["decode"], r["update"]
+  assert d["streams"] == 8 and d["decode_steps"] == 7
+  assert d["weight_gb"] * 1e9 == 2 * u["num_params"]  # every parameter once, in bfloat16
+  assert d["decode_tokens_per_s"] == pytest.approx(8 * 7 / d["decode_s"], rel=1e-3)
+  step = (d["weight_gb"] + d["kv_cache_gb"]) * 1e9 / 4.8e12
+  assert d["roofline_step_ms"] == pytest.approx(1e3 * step, rel=1e-3)
+  assert d["roofline_over_measured"] == pytest.approx(
+      d["roofline_tokens_per_s"] / d["decode_tokens_per_s"], rel=1e-2)
+  assert 0 < d["kv_cache_gb"] < d["weight_gb"]
+  assert u["update_mfu"] == pytest.approx(u["update_flops"] / u["update_s"] / 989e12, rel=0.02,
+                                          abs=1e-4)
+  assert u["update_flops"] > 6 * u["num_params"] * 2 * 4 * 8 * 0.5  # ~6 x params x tokens
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ def test_the_paper_settings(name, model, beta, prompt_len):
   assert c.train.num_epochs == 1 and c.train.num_iterations == 600
   assert c.optim.learning_rate == 1e-6 and c.optim.schedule == "constant"
   assert c.optim.warmup_steps == int(0.03 * 600 * 2)
+  # The settings the plan shows fit 8 x 80 GB with room (docs/SCALE.md): matmul outputs kept,
+  # each minibatch in one pass.
+  assert (c.model.remat, c.train.microbatch_size) == ("dots", 0)
   experiment.validate_config(c)
   # A checkpoint path instead of a preset goes to init_from.
   c = load_config("model=/ckpt/sft,rm=/ckpt/rm", name)
@@ -40,8 +43,10 @@ def test_gsm8k_is_verls_rloo_example():
       1024, 5, 512, 1024)
   assert 1024 // c.train.num_minibatches == 256 and c.optim.learning_rate == 1e-6
   assert c.kl.beta == 0.001 and list(c.rewards.fns) == ["rloo_jax.rewards.verifiers:gsm8k"]
+  assert c.model.remat == "dots"  # where veRL recomputes whole layers: the plan fits it in 72 GiB
   single = load_config("single,model=qwen2.5-0.5b,lora=16", "gsm8k")
   assert single.model.lora.rank == 16 and single.rloo.num_prompts == 128
+  assert single.model.remat == "full"  # one device: the room goes to the batch
   assert load_config("single", "gsm8k").model.init_from == "Qwen/Qwen2.5-0.5B-Instruct"
 
 

@@ -12,8 +12,10 @@ import sys
 
 import pytest
 
+import jax
+
 from conftest import REPO, load_config
-from rloo_jax import experiment
+from rloo_jax import experiment, sampler_args
 from rloo_jax import memory as plan
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.models import presets
@@ -267,3 +269,100 @@ def test_the_plan_counts_a_learned_reward_model_resident():
   exp = experiment.build_abstract(c)
   policy = exp.model_config.replace(head="scalar")
   assert programs.reward_model_bytes(exp) == 2 * policy.num_params
+
+
+def test_a_job_that_fits_is_told_the_faster_settings_and_each_one_fits():
+  # remat='full' with microbatches of one group: room for both 'dots' and bigger microbatches.
+  c = small_config(**{"model.remat": "full", "train.microbatch_size": 1})
+  algo = RLOO(experiment.build_abstract(c))
+  quiet = plan.plan(algo, names=("update",))
+  assert quiet["speedups"] == []  # only on request: they cost compiles
+  r = plan.plan(algo, names=("update",), speedups=True)
+  by = {s["setting"].split("=")[0]: s for s in r["speedups"]}
+  assert set(by) == {"--config.model.remat", "--config.train.microbatch_size"}
+  remat, micro = by["--config.model.remat"], by["--config.train.microbatch_size"]
+  # One step down from 'full'; the FLOPs saved are the plan's own count of what 'full'
+  # recomputes beyond 'dots' (the trunk's matmuls).
+  assert remat["setting"] == "--config.model.remat=dots"
+  shape = dict(num_prompts=8, prompt_len=c.data.max_prompt_len, k=c.rloo.k, new_tokens=16,
+               shared_prefix=True)
+  m = algo.exp.model_config
+  recompute = lambda remat: flops.remat_recompute_flops(  # noqa: E731
+      m, **shape, num_epochs=c.train.num_epochs, remat=remat)
+  assert remat["flops_saved"] == int(recompute("full") - recompute("dots")) > 0
+  assert 0 < remat["fraction_saved"] < 0.5
+  # Its stated peak is what the plan of that setting compiles to.
+  at = update_plan(**{"model.remat": "dots", "train.microbatch_size": 1})
+  assert remat["peak_gb"] == pytest.approx(update_max(at, "peak_gb"), rel=1e-6)
+  # The whole minibatch (8 groups) in one pass fits, so it is the pick: 1 microbatch, not 8.
+  assert micro["setting"] == "--config.train.microbatch_size=8" and micro["microbatches"] == 1
+  assert micro["peak_gb"] == pytest.approx(
+      update_max(update_plan(**{"model.remat": "full"}), "peak_gb"), rel=1e-6)
+  assert any(line.startswith("  faster, and fits: --config.model.remat=dots")
+             for line in plan.format_table(r).splitlines())
+
+
+def test_the_faster_settings_stay_within_the_headroom_of_a_tight_device():
+  c = small_config(**{"model.remat": "full", "train.microbatch_size": 1})
+  algo = RLOO(experiment.build_abstract(c))
+  base = update_max(plan.plan(algo, names=("update",)), "peak_gb")
+  # A device just big enough for the job as it is: nothing bigger is suggested.
+  tight = plan.plan(algo, names=("update",), speedups=True, device_memory_gb=base * 1.01)
+  assert tight["fits"] and all(s["peak_gb"] <= 0.9 * base * 1.01 for s in tight["speedups"])
+  dots_peak = update_max(update_plan(**{"model.remat": "dots", "train.microbatch_size": 1}),
+                         "peak_gb")
+  assert dots_peak > 0.9 * base * 1.01
+  assert not any(s["setting"].endswith("remat=dots") for s in tight["speedups"])
+  # A job that does not fit gets advice, not speed-ups.
+  over = plan.plan(algo, names=("update",), speedups=True, device_memory_gb=base / 2)
+  assert not over["fits"] and over["speedups"] == [] and over["advice"]
+
+
+def test_decode_layers_auto_unstacks_big_layers_unless_lora_and_the_plan_counts_the_copy(
+    monkeypatch):
+  c = small_config()
+  with c.unlocked():  # layers of 4 MB: their copy stands out of the decode's other buffers
+    c.model.update(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
+                   num_kv_heads=4, head_dim=64)
+  auto = experiment.build_abstract(c.copy_and_resolve_references())
+  size = sampler_args.layer_bytes_per_device(auto)
+  # float32 q, k, v, o, the MLP and two norms (plus the final norm's share)
+  assert size == pytest.approx(4 * (4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256), rel=1e-3)
+  # 'auto': by the layer's size (one device, full fine-tuning), never with LoRA.
+  monkeypatch.setattr(sampler_args, "AUTO_UNSTACK_LAYER_BYTES", size)
+  assert sampler_args.decode_unstacked(auto) is True
+  monkeypatch.setattr(sampler_args, "AUTO_UNSTACK_LAYER_BYTES", size + 1)
+  assert sampler_args.decode_unstacked(auto) is False
+  with c.unlocked():
+    c.model.lora.rank = 4
+    c.rloo.decode_layers = "auto"
+  monkeypatch.setattr(sampler_args, "AUTO_UNSTACK_LAYER_BYTES", 0)
+  assert sampler_args.decode_unstacked(experiment.build_abstract(c)) is False
+  c = c.copy_and_resolve_references()  # the experiments keep their config objects
+  with c.unlocked():
+    c.model.lora.rank = 0
+    c.rloo.decode_layers = "unstacked"
+  exp = experiment.build_abstract(c)
+  c = c.copy_and_resolve_references()
+  with c.unlocked():
+    c.rloo.decode_layers = "scanned"
+  scanned = experiment.build_abstract(c)
+  assert sampler_args.decode_unstacked(exp) is True
+  assert sampler_args.decode_unstacked(scanned) is False
+  # The unstacked decode holds a copy of the layers' weights (float32 here) for the rollout,
+  # where the scan holds the one layer it has sliced out.
+  decode = lambda e: plan.plan(RLOO(e), names=("start", "decode"))["programs"]["decode"]  # noqa
+  extra = decode(exp)["temp_gb"] - decode(scanned)["temp_gb"]
+  layers = sum(x.size * x.dtype.itemsize
+               for x in jax.tree.leaves(experiment.abstract_state(exp).params["layers"]))
+  assert extra * GIB == pytest.approx(layers * 3 / 4, rel=0.15)
+  # A decode that does not fit is told to scan; a scanned one has nothing to give back.
+  tiny = dict(names=("start", "decode"), device_memory_gb=1e-4)
+  assert any(a.startswith("--config.rloo.decode_layers=scanned")
+             for a in plan.plan(RLOO(exp), **tiny)["advice"])
+  assert not any("decode_layers" in a for a in plan.plan(RLOO(scanned), **tiny)["advice"])
+  c = c.copy_and_resolve_references()
+  with c.unlocked():
+    c.rloo.decode_layers = "unrolled"
+  with pytest.raises(ValueError, match=r"config\.rloo\.decode_layers 'unrolled'"):
+    experiment.validate_config(c)

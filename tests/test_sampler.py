@@ -455,3 +455,28 @@ def test_real_transformer_cached_equals_uncached(family, other, prefix):
                              atol=1e-4)
   np.testing.assert_allclose(out.logprobs_bkt[m], log_softmax_at(logits, out.tokens_bkt)[m],
                              atol=1e-4)  # Temperature(1.0): the sampling dist is the policy.
+
+
+# Gemma 3 has sliding and global layers with their own RoPE bases, so the unrolled layers must
+# pick each layer's window and table as the scan does.
+@pytest.mark.parametrize('family', ['llama', 'gemma3'])
+@pytest.mark.parametrize('mode, width', [('shared', 12), ('shared', 20), ('unshared', 12)])
+def test_decode_on_unstacked_layers_equals_the_layer_scan(family, mode, width):
+  """`sample(unstack_layers=True)` (per-layer weight buffers, layers unrolled) draws the same
+  tokens with the same log-probs as the scanned stack, copied (12) and kept (20) prefixes."""
+  overrides = dict(vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                   head_dim=8, intermediate_size=64, max_seq_len=64)
+  if family == 'gemma3':
+    overrides.update(sliding_window=4, layer_types=('sliding_attention', 'sliding_attention',
+                                                    'full_attention'))
+  graphdef, params = models.create(getattr(models.TransformerConfig, family)(**overrides))
+  fns = models.model_fns(graphdef)
+  tokens, lengths = prompts(lengths=(7, 2, width), width=width, vocab=48, seed=4)
+  outs = [np_out(sampler.sample(fns, params, tokens, lengths, jax.random.key(3), k=3,
+                                max_new_tokens=10, method=sampling.Temperature(1.0), eos_id=47,
+                                pad_id=PAD, mode=mode, unstack_layers=unstack))
+          for unstack in (False, True)]
+  np.testing.assert_array_equal(outs[0].tokens_bkt, outs[1].tokens_bkt)
+  np.testing.assert_allclose(outs[0].policy_logprobs_bkt, outs[1].policy_logprobs_bkt,
+                             rtol=1e-6, atol=1e-6)
+  assert outs[1].mask_bkt.sum() > 3 * 3  # the streams decoded past their first tokens

@@ -20,9 +20,10 @@ from typing import Optional
 
 import jax
 
-from rloo_jax import experiment, update
+from rloo_jax import experiment, sampler_args, update
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
+from rloo_jax.memory import speedups as speedups_lib
 from rloo_jax.models import lora
 
 GIB = 2 ** 30
@@ -171,6 +172,10 @@ def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
   sampling = [over[n] for n in ("start", "decode") if n in over]
   if sampling:
     items += _cache_advice(exp, compiled, max(sampling))
+  if "decode" in over and sampler_args.decode_unstacked(exp):
+    layers = compiled.state_bytes["params"]
+    items.append((layers, f"--config.rloo.decode_layers=scanned (the decode loop's per-layer "
+                          f"copy of the policy's layers, up to {_size(layers)}, goes)"))
   items.sort(key=lambda item: -item[0])
   return [text for _, text in items]
 
@@ -200,11 +205,13 @@ def _with_hoists(algo, names, compiled) -> dict:
 
 
 def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
-         names=programs_lib.NAMES, accelerator: bool = False) -> dict:
+         names=programs_lib.NAMES, accelerator: bool = False, speedups: bool = False) -> dict:
   """The memory plan of `algo` (an RLOO algorithm object, built by `experiment.build` or
   `build_abstract`): compiles its programs (`names`, default all) and returns the report.
   accelerator=True: the (CPU) devices stand for accelerators, which compute bf16 natively
-  (`programs.ACCELERATOR_OPTIONS`); the plan of an N-chip job on simulated devices."""
+  (`programs.ACCELERATOR_OPTIONS`); the plan of an N-chip job on simulated devices.
+  speedups=True: a job that fits also gets `speedups`, the faster settings its spare memory
+  allows, each compiled (`memory.speedups`: a few more compiles of the update)."""
   exp = algo.exp
   c, m = exp.config, exp.model_config
   accelerator = accelerator and jax.default_backend() == "cpu"
@@ -250,7 +257,9 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
                 adapter_params=lora.num_params(m)) if m.lora_rank else None,
       # Compiled as for an accelerator on this CPU (programs.ACCELERATOR_OPTIONS).
       accelerator_view=bool(accelerator),
-      advice=advice(algo, compiled, limit, accelerator))
+      advice=advice(algo, compiled, limit, accelerator),
+      speedups=(speedups_lib.speedups(algo, compiled, limit, accelerator)
+                if speedups and "update" in names else []))
   return report
 
 
@@ -288,6 +297,7 @@ def format_table(r: dict) -> str:
                  + (", ".join(f"{PROGRAM_LABELS[n]} {g:.4g}" for n, g in hoisted.items())
                     or "none"))
   lines += [f"  advice: {a}" for a in r["advice"]]
+  lines += [f"  faster, and fits: {s['text']}" for s in r.get("speedups", ())]
   return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import experiment, rollout, sampler
+from rloo_jax import experiment, rollout, sampler, sampler_args
 from rloo_jax.sharding import per_device_bytes
 
 NAMES = ("update", "score", "start", "decode")
@@ -237,8 +237,9 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   sample_output *= c.rloo.num_prompts // chunk_prompts(c)
   rows_bytes = per_device_bytes(x.rows)
   if "decode" in names:
-    compiled, s = _compile(lambda: sampler.decode_loop.lower(exp.fns, state.policy_params, samp,
-                                                             x.stop_ids, tok, **static))
+    compiled, s = _compile(lambda: sampler.decode_loop.lower(
+        exp.fns, state.policy_params, samp, x.stop_ids, tok, **static,
+        unstack_layers=sampler_args.decode_unstacked(exp)))
     found["decode"] = _measure("decode", compiled, s, persistent - policy_bytes)
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
   score_args = (state.ref_params, state.adv_state, x.rows,

@@ -137,13 +137,18 @@ class Transformer(nnx.Module):
   def _head(self, x_bse):
     return apply_head(self.config, self.head_params(), x_bse)
 
-  def _scan(self, body, x, positions, carry=None, xs=None, gather=None):
+  def _scan(self, body, x, positions, carry=None, xs=None, gather=None, layers=None):
     """Runs `body(block, x, carry, xs_l, rotary, scores) -> (x, carry, y)` over the layers with
     lax.scan; returns (x, carry, ys stacked on a leading layers axis). `rotary` is the layer's
     table at `positions` (`_rotary`), `scores` its `attention.Scores` (scale, soft-cap and, with
-    sliding layers, the layer's window), so layers of two kinds share one scanned body."""
+    sliding layers, the layer's window), so layers of two kinds share one scanned body.
+
+    `layers`: per-layer weight trees (`unstack_layers`, the decode loop's) run unrolled instead
+    (ys None): a scanned layer copies its weights out of the stack at every call."""
     c = self.config
     graphdef, stacked = nnx.split(self.layers)
+    if layers is not None:
+      return self._unrolled(graphdef, layers, body, x, positions, carry, xs, gather)
     global_rot, local_rot = self._rotary(positions)
     sliding = any(c.sliding_layers)
     # A full layer's window: no distance reaches it.
@@ -168,6 +173,20 @@ class Transformer(nnx.Module):
       step = jax.checkpoint(step, policy=policy, prevent_cse=False)
     (x, carry), ys = jax.lax.scan(step, (x, carry), (stacked, windows_l, xs))
     return x, carry, ys
+
+  def _unrolled(self, graphdef, layers, body, x, positions, carry, xs, gather):
+    c = self.config
+    global_rot, local_rot = self._rotary(positions)
+    sliding = any(c.sliding_layers)
+    for l, weights in enumerate(layers):
+      weights = weights if gather is None else gather.layer(weights)
+      local = sliding and bool(c.sliding_layers[l])
+      rotary = local_rot if (local and local_rot is not None) else global_rot
+      window = jnp.int32(c.sliding_window if local else jnp.iinfo(jnp.int32).max)
+      x, carry, _ = body(nnx.merge(graphdef, weights), x, carry,
+                         jax.tree.map(lambda v, l=l: v[l], xs), rotary,
+                         Scores.of(c, window if sliding else None))
+    return x, carry, None
 
   def _trunk(self, tokens_bs, positions_bs, mask_bs, gather=None, keep_kv=False):
     """Every layer over the full sequence: pre-norm final hidden states, and with keep_kv each
@@ -248,7 +267,7 @@ class Transformer(nnx.Module):
     """Logits [N, T, V] (values [N, T] for head='scalar') of `grouped_hidden`."""
     return self._head(self.grouped_hidden(*args, gather=gather))
 
-  def decode(self, tokens_bk, positions_bk, cache: DecodeCache, gather=None):
+  def decode(self, tokens_bk, positions_bk, cache: DecodeCache, gather=None, layers=None):
     """One token per stream, written at stream slot cache.copied_prefix + cache.index (callers
     keep index < max_new_tokens: dynamic_update_slice clamps, so a step past the end would
     overwrite the last slot). Returns (logits [B,K,V], cache)."""
@@ -284,7 +303,8 @@ class Transformer(nnx.Module):
       return x, kv, None
 
     x, (k_all, v_all), _ = self._scan(body, self._embed(tokens_bk, positions_bk), positions_bk,
-                                      carry=(cache.k_lbkhdt, cache.v_lbkhtd), xs=xs, gather=gather)
+                                      carry=(cache.k_lbkhdt, cache.v_lbkhtd), xs=xs, gather=gather,
+                                      layers=layers)
     new_cache = cache.replace(k_lbkhdt=k_all, v_lbkhtd=v_all, index=idx + 1)
     return self._head(x), new_cache
 
@@ -307,6 +327,7 @@ class ModelFns(NamedTuple):
   grouped_hidden: Callable | None = None
   head: Callable | None = None
   head_params: Callable | None = None
+  unstack_layers: Callable | None = None
 
 
 def _config_of(graphdef) -> TransformerConfig | None:
@@ -340,8 +361,12 @@ def model_fns(graphdef, gather=None) -> ModelFns:
   def prefill(params, tokens_bp, positions_bp, mask_bp):
     return model(params).prefill(tokens_bp, positions_bp, mask_bp, gather=gather)
 
-  def decode(params, tokens_bk, positions_bk, cache):
-    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather)
+  def decode(params, tokens_bk, positions_bk, cache, layers=None):
+    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather, layers=layers)
+
+  def unstack_layers(params) -> tuple:
+    return tuple(jax.tree.map(lambda w, l=l: w[l], params['layers'])
+                 for l in range(config.num_layers))
 
   def grouped(params, *rows):
     return model(params).grouped(*rows, gather=gather)
@@ -359,7 +384,7 @@ def model_fns(graphdef, gather=None) -> ModelFns:
 
   return ModelFns(forward=forward, prefill=prefill, init_cache=init_cache, decode=decode,
                   config=config, grouped=grouped, hidden=hidden, grouped_hidden=grouped_hidden,
-                  head=head, head_params=head_params)
+                  head=head, head_params=head_params, unstack_layers=unstack_layers)
 
 
 def create(config: TransformerConfig, seed: int = 0):

@@ -1,0 +1,151 @@
+r"""Issue 21's accelerator figures, in one short run: the decode loop's tokens/s against the HBM
+roofline, and the update step's MFU, on a preset's architecture with random weights.
+
+- Decode: `sampler.start` (prefill + first token) then `sampler.decode_loop` timed apart, in
+  the run's dtype with the weights stored in it too (a bf16 model). The roofline of one decode
+  step is the bytes it must read, the weights (every parameter once) plus the KV cache as the
+  sampler lays it out (each prompt's prefix once, each stream's buffer; `SampleOutput` not
+  counted), over `--hbm_tbps`. Prints `decode_tokens_per_s`, `roofline_tokens_per_s` and their
+  ratio `roofline_over_measured` (issue 21: within 2x).
+- Update: RLOO iterations of bench_step.py's synthetic task at this shape (float32 master
+  weights, bf16 activations, as the configs run), `update_s` their median; MFU = the update's
+  model FLOPs (`memory.flops`: 3 x the scoring forward, rematerialisation not counted) /
+  update_s / `--peak_tflops` (issue 21: >= 40%).
+
+Defaults: Llama-3.2-1B, 64 prompts x k = 4 x (512 + 256), an H200 (4.8 TB/s, 989 TFLOP/s dense
+bf16). On this repo's CPU machine only as a smoke run (tiny shapes, figures meaningless):
+
+    python experiments/gpu_check.py                                  # on the GPU
+    python experiments/gpu_check.py --preset pythia-160m --prompts 2 --prompt_len 16 \
+        --new_tokens 8 --iterations 1 --repeats 1 --microbatch_size 0    # CPU smoke
+"""
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import bench_step  # experiments/, beside this file
+
+from rloo_jax import sampler, sampling
+from rloo_jax.config_utils import base_config
+from rloo_jax.memory.flops import model_flops_per_iteration
+from rloo_jax.models import presets, transformer
+
+
+def timed(fn, repeats):
+  """(median seconds, last result) of `fn()` run to completion `repeats` times after one
+  untimed (compiling) run."""
+  out = jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), out
+
+
+def decode_check(args) -> dict:
+  m = presets.get(args.preset, dtype=args.dtype, param_dtype=args.dtype,
+                  max_seq_len=args.prompt_len + args.new_tokens)
+  graphdef, params = transformer.create(m, seed=0)
+  fns = transformer.model_fns(graphdef)
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(3, m.vocab_size, (args.prompts, args.prompt_len)),
+                        jnp.int32)
+  lengths = jnp.full((args.prompts,), args.prompt_len, jnp.int32)
+  stops, pad = jnp.asarray([-1], jnp.int32), jnp.int32(0)  # no end token: every step runs
+  method = sampling.Temperature(1.0)
+  start = lambda: sampler.start(  # noqa: E731
+      fns, params, prompts, lengths, jax.random.PRNGKey(0), stops, pad, k=args.k,
+      max_new_tokens=args.new_tokens, method=method, mode="shared")
+  start_s, state = timed(start, args.repeats)
+  cache = state.cache
+  # The decode loop donates its state: a fresh start for every run, outside the timing.
+  loop = lambda s: sampler.decode_loop(fns, params, s, stops, pad, method=method, mode="shared")
+  jax.block_until_ready(loop(start()))
+  times = []
+  for _ in range(args.repeats):
+    s = jax.block_until_ready(start())
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(s).tokens_bkt)
+    times.append(time.perf_counter() - t0)
+  decode_s = statistics.median(times)
+  steps = args.new_tokens - 1
+  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)
+                 if hasattr(x, "dtype") and x.ndim >= 4)
+  step_roofline_s = (weight_bytes + kv_bytes) / (args.hbm_tbps * 1e12)
+  streams = args.prompts * args.k
+  measured = streams * steps / decode_s
+  roofline = streams / step_roofline_s
+  return dict(start_s=round(start_s, 5), decode_s=round(decode_s, 5), decode_steps=steps,
+              streams=streams, weight_gb=weight_bytes / 1e9, kv_cache_gb=kv_bytes / 1e9,
+              decode_step_ms=round(1e3 * decode_s / steps, 4),
+              roofline_step_ms=round(1e3 * step_roofline_s, 4),
+              decode_tokens_per_s=round(measured, 1), roofline_tokens_per_s=round(roofline, 1),
+              roofline_over_measured=round(roofline / measured, 3))
+
+
+def update_check(args) -> dict:
+  c = base_config()
+  c.task = "bench"
+  c.model.update(preset=args.preset, dtype=args.dtype, remat=args.remat,
+                 max_seq_len=args.prompt_len + args.new_tokens)
+  c.data.max_prompt_len = args.prompt_len
+  c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
+  c.train.update(num_epochs=1, num_minibatches=1, microbatch_size=args.microbatch_size)
+  c.rewards.fns = [bench_step.synthetic_reward]
+  c.rewards.weights = [1.0]
+  vocab = presets.get(args.preset).vocab_size
+  task = bench_step.bench_task(vocab, args.prompt_len, fixed_length=True)
+  with tempfile.TemporaryDirectory() as workdir:
+    algo, state = bench_step.build(c, task, workdir)
+    data = bench_step.prompt_batches(task, args.prompts, args.prompt_len)
+    state, _ = algo.iteration(state, next(data))  # compiles
+    rows = []
+    for _ in range(args.iterations):
+      state, metrics = algo.iteration(state, next(data))
+      rows.append(metrics)
+    m = algo.exp.model_config
+  update_s = float(np.median([r["update_s"] for r in rows]))
+  flops = model_flops_per_iteration(m, args.prompts, args.prompt_len, args.k, args.new_tokens)
+  mfu = flops["update"] / update_s / (args.peak_tflops * 1e12)
+  return dict(update_s=round(update_s, 5), update_flops=flops["update"],
+              update_tflops=round(flops["update"] / update_s / 1e12, 2), update_mfu=round(mfu, 4),
+              iteration_s=round(float(np.median([r["iteration_s"] for r in rows])), 5),
+              num_params=int(m.num_params))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="llama-3.2-1b")
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--prompts", type=int, default=64)
+  p.add_argument("--k", type=int, default=4)
+  p.add_argument("--prompt_len", type=int, default=512)
+  p.add_argument("--new_tokens", type=int, default=256)
+  p.add_argument("--remat", default="dots")
+  p.add_argument("--microbatch_size", type=int, default=16, help="groups (0: the minibatch)")
+  p.add_argument("--repeats", type=int, default=3, help="timed decode runs")
+  p.add_argument("--iterations", type=int, default=3, help="timed RLOO iterations")
+  p.add_argument("--hbm_tbps", type=float, default=4.8, help="H200: 4.8 TB/s")
+  p.add_argument("--peak_tflops", type=float, default=989.0, help="H200 dense bf16")
+  p.add_argument("--checks", default="decode,update")
+  args = p.parse_args()
+  out = dict(config=vars(args), backend=jax.default_backend(),
+             device=str(jax.devices()[0].device_kind))
+  if "decode" in args.checks:
+    out["decode"] = decode_check(args)
+  if "update" in args.checks:
+    out["update"] = update_check(args)
+  print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,122 @@
+"""What a job that fits could spend its spare device memory on to run faster, each setting
+compiled and checked to fit (`memory.plan`'s `speedups`, printed by `python -m rloo_jax.plan`).
+
+- Less recomputation: `config.model.remat='dots'` keeps the layers' matmul outputs for the
+  backward instead of recomputing the whole layer forward ('full'): the update then runs about
+  a forward fewer of the trunk per step. Saved FLOPs are the plan's own count
+  (`flops.remat_recompute_flops`).
+- Bigger microbatches: fewer, larger matmuls per update step, and under FSDP each layer's
+  weights gathered (and its gradient reduce-scattered) once per microbatch, so fewer of them.
+
+Each candidate is compiled with the job's shardings and compiler options, so its peak is a
+compiled figure, not an estimate; every one must stay within `HEADROOM` of the device (room
+for the allocator's fragmentation). Each is measured alone: after applying one, plan again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rloo_jax import experiment, update
+from rloo_jax.memory import flops as flops_lib
+from rloo_jax.memory import programs as programs_lib
+
+GIB = 2 ** 30
+HEADROOM = 0.9  # a suggested setting's peak stays within this fraction of the device memory
+# Recomputation in the backward, least first (`models.config.REMAT_POLICIES`).
+_REMAT_ORDER = ("none", "dots", "full")
+
+
+def _update_peak(algo, config, accelerator: bool, hoisted: int, rebuild: bool) -> int:
+  """The largest peak of the update programs of `algo` under `config` (one compile), plus the
+  loop-invariant hoists measured for the job (`hoisted`: they copy weights, which neither
+  setting changes). rebuild: the model changes (remat), so the experiment is built again."""
+  if rebuild:
+    exp = experiment.build_abstract(config, num_layers=algo.exp.model_config.num_layers)
+  else:
+    exp = dataclasses.replace(algo.exp, config=config)
+  options = programs_lib.ACCELERATOR_OPTIONS if accelerator else None
+  compiled = programs_lib.compile_programs(type(algo)(exp), ("update",), options=options)
+  return max(p.peak for p in compiled.programs.values()) + hoisted
+
+
+def _remat(algo, limit: int, accelerator: bool, hoisted: int, shape: dict) -> list:
+  c, m = algo.exp.config, algo.exp.model_config
+  now = m.remat
+  recompute = lambda r: flops_lib.remat_recompute_flops(  # noqa: E731
+      m, **shape, num_epochs=c.train.num_epochs, remat=r)
+  executed = sum(flops_lib.model_flops_per_iteration(
+      m, **shape, num_epochs=c.train.num_epochs, mode=c.rloo.sampler_mode).values())
+  executed += recompute(now)
+  # One step down: 'full' -> 'dots' saves the trunk's forward; 'dots' -> 'none' only the
+  # attention products, for their [heads, T, T] probabilities kept (rarely worth it).
+  if now == _REMAT_ORDER[0]:
+    return []
+  remat = _REMAT_ORDER[_REMAT_ORDER.index(now) - 1]
+  config = c.copy_and_resolve_references()
+  config.model.remat = remat
+  peak = _update_peak(algo, config, accelerator, hoisted, rebuild=True)
+  saved = recompute(now) - recompute(remat)
+  if peak > HEADROOM * limit or saved <= 0:
+    return []
+  return [dict(setting=f"--config.model.remat={remat}", peak_gb=peak / GIB,
+               flops_saved=int(saved), fraction_saved=saved / executed,
+               text=(f"--config.model.remat={remat} (now {now!r}): {saved:.3g} fewer FLOPs an "
+                     f"iteration, {100 * saved / executed:.0f}% of what it executes; update "
+                     f"peak {peak / GIB:.3g} GiB"))]
+
+
+def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak: int) -> list:
+  """The largest microbatch whose update fits: the two compiles' affine fit of the peak in the
+  microbatch size picks it, and it is compiled to check."""
+  exp, c = algo.exp, algo.exp.config
+  grouped = bool(c.train.shared_prefix)
+  units = (c.rloo.num_prompts if grouped else c.rloo.num_prompts * c.rloo.k)
+  units //= c.train.num_minibatches
+  m = update.microbatches(c, per="minibatch")
+  size = units // m
+  rows = lambda d: d * c.rloo.k if grouped else d  # noqa: E731
+  valid = [d for d in range(size + 1, units + 1) if units % d == 0
+           and rows(d) % exp.layout.batch_parallelism == 0]
+  if m == 1 or not valid:
+    return []
+
+  def peak_at(d):
+    config = c.copy_and_resolve_references()
+    config.train.microbatch_size = d
+    return _update_peak(algo, config, accelerator, hoisted, rebuild=False)
+
+  probe = valid[0]
+  at_probe = peak_at(probe)
+  if at_probe > HEADROOM * limit:
+    return []
+  slope = (at_probe - current_peak) / (probe - size)
+  fitting = [d for d in valid if current_peak + slope * (d - size) <= HEADROOM * limit]
+  pick, peak = probe, at_probe
+  if max(fitting, default=probe) > probe:
+    guess = max(fitting)
+    at_guess = peak_at(guess)
+    if at_guess <= HEADROOM * limit:
+      pick, peak = guess, at_guess
+  unit = "groups" if grouped else "rows"
+  return [dict(setting=f"--config.train.microbatch_size={pick}", peak_gb=peak / GIB,
+               microbatches=units // pick,
+               text=(f"--config.train.microbatch_size={pick} ({unit}; now {size}): "
+                     f"{units // pick} microbatches a minibatch instead of {m}: bigger "
+                     f"matmuls, and (FSDP) each layer gathered {units // pick} times a step "
+                     f"instead of {m}; update peak {peak / GIB:.3g} GiB"))]
+
+
+def speedups(algo, compiled, limit: int, accelerator: bool = False) -> list[dict]:
+  """[{setting, peak_gb, text, ...}]: settings that make the job faster and still fit within
+  HEADROOM of `limit` bytes, each compiled. Empty when the job does not fit as it is."""
+  if max(p.peak for p in compiled.programs.values()) > limit:
+    return []
+  c = algo.exp.config
+  names = [n for n in compiled.programs if n.split("_")[0] == "update"]
+  hoisted = max(compiled.programs[n].hoisted for n in names)
+  current = max(compiled.programs[n].peak for n in names)
+  shape = dict(num_prompts=c.rloo.num_prompts, prompt_len=c.data.max_prompt_len, k=c.rloo.k,
+               new_tokens=c.rloo.max_new_tokens, shared_prefix=bool(c.train.shared_prefix))
+  return (_remat(algo, limit, accelerator, hoisted, shape)
+          + _microbatch(algo, limit, accelerator, hoisted, current))
