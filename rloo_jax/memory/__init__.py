@@ -20,7 +20,7 @@ from typing import Optional
 
 import jax
 
-from rloo_jax import experiment, sampler_args, update
+from rloo_jax import experiment, sampler_args
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
 from rloo_jax.memory import speedups as speedups_lib
@@ -45,23 +45,6 @@ def _size(n: float) -> str:
   return f"{n / GIB:.3g} GiB"
 
 
-def _divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def microbatch(config) -> dict:
-  """The update's microbatch: in config.train.microbatch_size's units (groups with
-  train.shared_prefix, rows otherwise), in rows, in groups, and how many make a minibatch."""
-  c = config
-  k, grouped = c.rloo.k, bool(c.train.shared_prefix)
-  units = (c.rloo.num_prompts if grouped else c.rloo.num_prompts * k) // c.train.num_minibatches
-  m = update.microbatches(c, per="minibatch")
-  size = units // m
-  rows = size * k if grouped else size
-  return dict(microbatch_size=size, microbatch_rows=rows,
-              microbatch_groups=size if grouped else rows / k, microbatches=m)
-
-
 def _activations_program(programs: dict) -> Optional[str]:
   """The update program holding the activations: of the update's programs (one, or the
   gradient and optimizer programs), the one with the most temporaries."""
@@ -74,9 +57,7 @@ def _update_temp_at(algo, name: str, size: int, accelerator: bool) -> int:
   compile)."""
   config = algo.exp.config.copy_and_resolve_references()
   config.train.microbatch_size = size
-  probe = type(algo)(dataclasses.replace(algo.exp, config=config))
-  options = programs_lib.ACCELERATOR_OPTIONS if accelerator else None
-  return programs_lib.compile_programs(probe, ("update",), options=options).programs[name].temp
+  return programs_lib.compile_update_at(algo, config, accelerator=accelerator)[name].temp
 
 
 def _microbatch_advice(algo, name: str, update, need: int, accelerator: bool) -> list:
@@ -87,10 +68,10 @@ def _microbatch_advice(algo, name: str, update, need: int, accelerator: bool) ->
   exp = algo.exp
   c, out = exp.config, []
   grouped = bool(c.train.shared_prefix)
-  mb = microbatch(c)
+  mb = programs_lib.microbatch(c)
   size, units = mb["microbatch_size"], mb["microbatch_size"] * mb["microbatches"]
   rows = lambda d: d * c.rloo.k if grouped else d
-  valid = [d for d in _divisors(units) if d < size
+  valid = [d for d in programs_lib.divisors(units) if d < size
            and rows(d) % exp.layout.batch_parallelism == 0]
   unit = "groups" if grouped else "rows"
   want = update.temp - need  # the temporaries that would fit
@@ -129,7 +110,7 @@ def _state_advice(exp, compiled, need: int) -> list:
   f, batch = shape["fsdp"], shape["data"] * shape["fsdp"]
   if batch > f:
     want = math.ceil(f * state / (state - need)) if state > need else batch + 1
-    pick = min((d for d in _divisors(batch) if d >= want), default=batch)
+    pick = min((d for d in programs_lib.divisors(batch) if d >= want), default=batch)
     note = "" if pick >= want else "; the most these devices allow, not enough alone"
     out.append((state, f"--config.mesh.fsdp={pick} --config.mesh.data={batch // pick} (the "
                        f"train state, {_size(state)}, splits over fsdp; now fsdp={f}{note})"))
@@ -147,7 +128,7 @@ def _cache_advice(exp, compiled, need: int) -> list:
   """Smaller rollout chunks: the KV cache holds one chunk's prompts."""
   c = exp.config
   chunk, cache = programs_lib.chunk_prompts(c), compiled.kv_cache_bytes
-  valid = [d for d in _divisors(c.rloo.num_prompts)
+  valid = [d for d in programs_lib.divisors(c.rloo.num_prompts)
            if d < chunk and d % exp.layout.batch_parallelism == 0]
   if not valid or not cache:
     return []
@@ -242,7 +223,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
                         resident_gb=_gb(p.resident), hoisted_gb=_gb(p.hoisted),
                         compile_s=p.compile_s)
                 for n, p in compiled.programs.items()},
-      **microbatch(c),
+      **programs_lib.microbatch(c),
       rollout_chunk_prompts=programs_lib.chunk_prompts(c),
       # Model FLOPs: rollout + reference + update (num_epochs passes over every row, i.e.
       # epochs x minibatches steps); the backward's recompute is reported apart, not included.
@@ -258,7 +239,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       # Compiled as for an accelerator on this CPU (programs.ACCELERATOR_OPTIONS).
       accelerator_view=bool(accelerator),
       advice=advice(algo, compiled, limit, accelerator),
-      speedups=(speedups_lib.speedups(algo, compiled, limit, accelerator)
+      speedups=(speedups_lib.speedups(algo, compiled, limit, accelerator, shape=shape, flops=f)
                 if speedups and "update" in names else []))
   return report
 

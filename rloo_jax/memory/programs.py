@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import experiment, rollout, sampler, sampler_args
+from rloo_jax import experiment, rollout, sampler, sampler_args, update
 from rloo_jax.sharding import per_device_bytes
 
 NAMES = ("update", "score", "start", "decode")
@@ -88,6 +88,23 @@ def chunk_prompts(config) -> int:
   """Prompts per sampler call: config.rloo.rollout_chunk_prompts below the batch, else all."""
   chunk = int(config.rloo.get("rollout_chunk_prompts", 0) or 0)
   return chunk if 0 < chunk < config.rloo.num_prompts else int(config.rloo.num_prompts)
+
+
+def divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch(config) -> dict:
+  """The update's microbatch: in config.train.microbatch_size's units (groups with
+  train.shared_prefix, rows otherwise), in rows, in groups, and how many make a minibatch."""
+  c = config
+  k, grouped = c.rloo.k, bool(c.train.shared_prefix)
+  units = (c.rloo.num_prompts if grouped else c.rloo.num_prompts * k) // c.train.num_minibatches
+  m = update.microbatches(c, per="minibatch")
+  size = units // m
+  rows = size * k if grouped else size
+  return dict(microbatch_size=size, microbatch_rows=rows,
+              microbatch_groups=size if grouped else rows / k, microbatches=m)
 
 
 def inputs(exp) -> Inputs:
@@ -272,3 +289,15 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   return Compiled({n: found[n] for n in order}, parts, kv_cache,
                   dict(sample_output=sample_output, rows=rows_bytes, scores=scores), samp,
                   itemsize(state.ref_params), itemsize(state.params), reward_model)
+
+
+def compile_update_at(algo, config, *, accelerator: bool, rebuild: bool = False) -> dict:
+  """{name: Program} of `algo`'s update programs under `config` instead of its own (one more
+  compile, with ACCELERATOR_OPTIONS when `accelerator`): the same experiment given the new
+  config, or with rebuild (a model setting changed, e.g. remat) the experiment built anew."""
+  if rebuild:
+    exp = experiment.build_abstract(config, num_layers=algo.exp.model_config.num_layers)
+  else:
+    exp = dataclasses.replace(algo.exp, config=config)
+  options = ACCELERATOR_OPTIONS if accelerator else None
+  return compile_programs(type(algo)(exp), ("update",), options=options).programs

@@ -15,9 +15,6 @@ for the allocator's fragmentation). Each is measured alone: after applying one, 
 
 from __future__ import annotations
 
-import dataclasses
-
-from rloo_jax import experiment, update
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
 
@@ -31,23 +28,17 @@ def _update_peak(algo, config, accelerator: bool, hoisted: int, rebuild: bool) -
   """The largest peak of the update programs of `algo` under `config` (one compile), plus the
   loop-invariant hoists measured for the job (`hoisted`: they copy weights, which neither
   setting changes). rebuild: the model changes (remat), so the experiment is built again."""
-  if rebuild:
-    exp = experiment.build_abstract(config, num_layers=algo.exp.model_config.num_layers)
-  else:
-    exp = dataclasses.replace(algo.exp, config=config)
-  options = programs_lib.ACCELERATOR_OPTIONS if accelerator else None
-  compiled = programs_lib.compile_programs(type(algo)(exp), ("update",), options=options)
-  return max(p.peak for p in compiled.programs.values()) + hoisted
+  programs = programs_lib.compile_update_at(algo, config, accelerator=accelerator,
+                                            rebuild=rebuild)
+  return max(p.peak for p in programs.values()) + hoisted
 
 
-def _remat(algo, limit: int, accelerator: bool, hoisted: int, shape: dict) -> list:
+def _remat(algo, limit: int, accelerator: bool, hoisted: int, shape: dict,
+           executed: float) -> list:
   c, m = algo.exp.config, algo.exp.model_config
   now = m.remat
   recompute = lambda r: flops_lib.remat_recompute_flops(  # noqa: E731
       m, **shape, num_epochs=c.train.num_epochs, remat=r)
-  executed = sum(flops_lib.model_flops_per_iteration(
-      m, **shape, num_epochs=c.train.num_epochs, mode=c.rloo.sampler_mode).values())
-  executed += recompute(now)
   # One step down: 'full' -> 'dots' saves the trunk's forward; 'dots' -> 'none' only the
   # attention products, for their [heads, T, T] probabilities kept (rarely worth it).
   if now == _REMAT_ORDER[0]:
@@ -71,12 +62,11 @@ def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak:
   microbatch size picks it, and it is compiled to check."""
   exp, c = algo.exp, algo.exp.config
   grouped = bool(c.train.shared_prefix)
-  units = (c.rloo.num_prompts if grouped else c.rloo.num_prompts * c.rloo.k)
-  units //= c.train.num_minibatches
-  m = update.microbatches(c, per="minibatch")
-  size = units // m
+  mb = programs_lib.microbatch(c)
+  size, m = mb["microbatch_size"], mb["microbatches"]
+  units = size * m
   rows = lambda d: d * c.rloo.k if grouped else d  # noqa: E731
-  valid = [d for d in range(size + 1, units + 1) if units % d == 0
+  valid = [d for d in programs_lib.divisors(units) if d > size
            and rows(d) % exp.layout.batch_parallelism == 0]
   if m == 1 or not valid:
     return []
@@ -107,16 +97,16 @@ def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak:
                      f"instead of {m}; update peak {peak / GIB:.3g} GiB"))]
 
 
-def speedups(algo, compiled, limit: int, accelerator: bool = False) -> list[dict]:
+def speedups(algo, compiled, limit: int, accelerator: bool = False, *, shape: dict,
+             flops: dict) -> list[dict]:
   """[{setting, peak_gb, text, ...}]: settings that make the job faster and still fit within
-  HEADROOM of `limit` bytes, each compiled. Empty when the job does not fit as it is."""
+  HEADROOM of `limit` bytes, each compiled. Empty when the job does not fit as it is.
+  `shape` and `flops`: the plan's batch shape and its FLOPs an iteration (`memory.plan`: the
+  model FLOPs and the backward's recompute, which together are what it executes)."""
   if max(p.peak for p in compiled.programs.values()) > limit:
     return []
-  c = algo.exp.config
   names = [n for n in compiled.programs if n.split("_")[0] == "update"]
   hoisted = max(compiled.programs[n].hoisted for n in names)
   current = max(compiled.programs[n].peak for n in names)
-  shape = dict(num_prompts=c.rloo.num_prompts, prompt_len=c.data.max_prompt_len, k=c.rloo.k,
-               new_tokens=c.rloo.max_new_tokens, shared_prefix=bool(c.train.shared_prefix))
-  return (_remat(algo, limit, accelerator, hoisted, shape)
+  return (_remat(algo, limit, accelerator, hoisted, shape, sum(flops.values()))
           + _microbatch(algo, limit, accelerator, hoisted, current))
