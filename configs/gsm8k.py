@@ -9,7 +9,8 @@ r"""GSM8K with a verifiable reward: veRL's RLOO example, and a single-device var
   chunks of 256 prompts, microbatches of 8 prompts (40 rows). Where veRL recomputes each layer,
   the update keeps the layers' matmul outputs (remat='dots'): 15% fewer FLOPs an iteration, and
   `python -m rloo_jax.plan` still fits it in 72 GiB of each device (docs/SCALE.md, "The paper's
-  configs"). `single` and `colab` recompute whole layers (remat='full'): they need the room.
+  configs"), as it does the decode on layers gathered once a rollout instead of at every token
+  (decode_layers='unstacked'). `single` and `colab` recompute whole layers (remat='full'): they need the room.
 - `single`: Qwen2.5-0.5B-Instruct on ONE 80 GB device (H100 / H200), 128 prompts x k=5 x
   (512 + 1024), 2 optimizer steps per rollout; full fine-tuning, or LoRA with `lora=<rank>`.
 - `colab`: `single`'s model at the shapes of the Colab notebook (notebooks/gsm8k.ipynb) on the
@@ -62,6 +63,8 @@ def get_config(arg=None):
 
   if not single:
     c.model.remat = "dots"
+    if not arg.lora:  # every layer gathered once a rollout, not at every token
+      c.rloo.decode_layers = "unstacked"
   if single:
     c.rloo.update(num_prompts=128, rollout_chunk_prompts=0)
     c.train.update(num_minibatches=2, microbatch_size=16,
@@ -90,7 +93,8 @@ def get_config(arg=None):
     c.model.dtype = "float32"
     c.data.update(source_dir=os.path.join(FIXTURES, "gsm8k_tiny"), max_prompt_len=24,
                   chat_template="")
-    c.rloo.update(num_prompts=4, max_new_tokens=8, trim_bucket=8, rollout_chunk_prompts=0)
+    c.rloo.update(num_prompts=4, max_new_tokens=8, trim_bucket=8, rollout_chunk_prompts=0,
+                  decode_layers="auto")
     c.optim.update(learning_rate=1e-4)
     c.train.update(num_iterations=2, num_minibatches=1, microbatch_size=0, eval_every=1,
                    eval_prompts=8, eval_batch_size=4, checkpoint_every=1, progress_bar=False)

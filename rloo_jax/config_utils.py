@@ -132,10 +132,11 @@ def base_config() -> ml_collections.ConfigDict:
       # Prompts per sampler call (0 = the whole batch at once): smaller bounds the KV cache.
       rollout_chunk_prompts=0,
       # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'unstacked' splits
-      # them into one buffer per layer for the rollout (a copy of the policy's layers, held while
-      # it decodes) so no step copies a layer out of the stacked weights, as the layer scan
-      # does ('scanned'); 'auto' unstacks layers of 8 MiB or more a device unless FSDP gathers
-      # them (the gather is then the per-step copy) or LoRA (the base would be held twice).
+      # them into one buffer per layer for the rollout, gathered and in the activation dtype (a
+      # copy of the policy's layers, held while it decodes), so no step copies (or, FSDP,
+      # gathers) a layer, as the layer scan does ('scanned'); 'auto' unstacks layers of 8 MiB or
+      # more a device, unless FSDP-sharded (the whole model gathered may not fit: the plan
+      # names 'unstacked' when it does) or LoRA (the base would be held twice).
       decode_layers="auto"))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))
@@ -232,9 +233,11 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
   (512 / k prompts) in 2 optimizer steps of 256, one epoch, lr 1e-6 constant after a 3% warm-up,
   600 iterations; bf16, fsdp over every device. The update keeps the layers' matmul outputs
   (remat='dots') and takes each minibatch whole (no microbatches): at Pythia-6.9B / a Llama-7B
-  shape on 8 x 80 GB the plan's peak is then 30-40 GiB a device, and the update runs the trunk
+  shape on 8 x 80 GB the update's plan peak is then 30-40 GiB a device, and it runs the trunk
   forward once fewer than with remat='full' (`python -m rloo_jax.plan` prints what a bigger
-  model should turn back). `data`: the task's own config.data fields.
+  model should turn back); the decode gathers every layer once a rollout, not at every token
+  (decode_layers='unstacked': the plan's decode peak is then 52-62 GiB a device at 6.9B-7B as
+  XLA:CPU compiles it, its gathered copy in float32). `data`: the task's own config.data fields.
   `smoke`: a tiny random GPT-NeoX checkpoint and reward model from tests/fixtures and the task's
   source-format files there (with `smoke_data` for what those files hold), for CPU."""
   arg = parse_arg(arg, model="pythia-6.9b", k=2, rm="", smoke=False, lora=0, seed=0)
@@ -259,6 +262,9 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
   c.rewards.fns = [reward_model_spec(arg.rm)]
   c.rewards.weights = [1.0]
   c.mesh.update(data=1, fsdp=-1)
+  # The decode gathers each layer once a rollout, not at every token (`memory.speedups`, whose
+  # compile of it fits every model here); LoRA runs are left to 'auto', unplanned that way.
+  c.rloo.decode_layers = "auto" if arg.lora else "unstacked"
   if arg.smoke:  # end to end on CPU in seconds
     if arg.model == "pythia-6.9b":
       set_model(c, os.path.join(FIXTURES, "hf", "gpt_neox"))
@@ -268,7 +274,7 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
     c.model.dtype = "float32"
     c.data.update(source_dir=os.path.join(FIXTURES, task), max_prompt_len=smoke_prompt_len,
                   **(smoke_data or {}))
-    c.rloo.update(num_prompts=4, max_new_tokens=8, trim_bucket=8)
+    c.rloo.update(num_prompts=4, max_new_tokens=8, trim_bucket=8, decode_layers="auto")
     c.optim.update(learning_rate=1e-4, warmup_steps=1)
     c.train.update(num_iterations=2, num_minibatches=2, microbatch_size=0, eval_every=1,
                    eval_prompts=8, eval_batch_size=4, checkpoint_every=1, progress_bar=False)

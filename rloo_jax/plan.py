@@ -10,8 +10,8 @@ only XLA:CPU makes (`memory.programs.ACCELERATOR_OPTIONS`; --as_compiled keeps t
 it the plan is for this machine's devices, as they compile.
 --num_layers=L replaces the architecture's depth after the preset / checkpoint is resolved.
 A job that fits also gets the faster settings its spare memory allows ("faster, and fits":
-less rematerialisation, bigger microbatches; `memory.speedups`), each compiled; --nospeedups
-skips those compiles.
+less rematerialisation, bigger microbatches, under FSDP a decode on layers gathered once;
+`memory.speedups`), each compiled; --nospeedups skips those compiles.
 Exits 0 whether or not the job fits (the JSON says); 1 on a config error.
 """
 import json

@@ -155,7 +155,7 @@ def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mod
 
 def _decode(fns, params, state: SamplingState, *, mode, layers=None):
   """Feeds each stream's last token; returns (logits [B, K, V], updated model state).
-  `layers`: the per-layer weights (`ModelFns.unstack_layers`), split once before the loop."""
+  `params`, `layers`: the weights `ModelFns.decode_weights` prepared once before the loop."""
   num_prompts, k = state.last_tokens_bk.shape
   positions_bk = state.prompt_lengths_bk + state.step - 1
   split = {} if layers is None else {'layers': layers}
@@ -265,11 +265,12 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
 def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
                 mode, batch_sharding=None, unstack_layers=False) -> SamplingState:
   max_new_tokens = state.tokens_bkt.shape[2]
-  # One copy of the layer weights per rollout, split per layer, instead of the layer scan's
-  # slice of every layer at every token (`Transformer._scan`; `sample`'s unstack_layers).
+  # What every token would otherwise repeat, done once per rollout: the layers split into
+  # buffers of their own and gathered (unstack_layers), the weights cast to the activation
+  # dtype (`models.decode_weights`).
   layers = None
-  if unstack_layers and mode != 'recompute' and getattr(fns, 'unstack_layers', None):
-    layers = fns.unstack_layers(params)
+  if mode != 'recompute' and getattr(fns, 'decode_weights', None):
+    params, layers = fns.decode_weights(params, bool(unstack_layers))
 
   def cond(state):
     return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)
@@ -316,10 +317,12 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     noise_budget_bytes: the rollout's Gumbel noise (T * B * K * V float32) is drawn before the
       decode loop when it fits in this; otherwise at each step. The tokens are the same.
     unstack_layers: the decode loop splits the layer weights into one buffer per layer before
-      it starts (a copy of them for the rollout's duration) and runs the layers unrolled over
-      those, instead of scanning the stacked weights, which copies every layer's weights out of
-      the stack at every token: faster for layers no cache holds. The tokens are the same
-      (`sampler_args.decode_unstacked` picks it from config.rloo.decode_layers).
+      it starts (gathered from FSDP shards, in the activation dtype: a copy of the model for
+      the rollout's duration) and runs the layers unrolled over those, instead of scanning the
+      stacked weights, which copies (under FSDP: gathers) every layer's weights at every
+      token: faster for layers no cache holds. The tokens are the same
+      (`sampler_args.decode_unstacked` picks it from config.rloo.decode_layers;
+      `models.decode_weights`).
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.

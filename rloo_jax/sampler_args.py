@@ -125,9 +125,10 @@ def layer_bytes_per_device(exp) -> float:
 def decode_unstacked(exp) -> bool:
   """config.rloo.decode_layers resolved: whether the decode loop runs on per-layer copies of the
   weights (`sampler.sample`'s unstack_layers). 'auto': yes for layers of at least
-  AUTO_UNSTACK_LAYER_BYTES a device, unless they are FSDP-sharded (each step gathers a layer
-  into a new buffer anyway, and a copy of the shards would buy 1 / fsdp of that) or the policy
-  is LoRA (its frozen base would be held twice)."""
+  AUTO_UNSTACK_LAYER_BYTES a device, unless they are FSDP-sharded (the rollout would hold the
+  whole model gathered, which a run sharded to fit may not have room for: the memory plan
+  compiles it and names 'unstacked' when it fits, `memory.speedups`) or the policy is LoRA (its
+  frozen base would be held twice)."""
   c = exp.config
   mode = c.rloo.get('decode_layers', 'auto')
   if mode not in DECODE_LAYERS:

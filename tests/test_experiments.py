@@ -357,3 +357,26 @@ def test_sweep_trains_every_algorithm_from_one_sft_policy_and_resumes(tmp_path):
   # A finished run is skipped on a rerun.
   out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout
   assert out.count("done, skipped") == 3, out
+
+
+# ----------------------------------------------------------------------------------------------
+# decode_traffic.py
+
+
+def test_decode_traffic_gathers_bf16_layers_at_every_token_scanned_and_once_unstacked():
+  out = subprocess.run(
+      [sys.executable, os.path.join(EXPERIMENTS, "decode_traffic.py"),
+       "--config=configs/arithmetic.py:smoke", "--devices=8", "--config.mesh.data=1",
+       "--config.mesh.fsdp=8", "--config.rloo.num_prompts=8", "--config.model.dtype=bfloat16"],
+      check=True, capture_output=True, text=True, cwd=REPO).stdout
+  rows = {r["decode_layers"]: r for r in map(json.loads, out.splitlines()) if r}
+  scanned, unstacked = rows["scanned"], rows["unstacked"]
+  assert scanned["param_dtype"] == "float32" and scanned["mesh"]["fsdp"] == 8
+  # Every weight but the (replicated) norms, gathered in bfloat16: 2 bytes a parameter.
+  whole = scanned["gathered_per_token_gb"] * 2 ** 30
+  assert 0.95 * 2 * scanned["num_params"] < whole <= 2 * scanned["num_params"]
+  assert scanned["gathered_dtypes"] == {"per_token": ["bf16"], "per_rollout": []}
+  # Unstacked, the same bytes are gathered once, before the first token, and none per token.
+  assert unstacked["gathered_per_token_gb"] == 0
+  assert unstacked["gathered_per_rollout_gb"] == scanned["gathered_per_token_gb"]
+  assert unstacked["gathered_dtypes"] == {"per_token": [], "per_rollout": ["bf16"]}

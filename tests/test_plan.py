@@ -205,6 +205,14 @@ def test_fsdp_gathers_one_layer_at_a_time():
   assert r["params_gb"] == pytest.approx(whole_tree_gb / 8, rel=0.05)
   assert max(v["temp_gb"] for v in update) < 0.5 * whole_tree_gb, (update, whole_tree_gb)
   assert r["programs"]["decode"]["temp_gb"] < 0.5 * whole_tree_gb, r["programs"]["decode"]
+  # With room to spare, the plan names the decode on layers gathered once a rollout: each
+  # token then gathers none of the 7/8 of every layer a device lacks, and the decode holds
+  # the whole model gathered, compiled to check it fits.
+  decode, = [s for s in r["speedups"] if s["setting"] == "--config.rloo.decode_layers=unstacked"]
+  layer = 4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256
+  assert decode["gathered_per_token_gb"] * GIB == pytest.approx(8 * layer * 4 * 7 / 8, rel=1e-4)
+  assert (r["programs"]["decode"]["peak_gb"] + 0.8 * 8 * layer * 4 / GIB
+          < decode["peak_gb"] <= 0.9 * r["device_memory_gb"])
 
 
 def test_an_accelerator_plan_has_no_float32_copy_of_the_bf16_weights():

@@ -19,6 +19,7 @@ import pytest
 
 from rloo_jax import models, sampler, sampling
 # The fake model returns the real cache structures, so a change to the contract breaks it too.
+from rloo_jax.models import decode_weights
 from rloo_jax.models.cache import COPY_PREFIX_MAX_LEN, PrefixKV, init_cache
 
 EOS, PAD = 1, 0
@@ -464,19 +465,62 @@ def test_real_transformer_cached_equals_uncached(family, other, prefix):
 def test_decode_on_unstacked_layers_equals_the_layer_scan(family, mode, width):
   """`sample(unstack_layers=True)` (per-layer weight buffers, layers unrolled) draws the same
   tokens with the same log-probs as the scanned stack, copied (12) and kept (20) prefixes."""
-  overrides = dict(vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                   head_dim=8, intermediate_size=64, max_seq_len=64)
-  if family == 'gemma3':
-    overrides.update(sliding_window=4, layer_types=('sliding_attention', 'sliding_attention',
-                                                    'full_attention'))
-  graphdef, params = models.create(getattr(models.TransformerConfig, family)(**overrides))
+  graphdef, params = models.create(_tiny(family))
   fns = models.model_fns(graphdef)
   tokens, lengths = prompts(lengths=(7, 2, width), width=width, vocab=48, seed=4)
-  outs = [np_out(sampler.sample(fns, params, tokens, lengths, jax.random.key(3), k=3,
-                                max_new_tokens=10, method=sampling.Temperature(1.0), eos_id=47,
-                                pad_id=PAD, mode=mode, unstack_layers=unstack))
-          for unstack in (False, True)]
+  outs = [_sample_unstacked(fns, params, tokens, lengths, mode, unstack) for unstack in (False, True)]
   np.testing.assert_array_equal(outs[0].tokens_bkt, outs[1].tokens_bkt)
   np.testing.assert_allclose(outs[0].policy_logprobs_bkt, outs[1].policy_logprobs_bkt,
                              rtol=1e-6, atol=1e-6)
   assert outs[1].mask_bkt.sum() > 3 * 3  # the streams decoded past their first tokens
+
+
+def _tiny(family, **overrides):
+  overrides = dict(vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                   head_dim=8, intermediate_size=64, max_seq_len=64, **overrides)
+  if family == 'gemma3':
+    overrides.update(sliding_window=4, layer_types=('sliding_attention', 'sliding_attention',
+                                                    'full_attention'))
+  return getattr(models.TransformerConfig, family)(**overrides)
+
+
+def _sample_unstacked(fns, params, tokens, lengths, mode, unstack):
+  return np_out(sampler.sample(fns, params, tokens, lengths, jax.random.key(3), k=3,
+                               max_new_tokens=10, method=sampling.Temperature(1.0), eos_id=47,
+                               pad_id=PAD, mode=mode, unstack_layers=unstack))
+
+
+# Gemma's float32 (1 + w) norms and q/k norms, GPT-2's LayerNorm, biases and position table,
+# Qwen2's q/k/v biases: every weight but the norms' is cast.
+@pytest.mark.parametrize('family', ['gemma3', 'gpt2', 'qwen2'])
+def test_the_unstacked_decode_reads_its_weights_cast_once_to_the_activation_dtype(
+    family, monkeypatch):
+  """Under bfloat16 activations the per-layer weights are cast once before the loop, norms
+  kept in float32, and the decode draws what it draws casting each weight at its use."""
+  config = _tiny(family, dtype='bfloat16', param_dtype='float32')
+  graphdef, params = models.create(config)
+  # XLA:CPU computes bfloat16 in float32 and drops a per-use weight cast as excess precision,
+  # where an accelerator rounds there: weights exactly representable in bfloat16 make the two
+  # agree. The norms get float32 noise, which a cast of theirs would round away.
+  rounded = jax.tree.map(lambda x, r: r.astype(x.dtype), params,
+                         decode_weights.cast(config, params))
+  noisy = lambda path, x: (x + 1e-3 * jax.random.normal(jax.random.key(7), x.shape)  # noqa: E731
+                           if decode_weights._kept(path) else x)  # pylint: disable=protected-access
+  params = jax.tree_util.tree_map_with_path(noisy, rounded)
+  fns = models.model_fns(graphdef)
+  top, layers = fns.decode_weights(params, True)
+  dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in
+            jax.tree_util.tree_flatten_with_path(
+                ({k: v for k, v in top.items() if k != 'layers'}, layers[0]))[0]}
+  assert {d for k, d in dtypes.items() if 'norm' in k} == {jnp.dtype(jnp.float32)}
+  assert {d for k, d in dtypes.items() if 'norm' not in k} == {jnp.dtype(jnp.bfloat16)}
+  # On one device the scanned decode makes no copy: its weights are the stored ones.
+  assert fns.decode_weights(params, False) == (params, None)
+  tokens, lengths = prompts(lengths=(7, 2, 12), width=12, vocab=48, seed=4)
+  cast = _sample_unstacked(fns, params, tokens, lengths, 'shared', True)
+  jax.clear_caches()  # the decode loop traced again, each weight now cast where it is used
+  monkeypatch.setattr(decode_weights, 'cast', lambda config, tree: tree)
+  at_use = _sample_unstacked(fns, params, tokens, lengths, 'shared', True)
+  np.testing.assert_array_equal(cast.tokens_bkt, at_use.tokens_bkt)
+  np.testing.assert_array_equal(cast.policy_logprobs_bkt, at_use.policy_logprobs_bkt)
+  assert cast.mask_bkt.sum() > 3 * 3

@@ -102,6 +102,16 @@ def mesh_worker(workdir: str) -> dict:
       ckpt.save(1, state, {"data": "batch1"}, force=True)
       ckpt.close()
 
+  # FSDP with the decode on layers gathered once a rollout (`models.decode_weights`): the
+  # decode then gathers nothing per token, and draws what the scan does.
+  c = mesh_config((2, 4, 1))
+  with c.unlocked():
+    c.rloo.decode_layers = "unstacked"
+  algo = RLOO(experiment.build(c, workdir, task=task))
+  state, m = algo.iteration(algo.init_state(params0), batch1)
+  out["unstacked_fsdp"] = dict(state_diff=_max_diff(_host(state), ref_s1),
+                               metric_diffs=_metric_diffs(m, ref_m1))
+
   # A checkpoint written on (2, 4, 1) restores onto (8, 1, 1) and onto one device; both continue.
   for name, algo in (("8x1x1", algos[(8, 1, 1)]), ("1 device", algo1)):
     ckpt = Checkpointer(ckdir)
@@ -164,6 +174,13 @@ def test_one_iteration_matches_one_device(mesh_results, mesh):
   assert r["q_kernel_shard"] == [num_layers, 32 // fsdp, 4 // tensor, 8], r
   if fsdp > 1 or tensor > 1:
     assert r["param_bytes_per_device"] < r["param_bytes_total"], r
+
+
+def test_fsdp_decode_on_layers_gathered_once_matches_one_device(mesh_results):
+  r = mesh_results["unstacked_fsdp"]
+  assert r["state_diff"] < ATOL, r
+  bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
+  assert not bad, bad
 
 
 def test_checkpoint_restores_onto_another_mesh_and_training_continues(mesh_results):

@@ -57,7 +57,7 @@ def _update_temp_at(algo, name: str, size: int, accelerator: bool) -> int:
   compile)."""
   config = algo.exp.config.copy_and_resolve_references()
   config.train.microbatch_size = size
-  return programs_lib.compile_update_at(algo, config, accelerator=accelerator)[name].temp
+  return programs_lib.compile_at(algo, config, accelerator=accelerator)[name].temp
 
 
 def _microbatch_advice(algo, name: str, update, need: int, accelerator: bool) -> list:
@@ -154,9 +154,12 @@ def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
   if sampling:
     items += _cache_advice(exp, compiled, max(sampling))
   if "decode" in over and sampler_args.decode_unstacked(exp):
-    layers = compiled.state_bytes["params"]
+    # The layers whole on each device, at most as stored (an accelerator holds them in the
+    # activation dtype, XLA:CPU in float32).
+    layers = sampler_args.layer_bytes_per_device(exp) * exp.model_config.num_layers
     items.append((layers, f"--config.rloo.decode_layers=scanned (the decode loop's per-layer "
-                          f"copy of the policy's layers, up to {_size(layers)}, goes)"))
+                          f"copy of the policy's layers, up to {_size(layers)}, goes; under FSDP "
+                          f"the layers are then gathered one at a time at every token)"))
   items.sort(key=lambda item: -item[0])
   return [text for _, text in items]
 
@@ -192,7 +195,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
   accelerator=True: the (CPU) devices stand for accelerators, which compute bf16 natively
   (`programs.ACCELERATOR_OPTIONS`); the plan of an N-chip job on simulated devices.
   speedups=True: a job that fits also gets `speedups`, the faster settings its spare memory
-  allows, each compiled (`memory.speedups`: a few more compiles of the update)."""
+  allows, each compiled (`memory.speedups`: a few more compiles of the update and decode)."""
   exp = algo.exp
   c, m = exp.config, exp.model_config
   accelerator = accelerator and jax.default_backend() == "cpu"

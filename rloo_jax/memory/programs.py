@@ -291,13 +291,14 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
                   itemsize(state.ref_params), itemsize(state.params), reward_model)
 
 
-def compile_update_at(algo, config, *, accelerator: bool, rebuild: bool = False) -> dict:
-  """{name: Program} of `algo`'s update programs under `config` instead of its own (one more
-  compile, with ACCELERATOR_OPTIONS when `accelerator`): the same experiment given the new
+def compile_at(algo, config, names=("update",), *, accelerator: bool,
+               rebuild: bool = False) -> dict:
+  """{name: Program} of `algo`'s programs `names` under `config` instead of its own (compiled
+  again, with ACCELERATOR_OPTIONS when `accelerator`): the same experiment given the new
   config, or with rebuild (a model setting changed, e.g. remat) the experiment built anew."""
   if rebuild:
     exp = experiment.build_abstract(config, num_layers=algo.exp.model_config.num_layers)
   else:
     exp = dataclasses.replace(algo.exp, config=config)
   options = ACCELERATOR_OPTIONS if accelerator else None
-  return compile_programs(type(algo)(exp), ("update",), options=options).programs
+  return compile_programs(type(algo)(exp), names, options=options).programs

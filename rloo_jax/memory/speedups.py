@@ -7,6 +7,11 @@ compiled and checked to fit (`memory.plan`'s `speedups`, printed by `python -m r
   (`flops.remat_recompute_flops`).
 - Bigger microbatches: fewer, larger matmuls per update step, and under FSDP each layer's
   weights gathered (and its gradient reduce-scattered) once per microbatch, so fewer of them.
+- The decode on whole layers under FSDP: `config.rloo.decode_layers='unstacked'` gathers every
+  layer once a rollout (in the activation dtype) instead of at every token, for the price of
+  the whole model held gathered while it decodes (`models.decode_weights`). XLA:CPU keeps
+  that copy in float32 where an accelerator keeps bfloat16, so the decode peak checked here
+  is the larger one.
 
 Each candidate is compiled with the job's shardings and compiler options, so its peak is a
 compiled figure, not an estimate; every one must stay within `HEADROOM` of the device (room
@@ -15,6 +20,9 @@ for the allocator's fragmentation). Each is measured alone: after applying one, 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
+from rloo_jax import sampler_args
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
 
@@ -28,8 +36,7 @@ def _update_peak(algo, config, accelerator: bool, hoisted: int, rebuild: bool) -
   """The largest peak of the update programs of `algo` under `config` (one compile), plus the
   loop-invariant hoists measured for the job (`hoisted`: they copy weights, which neither
   setting changes). rebuild: the model changes (remat), so the experiment is built again."""
-  programs = programs_lib.compile_update_at(algo, config, accelerator=accelerator,
-                                            rebuild=rebuild)
+  programs = programs_lib.compile_at(algo, config, accelerator=accelerator, rebuild=rebuild)
   return max(p.peak for p in programs.values()) + hoisted
 
 
@@ -97,6 +104,29 @@ def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak:
                      f"instead of {m}; update peak {peak / GIB:.3g} GiB"))]
 
 
+def _decode_layers(algo, limit: int, accelerator: bool) -> list:
+  exp, c, m = algo.exp, algo.exp.config, algo.exp.model_config
+  fsdp = exp.layout.shape["fsdp"]
+  if (fsdp == 1 or c.rloo.get("decode_layers", "auto") != "auto" or m.lora_rank
+      or sampler_args.decode_unstacked(exp)):
+    return []
+  config = c.copy_and_resolve_references()
+  config.rloo.decode_layers = "unstacked"
+  peak = programs_lib.compile_at(algo, config, ("start", "decode"),
+                                 accelerator=accelerator)["decode"].peak
+  if peak > HEADROOM * limit:
+    return []
+  # What each device receives a token scanned: every layer but its own shard of it.
+  per_token = (sampler_args.layer_bytes(m, jnp.dtype(m.dtype).itemsize, exp.layout.shape["tensor"])
+               * m.num_layers * (fsdp - 1) / fsdp)
+  return [dict(setting="--config.rloo.decode_layers=unstacked", peak_gb=peak / GIB,
+               gathered_per_token_gb=per_token / GIB,
+               text=(f"--config.rloo.decode_layers=unstacked (now 'auto', scanned under FSDP): "
+                     f"every layer gathered once a rollout instead of at every token, "
+                     f"{per_token / GIB:.3g} GiB of all-gathers a token fewer per device; "
+                     f"decode peak {peak / GIB:.3g} GiB"))]
+
+
 def speedups(algo, compiled, limit: int, accelerator: bool = False, *, shape: dict,
              flops: dict) -> list[dict]:
   """[{setting, peak_gb, text, ...}]: settings that make the job faster and still fit within
@@ -109,4 +139,5 @@ def speedups(algo, compiled, limit: int, accelerator: bool = False, *, shape: di
   hoisted = max(compiled.programs[n].hoisted for n in names)
   current = max(compiled.programs[n].peak for n in names)
   return (_remat(algo, limit, accelerator, hoisted, shape, sum(flops.values()))
-          + _microbatch(algo, limit, accelerator, hoisted, current))
+          + _microbatch(algo, limit, accelerator, hoisted, current)
+          + (_decode_layers(algo, limit, accelerator) if "decode" in compiled.programs else []))

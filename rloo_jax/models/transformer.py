@@ -30,6 +30,7 @@ from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
     COPY_PREFIX_MAX_LEN, DecodeCache, PrefixKV, init_cache)
 from rloo_jax.models.config import (  # noqa: F401  (re-exported)
     _DTYPES, FAMILIES, HEADS, TransformerConfig, dtype_of)
+from rloo_jax.models import decode_weights as decode_weights_lib
 from rloo_jax.models.presets import from_experiment_config  # noqa: F401  (re-exported)
 from rloo_jax.models.layers import (  # noqa: F401  (re-exported)
     MLP, Norm, _cast, _dense, _param, _project, _rope, _rotary, apply_norm)
@@ -143,7 +144,7 @@ class Transformer(nnx.Module):
     table at `positions` (`_rotary`), `scores` its `attention.Scores` (scale, soft-cap and, with
     sliding layers, the layer's window), so layers of two kinds share one scanned body.
 
-    `layers`: per-layer weight trees (`unstack_layers`, the decode loop's) run unrolled instead
+    `layers`: per-layer weight trees (`decode_weights`, the decode loop's) run unrolled instead
     (ys None): a scanned layer copies its weights out of the stack at every call."""
     c = self.config
     graphdef, stacked = nnx.split(self.layers)
@@ -327,12 +328,11 @@ class ModelFns(NamedTuple):
   grouped_hidden: Callable | None = None
   head: Callable | None = None
   head_params: Callable | None = None
-  unstack_layers: Callable | None = None
+  decode_weights: Callable | None = None
 
 
 def _config_of(graphdef) -> TransformerConfig | None:
-  # The root module's config is a static attribute of the graphdef; read it rather than merging.
-  for _, attr in getattr(graphdef, 'attributes', ()):
+  for _, attr in getattr(graphdef, 'attributes', ()):  # a static attribute: no merge needed
     if isinstance(getattr(attr, 'value', None), TransformerConfig):
       return attr.value
   return None
@@ -362,11 +362,11 @@ def model_fns(graphdef, gather=None) -> ModelFns:
     return model(params).prefill(tokens_bp, positions_bp, mask_bp, gather=gather)
 
   def decode(params, tokens_bk, positions_bk, cache, layers=None):
-    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather, layers=layers)
+    if layers is not None:  # decode_weights' per-layer weights: params and layers gathered
+      return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, layers=layers)
+    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather)
 
-  def unstack_layers(params) -> tuple:
-    return tuple(jax.tree.map(lambda w, l=l: w[l], params['layers'])
-                 for l in range(config.num_layers))
+  decode_weights = functools.partial(decode_weights_lib.prepare, config, gather=gather)
 
   def grouped(params, *rows):
     return model(params).grouped(*rows, gather=gather)
@@ -384,7 +384,7 @@ def model_fns(graphdef, gather=None) -> ModelFns:
 
   return ModelFns(forward=forward, prefill=prefill, init_cache=init_cache, decode=decode,
                   config=config, grouped=grouped, hidden=hidden, grouped_hidden=grouped_hidden,
-                  head=head, head_params=head_params, unstack_layers=unstack_layers)
+                  head=head, head_params=head_params, decode_weights=decode_weights)
 
 
 def create(config: TransformerConfig, seed: int = 0):
