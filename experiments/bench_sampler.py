@@ -13,9 +13,10 @@ processes hits them alike. Two more modes time the two forms of the shared cache
   kept_s        one prefix cache per prompt that its k streams all read
 and one the layout of the decode loop's weights:
   unstacked_s   'shared' with the weights split into per-layer buffers before the decode loop
-                (`sampler.sample(unstack_layers=True)`) instead of the layer scan over the
-                stacked weights ('shared', the sampler's default), which slices a copy of each
-                layer out at every token
+                and a KV buffer per layer (`sampler.sample(unstack_layers=True)`, what the
+                trainer runs on one device) instead of the layer scan over the stacked weights
+                and cache ('shared', the sampler's default), which slices a copy of each
+                layer's weights and KV out at every token
 
   python experiments/bench_sampler.py --modes=shared,unstacked --prompt_len=64 --new_tokens=64
 
@@ -101,6 +102,8 @@ def compile_sampler(fns, params, tokens, lengths, rng, *, mode, unstack_layers=F
   if 'batch_sharding' in inspect.signature(sampler.sample).parameters:
     static['batch_sharding'] = None
   start_static = dict(static)
+  if 'unstack_layers' in inspect.signature(sampler.start).parameters:
+    start_static['unstack_layers'] = unstack_layers
   if 'noise_budget_bytes' in inspect.signature(sampler.sample).parameters:
     start_static['noise_budget_bytes'] = int(
         inspect.signature(sampler.sample).parameters['noise_budget_bytes'].default)

@@ -94,6 +94,8 @@ def main(argv):
   del argv
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", int(_DEVICES.value))
+  # A program loaded from the persistent compilation cache is not compiled, so dumps nothing.
+  jax.config.update("jax_enable_compilation_cache", False)
   from rloo_jax import algorithms, experiment  # pylint: disable=import-outside-toplevel
   from rloo_jax.memory import programs  # pylint: disable=import-outside-toplevel
   _, base = algorithms.resolve(_CONFIG.value)

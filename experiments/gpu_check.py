@@ -2,7 +2,9 @@ r"""Issue 21's accelerator figures, in one short run: the decode loop's tokens/s
 roofline, and the update step's MFU, on a preset's architecture with random weights.
 
 - Decode: `sampler.start` (prefill + first token) then `sampler.decode_loop` timed apart, in
-  the run's dtype with the weights stored in it too (a bf16 model). The roofline of one decode
+  the run's dtype with the weights stored in it too (a bf16 model; `--param_dtype float32` for
+  a training policy's master weights, which the decode casts once), once per
+  `--decode_layers` layout (the layer scan; per-layer weights and KV buffers). The roofline of one decode
   step is the bytes it must read, the weights (every parameter once) plus the KV cache as the
   sampler lays it out (each prompt's prefix once, each stream's buffer; `SampleOutput` not
   counted), over `--hbm_tbps`. Prints `decode_tokens_per_s`, `roofline_tokens_per_s` and their
@@ -35,7 +37,7 @@ import bench_step  # experiments/, beside this file
 from rloo_jax import sampler, sampling
 from rloo_jax.config_utils import base_config
 from rloo_jax.memory.flops import model_flops_per_iteration
-from rloo_jax.models import presets, transformer
+from rloo_jax.models import decode_weights, presets, transformer
 
 
 def timed(fn, repeats):
@@ -51,7 +53,7 @@ def timed(fn, repeats):
 
 
 def decode_check(args) -> dict:
-  m = presets.get(args.preset, dtype=args.dtype, param_dtype=args.dtype,
+  m = presets.get(args.preset, dtype=args.dtype, param_dtype=args.param_dtype or args.dtype,
                   max_seq_len=args.prompt_len + args.new_tokens)
   graphdef, params = transformer.create(m, seed=0)
   fns = transformer.model_fns(graphdef)
@@ -59,15 +61,21 @@ def decode_check(args) -> dict:
   prompts = jnp.asarray(rng.integers(3, m.vocab_size, (args.prompts, args.prompt_len)),
                         jnp.int32)
   lengths = jnp.full((args.prompts,), args.prompt_len, jnp.int32)
+  return {layout: _decode_one(args, m, fns, params, prompts, lengths, layout == "unstacked")
+          for layout in args.decode_layers.split(",")}
+
+
+def _decode_one(args, m, fns, params, prompts, lengths, unstack) -> dict:
   stops, pad = jnp.asarray([-1], jnp.int32), jnp.int32(0)  # no end token: every step runs
   method = sampling.Temperature(1.0)
   start = lambda: sampler.start(  # noqa: E731
       fns, params, prompts, lengths, jax.random.PRNGKey(0), stops, pad, k=args.k,
-      max_new_tokens=args.new_tokens, method=method, mode="shared")
+      max_new_tokens=args.new_tokens, method=method, mode="shared", unstack_layers=unstack)
   start_s, state = timed(start, args.repeats)
   cache = state.cache
   # The decode loop donates its state: a fresh start for every run, outside the timing.
-  loop = lambda s: sampler.decode_loop(fns, params, s, stops, pad, method=method, mode="shared")
+  loop = lambda s: sampler.decode_loop(fns, params, s, stops, pad, method=method,  # noqa: E731
+                                       mode="shared", unstack_layers=unstack)
   jax.block_until_ready(loop(start()))
   times = []
   for _ in range(args.repeats):
@@ -77,7 +85,10 @@ def decode_check(args) -> dict:
     times.append(time.perf_counter() - t0)
   decode_s = statistics.median(times)
   steps = args.new_tokens - 1
-  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  # What a step must read: every weight once, as the decode reads it (cast to the activation
+  # dtype, `models.decode_weights`).
+  weight_bytes = sum(x.size * x.dtype.itemsize
+                     for x in jax.tree.leaves(decode_weights.cast(m, params)))
   kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)
                  if hasattr(x, "dtype") and x.ndim >= 4)
   step_roofline_s = (weight_bytes + kv_bytes) / (args.hbm_tbps * 1e12)
@@ -126,6 +137,10 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="llama-3.2-1b")
   p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--param_dtype", default="",
+                 help="the decode's stored weights ('' = --dtype; float32: a training policy's)")
+  p.add_argument("--decode_layers", default="scanned,unstacked",
+                 help="decode layouts timed (config.rloo.decode_layers), each its own entry")
   p.add_argument("--prompts", type=int, default=64)
   p.add_argument("--k", type=int, default=4)
   p.add_argument("--prompt_len", type=int, default=512)

@@ -133,10 +133,10 @@ def base_config() -> ml_collections.ConfigDict:
       rollout_chunk_prompts=0,
       # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'unstacked' splits
       # them into one buffer per layer for the rollout, gathered and in the activation dtype (a
-      # copy of the policy's layers, held while it decodes), so no step copies (or, FSDP,
-      # gathers) a layer, as the layer scan does ('scanned'); 'auto' unstacks layers of 8 MiB or
-      # more a device, unless FSDP-sharded (the whole model gathered may not fit: the plan
-      # names 'unstacked' when it does) or LoRA (the base would be held twice).
+      # copy of the policy's layers, held while it decodes) with KV buffers of their own, so no
+      # step copies (or, FSDP, gathers) a layer, as the layer scan does ('scanned'); 'auto'
+      # unstacks unless FSDP-sharded (the whole model gathered may not fit: the plan names
+      # 'unstacked' when it does) or LoRA (the base would be held twice).
       decode_layers="auto"))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))

@@ -30,7 +30,7 @@ from flax import traverse_util
 import ml_collections
 import numpy as np
 
-from rloo_jax import algorithms, rollout, sampler, sampler_args, sampling
+from rloo_jax import algorithms, rollout, sampler, sampling
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import chat, pipeline
@@ -98,11 +98,6 @@ class Policy:
     # The sampler needs integer ids: a tokenizer without EOS never stops early (-1 matches no
     # token), and one without pad pads with 0 (padding is masked everywhere).
     self._stops = rollout.stop_ids(tokenizer)
-    # The decode on per-layer weights for layers no cache holds, as config.rloo.decode_layers'
-    # 'auto' picks on one device (a copy of the layers is held while it generates).
-    itemsize = jax.tree.leaves(params)[0].dtype.itemsize
-    self._unstack_layers = bool(sampler_args.layer_bytes(fns.config, itemsize)
-                                >= sampler_args.AUTO_UNSTACK_LAYER_BYTES)
     self._pad = 0 if tokenizer.pad_id is None else int(tokenizer.pad_id)
 
   def __repr__(self) -> str:
@@ -152,7 +147,7 @@ class Policy:
                            jax.random.fold_in(jax.random.PRNGKey(seed), i), k=k,
                            max_new_tokens=t, method=method, eos_id=self._stops, pad_id=self._pad,
                            mode=self.sampler_mode, max_seq_len=self.max_seq_len,
-                           unstack_layers=self._unstack_layers)
+                           unstack_layers=True)  # as decode_layers="auto" on one device
       n = hi - lo
       texts += rollout.decode_completions(self.tokenizer,
                                           np.asarray(out.tokens_bkt)[:n].reshape(n * k, -1),

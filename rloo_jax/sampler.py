@@ -123,9 +123,13 @@ def _prompt_inputs(prompt_tokens_xp, lengths_x):
   return positions_xp, mask_xp
 
 
-def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode):
-  """Returns (first-step logits [B, K, V], model state for the decode loop)."""
+def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode,
+             per_layer=False):
+  """Returns (first-step logits [B, K, V], model state for the decode loop); per_layer: the
+  cache as one buffer per layer (`init_cache`), for the unrolled decode."""
   num_prompts = prompt_tokens_bp.shape[0]
+  if per_layer:
+    fns = fns._replace(init_cache=functools.partial(fns.init_cache, per_layer=True))
   if mode == 'shared':
     positions_bp, mask_bp = _prompt_inputs(prompt_tokens_bp, lengths_b)
     first_bv, prefix = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp)
@@ -202,8 +206,13 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
     return state
   cache = state.cache
   rows = lambda x: _shard_rows(x, 0, batch_sharding)
-  fields = {name: jax.tree.map(lambda x, a=axis: _shard_rows(x, a, batch_sharding),
-                               getattr(cache, name))
+
+  def field(value, axis):
+    # A per-layer cache (a tuple of layers) has lost the leading layer axis.
+    axis -= isinstance(value, tuple)
+    return jax.tree.map(lambda x: _shard_rows(x, axis, batch_sharding), value)
+
+  fields = {name: field(getattr(cache, name), axis)
             for name, axis in _CACHE_ROW_AXES.items() if hasattr(cache, name)}
   if fields and hasattr(cache, 'replace'):
     cache = cache.replace(**fields)
@@ -224,17 +233,20 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 # eos_id (int32 [S] stop ids) and pad_id are traced, not static: new end tokens must not
 # recompile the sampler (a different number of them does).
 @functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
-                                             'batch_sharding', 'noise_budget_bytes'))
+                                             'batch_sharding', 'noise_budget_bytes',
+                                             'unstack_layers'))
 def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *,
           k, max_new_tokens, method, mode, batch_sharding=None,
-          noise_budget_bytes=NOISE_BUDGET_BYTES) -> SamplingState:
-  """Prefill, then draw the first token of every stream from the logits at position len - 1."""
+          noise_budget_bytes=NOISE_BUDGET_BYTES, unstack_layers=False) -> SamplingState:
+  """Prefill, then draw the first token of every stream from the logits at position len - 1.
+  unstack_layers: the KV cache as one buffer per layer, which only `decode_loop`'s unrolled
+  layers (its unstack_layers) read."""
   prompt_tokens_bp = _shard_rows(prompt_tokens_bp, 0, batch_sharding)
   prompt_lengths_b = _shard_rows(prompt_lengths_b.astype(jnp.int32), 0, batch_sharding)
   num_prompts = prompt_tokens_bp.shape[0]
   first_bkv, cache = _prefill(
       fns, params, prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens,
-      mode=mode)
+      mode=mode, per_layer=_per_layer(fns, mode, unstack_layers))
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
   keys_bk = sampling.stream_keys(rng, num_prompts, k)
   vocab = first_bkv.shape[-1]
@@ -258,6 +270,12 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
   return _shard_state(state, batch_sharding)
 
 
+def _per_layer(fns, mode, unstack_layers) -> bool:
+  """Whether the decode runs unrolled over per-layer weights and caches."""
+  return bool(unstack_layers) and mode != 'recompute' and bool(getattr(fns, 'decode_weights',
+                                                                     None))
+
+
 # The state is donated so the while_loop updates the cache in the caller's buffers, not a copy.
 @functools.partial(jax.jit, static_argnames=('fns', 'method', 'mode', 'batch_sharding',
                                              'unstack_layers'),
@@ -270,7 +288,7 @@ def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
   # dtype (`models.decode_weights`).
   layers = None
   if mode != 'recompute' and getattr(fns, 'decode_weights', None):
-    params, layers = fns.decode_weights(params, bool(unstack_layers))
+    params, layers = fns.decode_weights(params, _per_layer(fns, mode, unstack_layers))
 
   def cond(state):
     return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)
@@ -340,7 +358,8 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
   state = start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
                 eos_id, pad_id,
                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
-                batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes))
+                batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes),
+                unstack_layers=bool(unstack_layers))
   state = decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
                       batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
   return state.output()

@@ -102,11 +102,6 @@ def validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, e
 
 
 DECODE_LAYERS = ('auto', 'unstacked', 'scanned')
-# 'auto' unstacks layers of at least this many bytes a device: measured on this repo's CPU
-# (docs/PERFORMANCE.md, 'The decode loop on per-layer weights'), small layers decode faster
-# scanned (the slice copy leaves the layer in the cache for its matmuls), large ones, which no
-# cache holds, faster unstacked.
-AUTO_UNSTACK_LAYER_BYTES = 8 << 20
 
 
 def layer_bytes(m, itemsize: int, tensor: int = 1) -> float:
@@ -124,16 +119,15 @@ def layer_bytes_per_device(exp) -> float:
 
 def decode_unstacked(exp) -> bool:
   """config.rloo.decode_layers resolved: whether the decode loop runs on per-layer copies of the
-  weights (`sampler.sample`'s unstack_layers). 'auto': yes for layers of at least
-  AUTO_UNSTACK_LAYER_BYTES a device, unless they are FSDP-sharded (the rollout would hold the
-  whole model gathered, which a run sharded to fit may not have room for: the memory plan
-  compiles it and names 'unstacked' when it fits, `memory.speedups`) or the policy is LoRA (its
-  frozen base would be held twice)."""
+  weights and KV buffers (`sampler.sample`'s unstack_layers). 'auto': yes, faster at every
+  layer size measured (docs/PERFORMANCE.md, 'The decode loop on per-layer weights'), unless
+  the layers are FSDP-sharded (the rollout would hold the whole model gathered, which a run
+  sharded to fit may not have room for: the memory plan compiles it and names 'unstacked' when
+  it fits, `memory.speedups`) or the policy is LoRA (its frozen base would be held twice)."""
   c = exp.config
   mode = c.rloo.get('decode_layers', 'auto')
   if mode not in DECODE_LAYERS:
     raise ValueError(f'config.rloo.decode_layers={mode!r}; one of {DECODE_LAYERS}')
   if mode != 'auto':
     return mode == 'unstacked'
-  return (exp.layout.shape['fsdp'] == 1 and not exp.model_config.lora_rank
-          and layer_bytes_per_device(exp) >= AUTO_UNSTACK_LAYER_BYTES)
+  return exp.layout.shape['fsdp'] == 1 and not exp.model_config.lora_rank

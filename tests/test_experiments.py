@@ -262,15 +262,19 @@ def test_gpu_check_figures_follow_from_their_measurements():
   r = run_json("gpu_check.py", "--preset", "pythia-160m", "--prompts", 2, "--prompt_len", 16,
                "--new_tokens", 8, "--iterations", 1, "--repeats", 1, "--microbatch_size", 0,
                cwd=EXPERIMENTS)
-  d, u = r["decode"], r["update"]
-  assert d["streams"] == 8 and d["decode_steps"] == 7
-  assert d["weight_gb"] * 1e9 == 2 * u["num_params"]  # every parameter once, in bfloat16
-  assert d["decode_tokens_per_s"] == pytest.approx(8 * 7 / d["decode_s"], rel=1e-3)
-  step = (d["weight_gb"] + d["kv_cache_gb"]) * 1e9 / 4.8e12
-  assert d["roofline_step_ms"] == pytest.approx(1e3 * step, rel=1e-3)
-  assert d["roofline_over_measured"] == pytest.approx(
-      d["roofline_tokens_per_s"] / d["decode_tokens_per_s"], rel=1e-2)
-  assert 0 < d["kv_cache_gb"] < d["weight_gb"]
+  u = r["update"]
+  assert set(r["decode"]) == {"scanned", "unstacked"}
+  for d in r["decode"].values():
+    assert d["streams"] == 8 and d["decode_steps"] == 7
+    assert d["weight_gb"] * 1e9 == 2 * u["num_params"]  # every parameter once, in bfloat16
+    assert d["decode_tokens_per_s"] == pytest.approx(8 * 7 / d["decode_s"], rel=1e-3)
+    step = (d["weight_gb"] + d["kv_cache_gb"]) * 1e9 / 4.8e12
+    assert d["roofline_step_ms"] == pytest.approx(1e3 * step, rel=1e-3)
+    assert d["roofline_over_measured"] == pytest.approx(
+        d["roofline_tokens_per_s"] / d["decode_tokens_per_s"], rel=1e-2)
+    assert 0 < d["kv_cache_gb"] < d["weight_gb"]
+  # The per-layer KV buffers hold the same bytes as the stacked cache.
+  assert r["decode"]["scanned"]["kv_cache_gb"] == r["decode"]["unstacked"]["kv_cache_gb"]
   assert u["update_mfu"] == pytest.approx(u["update_flops"] / u["update_s"] / 989e12, rel=0.02,
                                           abs=1e-4)
   assert u["update_flops"] > 6 * u["num_params"] * 2 * 4 * 8 * 0.5  # ~6 x params x tokens

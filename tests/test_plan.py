@@ -326,8 +326,7 @@ def test_the_faster_settings_stay_within_the_headroom_of_a_tight_device():
   assert not over["fits"] and over["speedups"] == [] and over["advice"]
 
 
-def test_decode_layers_auto_unstacks_big_layers_unless_lora_and_the_plan_counts_the_copy(
-    monkeypatch):
+def test_decode_layers_auto_unstacks_on_one_device_unless_lora_and_the_plan_counts_the_copy():
   c = small_config()
   with c.unlocked():  # layers of 4 MB: their copy stands out of the decode's other buffers
     c.model.update(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
@@ -336,15 +335,12 @@ def test_decode_layers_auto_unstacks_big_layers_unless_lora_and_the_plan_counts_
   size = sampler_args.layer_bytes_per_device(auto)
   # float32 q, k, v, o, the MLP and two norms (plus the final norm's share)
   assert size == pytest.approx(4 * (4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256), rel=1e-3)
-  # 'auto': by the layer's size (one device, full fine-tuning), never with LoRA.
-  monkeypatch.setattr(sampler_args, "AUTO_UNSTACK_LAYER_BYTES", size)
+  # 'auto': unstacked on one device with full fine-tuning, never with LoRA (nor FSDP:
+  # test_fsdp_gathers_one_layer_at_a_time).
   assert sampler_args.decode_unstacked(auto) is True
-  monkeypatch.setattr(sampler_args, "AUTO_UNSTACK_LAYER_BYTES", size + 1)
-  assert sampler_args.decode_unstacked(auto) is False
   with c.unlocked():
     c.model.lora.rank = 4
     c.rloo.decode_layers = "auto"
-  monkeypatch.setattr(sampler_args, "AUTO_UNSTACK_LAYER_BYTES", 0)
   assert sampler_args.decode_unstacked(experiment.build_abstract(c)) is False
   c = c.copy_and_resolve_references()  # the experiments keep their config objects
   with c.unlocked():

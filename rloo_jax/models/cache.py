@@ -4,6 +4,8 @@ prompt's keys/values computed once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -41,18 +43,21 @@ class DecodeCache:
 
   Every layer's cache is one stacked array (leading axis L), read and written by the scanned
   layer body (`Transformer.decode`): the stream buffers ride in the scan's carry, so each step
-  writes one slot per layer in place. Keys keep head_dim before the sequence axis (`_hdp` /
+  writes one slot per layer in place. Or, for the decode unrolled over per-layer weights
+  (`init_cache(per_layer=True)`), each of the four arrays is a tuple of L buffers without that
+  axis: a layer then reads its own buffer, where reading layer l of a stack copies it out
+  (XLA:CPU, and any backend whose matmuls need a buffer of their own) at every token. Keys keep head_dim before the sequence axis (`_hdp` /
   `_hdt`: the score product q.k contracts D against a row-major [D, T] matrix), values the
   sequence axis before head_dim (probs.v contracts T against [T, D]), so no step transposes a
   cache. `index` counts generated tokens in both forms; stream slot `copied_prefix + index` is
   next.
   """
 
-  prefix_k_lbhdp: jax.Array | None  # [L, B, Hkv, D, P]; None when copied
-  prefix_v_lbhpd: jax.Array | None  # [L, B, Hkv, P, D]; None when copied
+  prefix_k_lbhdp: Any  # [L, B, Hkv, D, P] (or L x [B, Hkv, D, P]); None when copied
+  prefix_v_lbhpd: Any  # [L, B, Hkv, P, D] (or L x [B, Hkv, P, D]); None when copied
   prefix_mask_bp: jax.Array  # [B, P] bool
-  k_lbkhdt: jax.Array  # [L, B, K, Hkv, D, copied_prefix + T]
-  v_lbkhtd: jax.Array  # [L, B, K, Hkv, copied_prefix + T, D]
+  k_lbkhdt: Any  # [L, B, K, Hkv, D, copied_prefix + T] (or L x [B, K, Hkv, D, ...])
+  v_lbkhtd: Any  # [L, B, K, Hkv, copied_prefix + T, D] (or L x [B, K, Hkv, ..., D])
   index: jax.Array
   # The prompt's positions, which a sliding window reads (None: the prefill recorded none).
   prefix_positions_bp: jax.Array | None = None
@@ -62,15 +67,51 @@ class DecodeCache:
   def num_bytes(self) -> int:
     """Bytes of the whole cache (all rows): what the memory plan counts for a rollout."""
     arrays = (self.prefix_k_lbhdp, self.prefix_v_lbhpd, self.k_lbkhdt, self.v_lbkhtd)
-    return sum(x.size * x.dtype.itemsize for x in arrays if x is not None)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays))
+
+  @property
+  def per_layer(self) -> bool:
+    return isinstance(self.k_lbkhdt, tuple)
+
+
+def write_slot(kv, l, k_bkhd, v_bkhd, slot):
+  """Writes layer l's keys and values of one token (k, v: [B, K, Hkv, D]) into stream slot
+  `slot` of the stream buffers `kv` = (keys, values), stacked (l traced) or per layer (l a
+  static int); returns (kv, layer l's keys, its values)."""
+  keys, values = kv
+  zero = jnp.zeros((), jnp.int32)
+  if isinstance(keys, tuple):
+    k_l = jax.lax.dynamic_update_slice(keys[l], k_bkhd[..., None].astype(keys[l].dtype),
+                                       (zero, zero, zero, zero, slot))
+    v_l = jax.lax.dynamic_update_slice(values[l], v_bkhd[:, :, :, None].astype(values[l].dtype),
+                                       (zero, zero, zero, slot, zero))
+    return (keys[:l] + (k_l,) + keys[l + 1:], values[:l] + (v_l,) + values[l + 1:]), k_l, v_l
+  keys = jax.lax.dynamic_update_slice(keys, k_bkhd[None, ..., None].astype(keys.dtype),
+                                      (l, zero, zero, zero, zero, slot))
+  values = jax.lax.dynamic_update_slice(values, v_bkhd[None, :, :, :, None].astype(values.dtype),
+                                        (l, zero, zero, zero, slot, zero))
+  return ((keys, values), jax.lax.dynamic_index_in_dim(keys, l, keepdims=False),
+          jax.lax.dynamic_index_in_dim(values, l, keepdims=False))
 
 
 def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
-               max_new_tokens: int, copy_prefix_max_len: int | None = None) -> DecodeCache:
+               max_new_tokens: int, copy_prefix_max_len: int | None = None,
+               per_layer: bool = False) -> DecodeCache:
   """The decode cache of `prefix` (transposed once here into the decode layouts) with empty
   stream slots: shared, one prefix per prompt row, or for prompts of at most
   `copy_prefix_max_len` tokens (default COPY_PREFIX_MAX_LEN) copied into the front of each of
-  the `num_streams` buffers (see `DecodeCache`). Stream slots are valid up to index."""
+  the `num_streams` buffers (see `DecodeCache`). Stream slots are valid up to index.
+  per_layer: every array split into a tuple of per-layer buffers (see `DecodeCache`)."""
+  cache = _init_cache(prefix, mask_bp, num_streams, max_new_tokens, copy_prefix_max_len)
+  if not per_layer:
+    return cache
+  split = lambda x: None if x is None else tuple(x[l] for l in range(x.shape[0]))  # noqa: E731
+  return cache.replace(prefix_k_lbhdp=split(cache.prefix_k_lbhdp),
+                       prefix_v_lbhpd=split(cache.prefix_v_lbhpd),
+                       k_lbkhdt=split(cache.k_lbkhdt), v_lbkhtd=split(cache.v_lbkhtd))
+
+
+def _init_cache(prefix, mask_bp, num_streams, max_new_tokens, copy_prefix_max_len):
   l, b, p, h, d = prefix.k_lbphd.shape
   dt = prefix.k_lbphd.dtype
   limit = COPY_PREFIX_MAX_LEN if copy_prefix_max_len is None else copy_prefix_max_len

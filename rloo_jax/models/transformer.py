@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rloo_jax.models.attention import (  # noqa: F401  (re-exported)
@@ -27,7 +28,7 @@ from rloo_jax.models.attention import (  # noqa: F401  (re-exported)
     _shared_prefix_attention, _softmax_f32, _stream_attention)
 from rloo_jax.models.block import Block, stacked_blocks  # noqa: F401  (re-exported)
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
-    COPY_PREFIX_MAX_LEN, DecodeCache, PrefixKV, init_cache)
+    COPY_PREFIX_MAX_LEN, DecodeCache, PrefixKV, init_cache, write_slot)
 from rloo_jax.models.config import (  # noqa: F401  (re-exported)
     _DTYPES, FAMILIES, HEADS, TransformerConfig, dtype_of)
 from rloo_jax.models import decode_weights as decode_weights_lib
@@ -273,25 +274,23 @@ class Transformer(nnx.Module):
     keep index < max_new_tokens: dynamic_update_slice clamps, so a step past the end would
     overwrite the last slot). Returns (logits [B,K,V], cache)."""
     idx = cache.index.astype(jnp.int32)
-    slot = idx + cache.copied_prefix
-    zero = jnp.zeros((), jnp.int32)
-    copied = cache.copied_prefix
-    layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    slot, copied = idx + cache.copied_prefix, cache.copied_prefix
+    if cache.per_layer and layers is None:  # its buffers are picked by a static layer number
+      raise ValueError('a per-layer decode cache is read by unrolled layers only: pass `layers` '
+                       '(ModelFns.decode_weights(params, unstacked=True))')
+    layer_ids = (np.arange(self.config.num_layers) if cache.per_layer else
+                 jnp.arange(self.config.num_layers, dtype=jnp.int32))
     window_pos = (positions_bk, cache.prefix_positions_bp)
-    xs = (layer_ids, None if copied else (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
+    xs = (layer_ids, None if copied or cache.per_layer else
+          (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
 
     def body(block, x, kv, xs_l, rotary, scores):
       l, prefix = xs_l
+      if cache.per_layer and not copied:
+        prefix = (cache.prefix_k_lbhdp[l], cache.prefix_v_lbhpd[l])
 
-      def attend(q, k, v):
-        # The stacked stream buffers ride in the carry: one slot of layer l is written in place
-        # (k, v: [B, K, Hkv, D]; K plays the sequence axis), then layer l is read.
-        k_all = jax.lax.dynamic_update_slice(
-            kv[0], k[None, ..., None].astype(kv[0].dtype), (l, zero, zero, zero, zero, slot))
-        v_all = jax.lax.dynamic_update_slice(
-            kv[1], v[None, :, :, :, None].astype(kv[1].dtype), (l, zero, zero, zero, slot, zero))
-        k_l = jax.lax.dynamic_index_in_dim(k_all, l, keepdims=False)
-        v_l = jax.lax.dynamic_index_in_dim(v_all, l, keepdims=False)
+      def attend(q, k, v):  # the stream buffers ride in the carry, written in place
+        (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, slot)
         if copied:
           o = _stream_attention(q, cache.prefix_mask_bp, k_l, v_l, idx, copied, scores,
                                 window_pos)
