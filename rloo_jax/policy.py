@@ -30,7 +30,7 @@ from flax import traverse_util
 import ml_collections
 import numpy as np
 
-from rloo_jax import algorithms, rollout, sampler, sampling
+from rloo_jax import algorithms, rollout, sampler, sampler_args, sampling
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import chat, pipeline
@@ -99,6 +99,10 @@ class Policy:
     # token), and one without pad pads with 0 (padding is masked everywhere).
     self._stops = rollout.stop_ids(tokenizer)
     self._pad = 0 if tokenizer.pad_id is None else int(tokenizer.pad_id)
+    # The decode layout the run trained with (config.rloo.decode_layers); an HF checkpoint's,
+    # one device and no adapters, unstacks as 'auto' does there.
+    self._unstack_layers = (True if experiment is None else
+                            sampler_args.decode_unstacked(experiment))
 
   def __repr__(self) -> str:
     c = self.model_config
@@ -147,7 +151,7 @@ class Policy:
                            jax.random.fold_in(jax.random.PRNGKey(seed), i), k=k,
                            max_new_tokens=t, method=method, eos_id=self._stops, pad_id=self._pad,
                            mode=self.sampler_mode, max_seq_len=self.max_seq_len,
-                           unstack_layers=True)  # as decode_layers="auto" on one device
+                           unstack_layers=self._unstack_layers)
       n = hi - lo
       texts += rollout.decode_completions(self.tokenizer,
                                           np.asarray(out.tokens_bkt)[:n].reshape(n * k, -1),
