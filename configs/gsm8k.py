@@ -10,7 +10,8 @@ r"""GSM8K with a verifiable reward: veRL's RLOO example, and a single-device var
   the update keeps the layers' matmul outputs (remat='dots'): 15% fewer FLOPs an iteration, and
   `python -m rloo_jax.plan` still fits it in 72 GiB of each device (docs/SCALE.md, "The paper's
   configs"), as it does the decode on layers gathered once a rollout instead of at every token
-  (decode_layers='unstacked'). `single` and `colab` recompute whole layers (remat='full'): they need the room.
+  (decode_layers='unstacked'). `single` and `colab` recompute whole layers (remat='full'): they
+  need the room.
 - `single`: Qwen2.5-0.5B-Instruct on ONE 80 GB device (H100 / H200), 128 prompts x k=5 x
   (512 + 1024), 2 optimizer steps per rollout; full fine-tuning, or LoRA with `lora=<rank>`.
 - `colab`: `single`'s model at the shapes of the Colab notebook (notebooks/gsm8k.ipynb) on the

@@ -1,14 +1,14 @@
 r"""Issue 21's accelerator figures, in one short run: the decode loop's tokens/s against the HBM
 roofline, and the update step's MFU, on a preset's architecture with random weights.
 
-- Decode: `sampler.start` (prefill + first token) then `sampler.decode_loop` timed apart, in
-  the run's dtype with the weights stored in it too (a bf16 model; `--param_dtype float32` for
-  a training policy's master weights, which the decode casts once), once per
-  `--decode_layers` layout (the layer scan; per-layer weights and KV buffers). The roofline of one decode
-  step is the bytes it must read, the weights (every parameter once) plus the KV cache as the
-  sampler lays it out (each prompt's prefix once, each stream's buffer; `SampleOutput` not
-  counted), over `--hbm_tbps`. Prints `decode_tokens_per_s`, `roofline_tokens_per_s` and their
-  ratio `roofline_over_measured` (issue 21: within 2x).
+- Decode: `sampler.start` (prefill + first token) then `sampler.decode_loop` timed apart, in the
+  run's dtype with the weights stored in it too (a bf16 model; `--param_dtype float32` for a
+  training policy's master weights, which the decode casts once), once per `--decode_layers`
+  layout (the layer scan; per-layer weights and KV buffers). The roofline of one decode step is
+  the bytes it must read, the weights (every parameter once) plus the KV cache as the sampler
+  lays it out (each prompt's prefix once, each stream's buffer; `SampleOutput` not counted),
+  over `--hbm_tbps`. Prints `decode_tokens_per_s`, `roofline_tokens_per_s` and their ratio
+  `roofline_over_measured` (issue 21: within 2x).
 - Update: RLOO iterations of bench_step.py's synthetic task at this shape (float32 master
   weights, bf16 activations, as the configs run), `update_s` their median; MFU = the update's
   model FLOPs (`memory.flops`: 3 x the scoring forward, rematerialisation not counted) /

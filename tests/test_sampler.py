@@ -468,13 +468,15 @@ def test_decode_on_unstacked_layers_equals_the_layer_scan(family, mode, width):
   graphdef, params = models.create(_tiny(family))
   fns = models.model_fns(graphdef)
   tokens, lengths = prompts(lengths=(7, 2, width), width=width, vocab=48, seed=4)
-  outs = [_sample_unstacked(fns, params, tokens, lengths, mode, unstack) for unstack in (False, True)]
+  outs = [_sample_unstacked(fns, params, tokens, lengths, mode, unstack)
+          for unstack in (False, True)]
   # The unrolled layers read KV buffers of their own, the same bytes as the stacked cache.
   caches = [sampler.start(fns, params, tokens, lengths, jax.random.key(3), jnp.asarray([47]),
                           jnp.int32(PAD), k=3, max_new_tokens=10, method=sampling.Temperature(1.0),
                           mode=mode, unstack_layers=unstack).cache for unstack in (False, True)]
   assert not caches[0].per_layer and caches[1].per_layer
-  assert len(caches[1].k_lbkhdt) == 3 and caches[1].k_lbkhdt[0].shape == caches[0].k_lbkhdt.shape[1:]
+  assert len(caches[1].k_lbkhdt) == 3
+  assert caches[1].k_lbkhdt[0].shape == caches[0].k_lbkhdt.shape[1:]
   assert caches[0].num_bytes == caches[1].num_bytes
   np.testing.assert_array_equal(outs[0].tokens_bkt, outs[1].tokens_bkt)
   np.testing.assert_allclose(outs[0].policy_logprobs_bkt, outs[1].policy_logprobs_bkt,

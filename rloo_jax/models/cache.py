@@ -41,16 +41,16 @@ class DecodeCache:
     the per-operation cost dominates (measured by experiments/bench_sampler.py; see
     docs/PERFORMANCE.md).
 
-  Every layer's cache is one stacked array (leading axis L), read and written by the scanned
-  layer body (`Transformer.decode`): the stream buffers ride in the scan's carry, so each step
-  writes one slot per layer in place. Or, for the decode unrolled over per-layer weights
+  Every layer's cache is one stacked array (leading axis L), read and written by the scanned layer
+  body (`Transformer.decode`): the stream buffers ride in the scan's carry, so each step writes
+  one slot per layer in place. Or, for the decode unrolled over per-layer weights
   (`init_cache(per_layer=True)`), each of the four arrays is a tuple of L buffers without that
   axis: a layer then reads its own buffer, where reading layer l of a stack copies it out
-  (XLA:CPU, and any backend whose matmuls need a buffer of their own) at every token. Keys keep head_dim before the sequence axis (`_hdp` /
-  `_hdt`: the score product q.k contracts D against a row-major [D, T] matrix), values the
-  sequence axis before head_dim (probs.v contracts T against [T, D]), so no step transposes a
-  cache. `index` counts generated tokens in both forms; stream slot `copied_prefix + index` is
-  next.
+  (XLA:CPU, and any backend whose matmuls need a buffer of their own) at every token. Keys keep
+  head_dim before the sequence axis (`_hdp` / `_hdt`: the score product q.k contracts D against a
+  row-major [D, T] matrix), values the sequence axis before head_dim (probs.v contracts T against
+  [T, D]), so no step transposes a cache. `index` counts generated tokens in both forms; stream
+  slot `copied_prefix + index` is next.
   """
 
   prefix_k_lbhdp: Any  # [L, B, Hkv, D, P] (or L x [B, Hkv, D, P]); None when copied

@@ -15,8 +15,9 @@ weights; three things multiply that read at every token unless they are paid onc
   that saving.
 
 Every weight the model casts to the activation dtype before using it is cast here, so the
-decode's values are the same bit for bit; norm parameters, which the norms apply in float32
-(Gemma's 1 + w, LayerNorm), are left as stored.
+decode computes with the values it did (a backend that rounds at each cast gives the same bits;
+XLA:CPU, which keeps float32 where it may, rounds the weights here instead); norm parameters,
+which the norms apply in float32 (Gemma's 1 + w, LayerNorm), are left as stored.
 """
 
 from __future__ import annotations
