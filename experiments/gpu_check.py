@@ -153,6 +153,9 @@ def main():
   p.add_argument("--peak_tflops", type=float, default=989.0, help="H200 dense bf16")
   p.add_argument("--checks", default="decode,update")
   args = p.parse_args()
+  bad = set(args.decode_layers.split(",")) - {"scanned", "unstacked"}
+  if bad:  # before any model is built
+    p.error(f"--decode_layers {args.decode_layers!r}: {sorted(bad)} not among scanned, unstacked")
   out = dict(config=vars(args), backend=jax.default_backend(),
              device=str(jax.devices()[0].device_kind))
   if "decode" in args.checks:

@@ -336,9 +336,9 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       decode loop when it fits in this; otherwise at each step. The tokens are the same.
     unstack_layers: the decode loop splits the layer weights into one buffer per layer before
       it starts (gathered from FSDP shards, in the activation dtype: a copy of the model for
-      the rollout's duration) and runs the layers unrolled over those, instead of scanning the
-      stacked weights, which copies (under FSDP: gathers) every layer's weights at every
-      token: faster for layers no cache holds. The tokens are the same
+      the rollout's duration), keeps one KV buffer per layer, and runs the layers unrolled over
+      those, instead of scanning the stacked weights and cache, which copies (under FSDP:
+      gathers) every layer's weights and KV at every token. The tokens are the same
       (`sampler_args.decode_unstacked` picks it from config.rloo.decode_layers;
       `models.decode_weights`).
 

@@ -384,3 +384,11 @@ def test_decode_traffic_gathers_bf16_layers_at_every_token_scanned_and_once_unst
   assert unstacked["gathered_per_token_gb"] == 0
   assert unstacked["gathered_per_rollout_gb"] == scanned["gathered_per_token_gb"]
   assert unstacked["gathered_dtypes"] == {"per_token": [], "per_rollout": ["bf16"]}
+
+
+def test_gpu_check_refuses_an_unknown_decode_layout_before_building_a_model():
+  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "gpu_check.py"),
+                        "--decode_layers", "scanned,unstaked"],
+                       capture_output=True, text=True, cwd=EXPERIMENTS, timeout=120)
+  assert out.returncode == 2
+  assert "--decode_layers 'scanned,unstaked': ['unstaked'] not among scanned, unstacked" in out.stderr

@@ -107,8 +107,8 @@ def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak:
 def _decode_layers(algo, limit: int, accelerator: bool) -> list:
   exp, c, m = algo.exp, algo.exp.config, algo.exp.model_config
   fsdp = exp.layout.shape["fsdp"]
-  if (fsdp == 1 or c.rloo.get("decode_layers", "auto") != "auto" or m.lora_rank
-      or sampler_args.decode_unstacked(exp)):
+  # 'auto' scans exactly when FSDP-sharded without LoRA (`sampler_args.decode_unstacked`).
+  if fsdp == 1 or c.rloo.get("decode_layers", "auto") != "auto" or m.lora_rank:
     return []
   config = c.copy_and_resolve_references()
   config.rloo.decode_layers = "unstacked"
