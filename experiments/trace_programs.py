@@ -32,7 +32,7 @@ from jax._src.lib import _profile_data  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
 
-from rloo_jax import sampler  # noqa: E402
+from rloo_jax import sampler, sampler_args  # noqa: E402
 
 PROGRAMS = ("rollout", "reference", "gradient")
 
@@ -59,7 +59,8 @@ def programs(hidden: int, layers: int) -> dict:
       "rollout": lambda: jax.block_until_ready(sampler.sample(
           exp.fns, state.policy_params, batch["prompt_tokens"], batch["prompt_lengths"], rng,
           k=c.rloo.k, max_new_tokens=c.rloo.max_new_tokens, method=exp.method, eos_id=-1,
-          pad_id=0, mode=c.rloo.sampler_mode, max_seq_len=c.model.max_seq_len)),
+          pad_id=0, mode=c.rloo.sampler_mode, max_seq_len=c.model.max_seq_len,
+          unstack_layers=sampler_args.decode_unstacked(exp))),
       "reference": lambda: jax.block_until_ready(algo.reference_fn(state.ref_params, rows)),
       "gradient": lambda: jax.block_until_ready(grad_fn(params, *captured["args"][1:])),
   }

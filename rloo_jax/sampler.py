@@ -31,7 +31,6 @@ from flax import struct
 from rloo_jax import sampler_args, sampling
 
 MODES = sampler_args.MODES
-NOISE_BUDGET_BYTES = sampling.NOISE_BUDGET_BYTES  # sample()'s default noise_budget_bytes
 
 
 @struct.dataclass
@@ -64,7 +63,7 @@ class SamplingState:
   mask_bkt: jax.Array             # bool [B, K, T]
   lengths_bk: jax.Array           # int32 [B, K]
   cache: Any                      # the model's DecodeCache, or a RecomputeBuffer.
-  noise_tbkv: Any = None          # float32 [T, B, K, V] Gumbel noise of every step, or None.
+  uniforms_tbk2: jax.Array        # float32 [T, B, K, 2]: every step's uniforms (`sampling.draw`).
 
   def output(self) -> SampleOutput:
     return SampleOutput(tokens_bkt=self.tokens_bkt, logprobs_bkt=self.logprobs_bkt,
@@ -74,10 +73,9 @@ class SamplingState:
 
 def _record(state: SamplingState, logits_bkv, *, method, eos_id, pad_id) -> SamplingState:
   """Draws token `state.step` of every stream from logits_bkv and writes it into the state."""
-  noise_bkv = None if state.noise_tbkv is None else jax.lax.dynamic_index_in_dim(
-      state.noise_tbkv, state.step, axis=0, keepdims=False)
-  tokens_bk, logprobs_bk, policy_logprobs_bk = sampling.draw(method, state.keys_bk, state.step,
-                                                            logits_bkv, noise_bkv)
+  uniforms_bk2 = jax.lax.dynamic_index_in_dim(state.uniforms_tbk2, state.step, axis=0,
+                                              keepdims=False)
+  tokens_bk, logprobs_bk, policy_logprobs_bk = sampling.draw(method, uniforms_bk2, logits_bkv)
   tokens_bk, valid_bk, done_bk = sampling.mask_after_eos(tokens_bk, state.done_bk, eos_id=eos_id,
                                                          pad_id=pad_id)
   zero = jnp.float32(0)
@@ -222,8 +220,7 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
       tokens_bkt=rows(state.tokens_bkt), logprobs_bkt=rows(state.logprobs_bkt),
       policy_logprobs_bkt=rows(state.policy_logprobs_bkt), mask_bkt=rows(state.mask_bkt),
       lengths_bk=rows(state.lengths_bk), cache=cache,
-      noise_tbkv=None if state.noise_tbkv is None else _shard_rows(state.noise_tbkv, 1,
-                                                                   batch_sharding))
+      uniforms_tbk2=_shard_rows(state.uniforms_tbk2, 1, batch_sharding))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,11 +230,10 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 # eos_id (int32 [S] stop ids) and pad_id are traced, not static: new end tokens must not
 # recompile the sampler (a different number of them does).
 @functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
-                                             'batch_sharding', 'noise_budget_bytes',
-                                             'unstack_layers'))
+                                             'batch_sharding', 'unstack_layers'))
 def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *,
           k, max_new_tokens, method, mode, batch_sharding=None,
-          noise_budget_bytes=NOISE_BUDGET_BYTES, unstack_layers=False) -> SamplingState:
+          unstack_layers=False) -> SamplingState:
   """Prefill, then draw the first token of every stream from the logits at position len - 1.
   unstack_layers: the KV cache as one buffer per layer, which only `decode_loop`'s unrolled
   layers (its unstack_layers) read."""
@@ -249,11 +245,6 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
       mode=mode, per_layer=_per_layer(fns, mode, unstack_layers))
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
   keys_bk = sampling.stream_keys(rng, num_prompts, k)
-  vocab = first_bkv.shape[-1]
-  noise_tbkv = None
-  if not method.is_greedy and max_new_tokens * num_prompts * k * vocab * 4 <= noise_budget_bytes:
-    noise_tbkv = jax.vmap(lambda t: sampling.gumbel_bkv(keys_bk, t, vocab))(
-        jnp.arange(max_new_tokens))
   state = SamplingState(
       step=jnp.zeros((), jnp.int32),
       keys_bk=keys_bk,
@@ -265,7 +256,7 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
       policy_logprobs_bkt=jnp.zeros(shape_bkt, jnp.float32),
       mask_bkt=jnp.zeros(shape_bkt, bool),
       lengths_bk=jnp.zeros(shape_bk, jnp.int32),
-      cache=cache, noise_tbkv=noise_tbkv)
+      cache=cache, uniforms_tbk2=sampling.uniforms_tbk2(keys_bk, max_new_tokens))
   state = _record(state, first_bkv, method=method, eos_id=eos_id, pad_id=pad_id)
   return _shard_state(state, batch_sharding)
 
@@ -309,7 +300,6 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
            method: sampling.Method, eos_id: int | Sequence[int], pad_id: int,
            mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
-           noise_budget_bytes: int = NOISE_BUDGET_BYTES,
            unstack_layers: bool = False) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
@@ -332,8 +322,6 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     batch_sharding: optional NamedSharding splitting dim 0 over mesh axes (static): every
       per-prompt array (prompts, KV cache, outputs) is kept split that way. Pass the prompts
       already placed with it; params keep their own (e.g. FSDP/tensor) shardings.
-    noise_budget_bytes: the rollout's Gumbel noise (T * B * K * V float32) is drawn before the
-      decode loop when it fits in this; otherwise at each step. The tokens are the same.
     unstack_layers: the decode loop splits the layer weights into one buffer per layer before
       it starts (gathered from FSDP shards, in the activation dtype: a copy of the model for
       the rollout's duration), keeps one KV buffer per layer, and runs the layers unrolled over
@@ -358,8 +346,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
   state = start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
                 eos_id, pad_id,
                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
-                batch_sharding=batch_sharding, noise_budget_bytes=int(noise_budget_bytes),
-                unstack_layers=bool(unstack_layers))
+                batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
   state = decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
                       batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
   return state.output()

@@ -5,12 +5,12 @@ changing its fields recompiles, which is what we want since they change the trac
 
 `method.process(logits_bv) -> logits_bv` returns float32 logits of the distribution the sampler
 draws from: scaled by the temperature, with tokens outside the support set to -inf. The sampler
-draws with `jax.random.categorical` on them (argmax for greedy) and scores the drawn token with
-`log_softmax` of the same array, so the sampling log-probs are exactly those of the distribution
-the token came from.
+draws from them by the inverse CDF (`inverse_cdf`; argmax for greedy) and scores the drawn token
+under the same array, so the sampling log-probs are those of the distribution the token came
+from.
 
 `draw` is that step for a [B, K] block of streams, `mask_after_eos` the EOS bookkeeping after it,
-and `stream_keys` / `gumbel_bkv` the per-stream randomness, the same in every sampler mode.
+and `stream_keys` / `uniforms_tbk2` the per-stream randomness, the same in every sampler mode.
 """
 
 from __future__ import annotations
@@ -143,41 +143,100 @@ def stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:
   return jax.vmap(prompt_keys)(jnp.arange(num_prompts))
 
 
-# The Gumbel noise of a whole rollout is drawn up front (in the sampler's `start`, outside the
-# decode loop) when it fits in this many bytes. On CPU, jax's threefry runs as a rolled while
-# loop, so drawing the noise inside the loop body cost a nested loop at every token, a large share
-# of a small model's decode step (measured by experiments/bench_sampler.py; see
-# docs/PERFORMANCE.md). Both ways draw the same bits, hence the same tokens.
-NOISE_BUDGET_BYTES = 64 << 20
+# A token is drawn by the inverse CDF in two levels over the vocabulary laid out as a grid
+# [rows, columns] (token = row * columns + column): a column with probability its mass, then a
+# row within that column with probability its share of the column. It needs two uniforms per
+# stream and step, not the V Gumbel variates of `jax.random.categorical`, and no argmax over V
+# (docs/PERFORMANCE.md, "The token draw"). Columns, not rows, are the first level so that a
+# vocabulary sharded over the mesh's `tensor` axis stays sharded: its contiguous shards are row
+# ranges, a column's mass is a sum over rows (partial sums, then an all-reduce of [B, K, columns])
+# and only the chosen column, [B, K, rows], is ever gathered. Both levels' prefix sums are about
+# sqrt(V) long (XLA:CPU runs a cumsum as a reduce-window, quadratic in its length), and the
+# second level resolves float32 relative to its column's mass, not to the whole distribution's.
+_MAX_COLUMNS = 2048
 
 
-def gumbel_bkv(keys_bk, step, vocab: int):
-  """The noise `jax.random.categorical(fold_in(key, step), logits)` adds to logits, per stream."""
-  return jax.vmap(jax.vmap(
-      lambda key: jax.random.gumbel(jax.random.fold_in(key, step), (vocab,))))(keys_bk)
+def _grid(vocab: int) -> tuple[int, int]:
+  """(rows, columns) of the draw's grid; rows * columns >= vocab, the excess padded with -inf.
+
+  Rows are the largest power of two dividing the vocabulary, at most about sqrt(V), so that the
+  grid needs no padding (a padded vocabulary would be resharded) and its rows split evenly
+  over a tensor axis of any power-of-two size up to them; a vocabulary with too few factors of
+  two for that (an odd one cannot be sharded evenly anyway) is padded to sqrt(V)-sized rows."""
+  cap = 1
+  while cap * cap < vocab:
+    cap *= 2
+  rows = math.gcd(vocab, cap)
+  if vocab // rows <= _MAX_COLUMNS:
+    return rows, vocab // rows
+  return cap, -(-vocab // cap)
 
 
-def draw(method, keys_bk, step, logits_bkv, noise_bkv=None):
+def uniforms_tbk2(keys_bk, num_steps: int):
+  """The rollout's uniforms [T, B, K, 2]: step t of stream (b, j) from fold_in(key_bj, t).
+
+  Drawn before the decode loop (T * B * K * 8 bytes): on CPU jax's threefry is a rolled loop,
+  which drawn inside the loop body would cost a nested loop at every token."""
+  def at(t):
+    return jax.vmap(jax.vmap(
+        lambda key: jax.random.uniform(jax.random.fold_in(key, t), (2,))))(keys_bk)
+  return jax.vmap(at)(jnp.arange(num_steps))
+
+
+def _first_above(weights, u):
+  """The first index whose inclusive prefix sum of `weights` (>= 0) exceeds u * their total.
+
+  Never a zero-weight index: its prefix sum equals its predecessor's. When rounding puts
+  u * total at or above the last prefix sum, the last index of positive weight."""
+  cumulative = jnp.cumsum(weights, axis=-1)
+  below = jnp.sum(cumulative <= u[..., None] * cumulative[..., -1:], axis=-1)
+  index = jnp.arange(weights.shape[-1], dtype=jnp.int32)
+  last_positive = jnp.max(jnp.where(weights > 0, index, 0), axis=-1)
+  return jnp.minimum(below.astype(jnp.int32), last_positive)
+
+
+def inverse_cdf(logits_bkv, uniforms_bk2):
+  """Tokens [B, K] drawn from softmax(logits) (float32, -inf outside the support) by the two-level
+  inverse CDF, uniforms_bk2[..., 0] choosing the column of `_grid` and [..., 1] the row in it.
+  Also returns the max logit and the total of exp(logits - max), which score the token."""
+  vocab = logits_bkv.shape[-1]
+  rows, columns = _grid(vocab)
+  top = jnp.max(logits_bkv, axis=-1, keepdims=True)
+  if rows * columns > vocab:
+    logits_bkv = jnp.pad(logits_bkv, [(0, 0)] * (logits_bkv.ndim - 1)
+                         + [(0, rows * columns - vocab)], constant_values=_NEG_INF)
+  weights = jnp.exp(logits_bkv.reshape(logits_bkv.shape[:-1] + (rows, columns)) - top[..., None])
+  mass = jnp.sum(weights, axis=-2)
+  column = _first_above(mass, uniforms_bk2[..., 0])
+  in_column = jnp.take_along_axis(weights, column[..., None, None], axis=-1)[..., 0]
+  row = _first_above(in_column, uniforms_bk2[..., 1])
+  return row * columns + column, top[..., 0], jnp.sum(mass, axis=-1)
+
+
+def draw(method, uniforms_bk2, logits_bkv):
   """Sampled tokens and their log-probs under the sampling distribution and the raw policy.
 
-  A sampled token is argmax(processed logits + Gumbel noise), exactly `jax.random.categorical`;
-  `noise_bkv` is the pre-drawn noise of this step, or None to draw it here from the keys.
+  A sampled token is `inverse_cdf` of the processed logits (argmax for greedy) with this step's
+  uniforms; its sampling log-prob is that of the same processed distribution.
   """
   logits_bkv = logits_bkv.astype(jnp.float32)
-  processed_bkv = method.process(logits_bkv)
-  if method.is_greedy:
-    tokens_bk = jnp.argmax(processed_bkv, axis=-1)
-  else:
-    if noise_bkv is None:
-      noise_bkv = gumbel_bkv(keys_bk, step, logits_bkv.shape[-1])
-    tokens_bk = jnp.argmax(noise_bkv + processed_bkv, axis=-1)
-  tokens_bk = tokens_bk.astype(jnp.int32)
 
-  def logprob_of(logits):
+  def logprob_of(logits, tokens_bk):
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, tokens_bk[..., None], axis=-1)[..., 0]
 
-  return tokens_bk, logprob_of(processed_bkv), logprob_of(logits_bkv)
+  if method.is_greedy:
+    # Greedy.process's support is the first argmax alone: that token, with log-prob 0 under it.
+    tokens_bk = jnp.argmax(logits_bkv, axis=-1).astype(jnp.int32)
+    return tokens_bk, jnp.zeros(tokens_bk.shape, jnp.float32), logprob_of(logits_bkv, tokens_bk)
+  processed_bkv = method.process(logits_bkv)
+  tokens_bk, top, total = inverse_cdf(processed_bkv, uniforms_bk2)
+  # The normaliser the draw already summed, not a second pass over the vocabulary.
+  sampled_bk = (jnp.take_along_axis(processed_bkv, tokens_bk[..., None], axis=-1)[..., 0]
+                - top - jnp.log(total))
+  # Temperature 1 without truncation processes nothing: the policy's log-probs are the same.
+  policy_bk = sampled_bk if processed_bkv is logits_bkv else logprob_of(logits_bkv, tokens_bk)
+  return tokens_bk, sampled_bk, policy_bk
 
 
 def from_config(r) -> Method:

@@ -161,27 +161,24 @@ def test_same_rng_same_output_other_rng_differs():
 
 
 @pytest.mark.parametrize('method', [TOP_P, sampling.Temperature(1.3)])
-def test_noise_drawn_up_front_equals_noise_drawn_per_step(method):
-  """The rollout's Gumbel noise is drawn before the decode loop when it fits the budget, else at
-  every step; the same bits either way, so the same tokens and log-probs."""
+def test_a_token_is_the_inverse_cdf_draw_from_its_streams_uniforms(method):
+  """Token t of stream (b, j) is `sampling.inverse_cdf` of the processed logits with the two
+  uniforms of fold_in(key_bj, t), drawn before the decode loop."""
   params = fake_params()
   tokens, lengths = prompts()
-  kw = dict(k=3, max_new_tokens=6, method=method, eos_id=EOS, pad_id=PAD)
   state = sampler.start(FNS, params, tokens, lengths, jax.random.key(5), EOS, PAD, k=3,
                         max_new_tokens=6, method=method, mode='shared')
-  assert state.noise_tbkv.shape == (6, len(lengths), 3, 16)  # the default budget holds it
-  up_front = np_out(sampler.sample(FNS, params, tokens, lengths, jax.random.key(5), **kw))
-  per_step = np_out(sampler.sample(FNS, params, tokens, lengths, jax.random.key(5),
-                                   noise_budget_bytes=0, **kw))
-  for x, y in zip(jax.tree.leaves(up_front), jax.tree.leaves(per_step)):
-    np.testing.assert_array_equal(x, y)
-  # And it is jax.random.categorical's draw: token 0 of stream (b, j) from fold_in(key_bj, 0).
-  first = np.asarray(full_logits(FNS, params, tokens, lengths, up_front))[:, :, 0]
+  assert state.uniforms_tbk2.shape == (6, len(lengths), 3, 2)
+  out = np_out(sampler.sample(FNS, params, tokens, lengths, jax.random.key(5), k=3,
+                              max_new_tokens=6, method=method, eos_id=EOS, pad_id=PAD))
+  logits = full_logits(FNS, params, tokens, lengths, out)
   for b in range(len(lengths)):
     for j in range(3):
-      key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(5), b), j), 0)
-      want = jax.random.categorical(key, method.process(jnp.asarray(first[b, j])))
-      assert int(want) == int(up_front.tokens_bkt[b, j, 0])
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), b), j)
+      for t in range(int(out.lengths_bk[b, j])):
+        u = jax.random.uniform(jax.random.fold_in(key, t), (2,))
+        want, _, _ = sampling.inverse_cdf(method.process(jnp.asarray(logits[b, j, t])), u)
+        assert int(want) == int(out.tokens_bkt[b, j, t]), (b, j, t)
 
 
 def test_shared_unshared_recompute_agree():

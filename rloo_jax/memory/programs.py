@@ -234,7 +234,7 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   tok, static = x.token_id, _sampler_static(exp)
   unstack = sampler_args.decode_unstacked(exp)
   start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
-                      noise_budget_bytes=sampler.NOISE_BUDGET_BYTES, unstack_layers=unstack)
+                      unstack_layers=unstack)
   start_args = (state.policy_params, *x.prompts, x.rng, x.stop_ids, tok)
   shapes = jax.eval_shape(functools.partial(sampler.start, exp.fns, **start_static),
                           *start_args)
