@@ -104,9 +104,6 @@ def compile_sampler(fns, params, tokens, lengths, rng, *, mode, unstack_layers=F
   start_static = dict(static)
   if 'unstack_layers' in inspect.signature(sampler.start).parameters:
     start_static['unstack_layers'] = unstack_layers
-  if 'noise_budget_bytes' in inspect.signature(sampler.sample).parameters:
-    start_static['noise_budget_bytes'] = int(
-        inspect.signature(sampler.sample).parameters['noise_budget_bytes'].default)
   sampler.start.lower(fns, params, tokens, lengths, rng, eos, pad, k=kw['k'],
                       max_new_tokens=kw['max_new_tokens'], **start_static).compile()
   state = jax.eval_shape(

@@ -53,7 +53,6 @@ class RecomputeBuffer:
 @struct.dataclass
 class SamplingState:
   step: jax.Array                 # int32 []: tokens sampled so far (the next column to write).
-  keys_bk: jax.Array              # PRNG keys [B, K]: one independent stream key per (prompt, stream).
   prompt_lengths_bk: jax.Array    # int32 [B, K]: token t of stream (b, j) has position len_b + t.
   last_tokens_bk: jax.Array       # int32 [B, K]: token sampled at step - 1, the next decode input.
   done_bk: jax.Array              # bool [B, K]: EOS emitted.
@@ -215,7 +214,7 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
   if fields and hasattr(cache, 'replace'):
     cache = cache.replace(**fields)
   return state.replace(
-      keys_bk=rows(state.keys_bk), prompt_lengths_bk=rows(state.prompt_lengths_bk),
+      prompt_lengths_bk=rows(state.prompt_lengths_bk),
       last_tokens_bk=rows(state.last_tokens_bk), done_bk=rows(state.done_bk),
       tokens_bkt=rows(state.tokens_bkt), logprobs_bkt=rows(state.logprobs_bkt),
       policy_logprobs_bkt=rows(state.policy_logprobs_bkt), mask_bkt=rows(state.mask_bkt),
@@ -244,10 +243,8 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
       fns, params, prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens,
       mode=mode, per_layer=_per_layer(fns, mode, unstack_layers))
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
-  keys_bk = sampling.stream_keys(rng, num_prompts, k)
   state = SamplingState(
       step=jnp.zeros((), jnp.int32),
-      keys_bk=keys_bk,
       prompt_lengths_bk=jnp.broadcast_to(prompt_lengths_b[:, None], shape_bk),
       last_tokens_bk=jnp.full(shape_bk, pad_id, jnp.int32),
       done_bk=jnp.zeros(shape_bk, bool),
@@ -256,7 +253,10 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
       policy_logprobs_bkt=jnp.zeros(shape_bkt, jnp.float32),
       mask_bkt=jnp.zeros(shape_bkt, bool),
       lengths_bk=jnp.zeros(shape_bk, jnp.int32),
-      cache=cache, uniforms_tbk2=sampling.uniforms_tbk2(keys_bk, max_new_tokens))
+      cache=cache,
+      # Stream (b, j)'s keys, one per (prompt, stream), serve only these uniforms.
+      uniforms_tbk2=sampling.uniforms_tbk2(sampling.stream_keys(rng, num_prompts, k),
+                                           max_new_tokens))
   state = _record(state, first_bkv, method=method, eos_id=eos_id, pad_id=pad_id)
   return _shard_state(state, batch_sharding)
 
