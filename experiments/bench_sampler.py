@@ -17,8 +17,12 @@ and one the layout of the decode loop's weights:
                 trainer runs on one device) instead of the layer scan over the stacked weights
                 and cache ('shared', the sampler's default), which slices a copy of each
                 layer's weights and KV out at every token
+  left_s        'unstacked' with every matmul kernel laid out once as an [out, in] matrix that
+                multiplies the step's rows from the left (`sampler.sample(weights_left=True)`,
+                what the trainer runs on one CPU device: config.rloo.decode_matmul='auto')
 
   python experiments/bench_sampler.py --modes=shared,unstacked --prompt_len=64 --new_tokens=64
+  python experiments/bench_sampler.py --modes=unstacked,left,hf --prompt_len=64 --new_tokens=64
 
   python experiments/bench_sampler.py --modes=copied,kept --prompt_len=16 --new_tokens=32 --layers=4
 
@@ -47,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rloo_jax import sampler, sampler_args, sampling  # noqa: E402
 from rloo_jax.models import transformer  # noqa: E402
 
-ALL_MODES = ('shared', 'unshared', 'recompute', 'hf', 'copied', 'kept', 'unstacked')
+ALL_MODES = ('shared', 'unshared', 'recompute', 'hf', 'copied', 'kept', 'unstacked', 'left')
 # Modes that run the sampler's 'shared' mode with the prefix copied into every stream / kept
 # once per prompt, whatever the prompt length.
 PREFIX_FORMS = {'copied': 1 << 30, 'kept': 0}
@@ -92,8 +96,10 @@ def make_method(args):
   return sampling.TopP(args.top_p, args.temperature)
 
 
-def compile_sampler(fns, params, tokens, lengths, rng, *, mode, unstack_layers=False, **kw):
-  """AOT-compiles both sampler programs (fills jit's cache) without running a rollout."""
+def compile_sampler(fns, params, tokens, lengths, rng, *, mode, unstack_layers=False,
+                    weights_left=False, **kw):
+  """AOT-compiles both sampler programs (fills jit's cache) without running a rollout; returns
+  the decode loop's temporary bytes (XLA's memory analysis: what it holds beside its inputs)."""
   # As sampler.sample passes them: the stop ids an int32 [S] array, pad an int32 scalar.
   eos = jnp.asarray(sampler_args.stop_ids(kw['eos_id']), jnp.int32)
   pad = jnp.int32(kw['pad_id'])
@@ -112,7 +118,10 @@ def compile_sampler(fns, params, tokens, lengths, rng, *, mode, unstack_layers=F
       params, tokens, lengths, rng)
   if 'unstack_layers' in inspect.signature(sampler.sample).parameters:
     static['unstack_layers'] = unstack_layers
-  sampler.decode_loop.lower(fns, params, state, eos, pad, **static).compile()
+  if 'weights_left' in inspect.signature(sampler.sample).parameters:
+    static['weights_left'] = weights_left
+  compiled = sampler.decode_loop.lower(fns, params, state, eos, pad, **static).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,7 +191,7 @@ def main(argv=None):
   method = make_method(args)
   kw = dict(k=args.k, max_new_tokens=args.new_tokens, method=method, eos_id=eos_id, pad_id=pad_id)
 
-  runners, compile_s, mean_len = {}, {}, {}
+  runners, compile_s, mean_len, decode_temp = {}, {}, {}, {}
   for mode in args.modes:
     if mode == 'hf':
       continue
@@ -193,9 +202,11 @@ def main(argv=None):
       sampler_mode = 'shared'
     if mode == 'unstacked':
       sampler_mode, layout = 'shared', {'unstack_layers': True}
+    if mode == 'left':
+      sampler_mode, layout = 'shared', {'unstack_layers': True, 'weights_left': True}
     t0 = time.perf_counter()
-    compile_sampler(mode_fns, params, tokens, lengths, jax.random.key(0), mode=sampler_mode,
-                    **layout, **kw)
+    decode_temp[mode] = compile_sampler(mode_fns, params, tokens, lengths, jax.random.key(0),
+                                        mode=sampler_mode, **layout, **kw)
     compile_s[mode] = round(time.perf_counter() - t0, 2)
 
     def run(mode_fns=mode_fns, sampler_mode=sampler_mode, layout=layout,
@@ -254,6 +265,14 @@ def main(argv=None):
   result['unstacked_s'] = med('unstacked')
   result['unstacked_over_shared'] = (round(med('unstacked') / med('shared'), 3)
                                      if 'shared' in times and 'unstacked' in times else None)
+  result['decode_temp_mib'] = {m: round(b / 2**20, 1) for m, b in decode_temp.items()}
+  result['left_s'] = med('left')
+  result['left_over_unstacked'] = (round(med('left') / med('unstacked'), 3)
+                                   if 'left' in times and 'unstacked' in times else None)
+  result['hf_generate_over_unstacked'] = (round(med('hf') / med('unstacked'), 3)
+                                          if 'hf' in times and 'unstacked' in times else None)
+  result['hf_generate_over_left'] = (round(med('hf') / med('left'), 3)
+                                     if 'hf' in times and 'left' in times else None)
   s, u, r, h = (med(m) for m in ('shared', 'unshared', 'recompute', 'hf'))
   result['shared_over_unshared'] = round(s / u, 3) if s and u else None
   result['shared_over_recompute'] = round(s / r, 3) if s and r else None

@@ -60,7 +60,7 @@ def programs(hidden: int, layers: int) -> dict:
           exp.fns, state.policy_params, batch["prompt_tokens"], batch["prompt_lengths"], rng,
           k=c.rloo.k, max_new_tokens=c.rloo.max_new_tokens, method=exp.method, eos_id=-1,
           pad_id=0, mode=c.rloo.sampler_mode, max_seq_len=c.model.max_seq_len,
-          unstack_layers=sampler_args.decode_unstacked(exp))),
+          **sampler_args.decode_options(exp))),
       "reference": lambda: jax.block_until_ready(algo.reference_fn(state.ref_params, rows)),
       "gradient": lambda: jax.block_until_ready(grad_fn(params, *captured["args"][1:])),
   }

@@ -137,7 +137,12 @@ def base_config() -> ml_collections.ConfigDict:
       # step copies (or, FSDP, gathers) a layer, as the layer scan does ('scanned'); 'auto'
       # unstacks unless FSDP-sharded (the whole model gathered may not fit: the plan names
       # 'unstacked' when it does) or LoRA (the base would be held twice).
-      decode_layers="auto"))
+      decode_layers="auto",
+      # The unrolled decode's matmuls (rloo_jax.sampler_args.decode_weights_left):
+      # 'weights_left' lays every kernel out once a rollout as an [out, in] matrix multiplying
+      # the step's rows from the left (XLA:CPU's faster form); 'plain' as stored; 'auto' the
+      # first on CPU devices when the decode is unrolled.
+      decode_matmul="auto"))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))
   c.loss = ml_collections.ConfigDict(dict(

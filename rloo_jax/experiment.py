@@ -159,8 +159,7 @@ def validate_config(config) -> None:
   _check_choice("config.kl.estimator", config.kl.estimator, loss.KL_ESTIMATORS)
   _check_choice("config.kl.reduction", config.kl.reduction, ("sum", "mean"))
   _check_choice("config.rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask"))
-  _check_choice("config.rloo.decode_layers", r.get("decode_layers", "auto"),
-                sampler_args.DECODE_LAYERS)
+  sampler_args.validate_decode_layout(r)
   n = r.num_prompts * r.k
   if n % t.num_minibatches:
     raise ValueError(f"the rollout batch (config.rloo.num_prompts * config.rloo.k = {n}) is not "

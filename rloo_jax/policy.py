@@ -99,10 +99,11 @@ class Policy:
     # token), and one without pad pads with 0 (padding is masked everywhere).
     self._stops = rollout.stop_ids(tokenizer)
     self._pad = 0 if tokenizer.pad_id is None else int(tokenizer.pad_id)
-    # The decode layout the run trained with (config.rloo.decode_layers); an HF checkpoint's,
-    # one device and no adapters, unstacks as 'auto' does there.
-    self._unstack_layers = (True if experiment is None else
-                            sampler_args.decode_unstacked(experiment))
+    # The decode layout the run trained with (config.rloo.decode_layers, decode_matmul); an HF
+    # checkpoint's, one device and no adapters, decodes as 'auto' does there.
+    self._decode = (dict(unstack_layers=True,
+                         weights_left=sampler_args.weights_left_on(jax.default_backend()))
+                    if experiment is None else sampler_args.decode_options(experiment))
 
   def __repr__(self) -> str:
     c = self.model_config
@@ -151,7 +152,7 @@ class Policy:
                            jax.random.fold_in(jax.random.PRNGKey(seed), i), k=k,
                            max_new_tokens=t, method=method, eos_id=self._stops, pad_id=self._pad,
                            mode=self.sampler_mode, max_seq_len=self.max_seq_len,
-                           unstack_layers=self._unstack_layers)
+                           **self._decode)
       n = hi - lo
       texts += rollout.decode_completions(self.tokenizer,
                                           np.asarray(out.tokens_bkt)[:n].reshape(n * k, -1),

@@ -306,7 +306,7 @@ def _sample_rows(exp, params, prompt_tokens, prompt_lengths, rng, *, k: int, met
                         pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
                         max_seq_len=exp.model_config.max_seq_len,
                         batch_sharding=layout.batch_sharding,
-                        unstack_layers=sampler_args.decode_unstacked(exp))
+                        **sampler_args.decode_options(exp))
 
 
 def sample_chunked(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None,

@@ -269,17 +269,20 @@ def _per_layer(fns, mode, unstack_layers) -> bool:
 
 # The state is donated so the while_loop updates the cache in the caller's buffers, not a copy.
 @functools.partial(jax.jit, static_argnames=('fns', 'method', 'mode', 'batch_sharding',
-                                             'unstack_layers'),
+                                             'unstack_layers', 'weights_left'),
                    donate_argnames=('state',))
 def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
-                mode, batch_sharding=None, unstack_layers=False) -> SamplingState:
+                mode, batch_sharding=None, unstack_layers=False,
+                weights_left=False) -> SamplingState:
   max_new_tokens = state.tokens_bkt.shape[2]
   # What every token would otherwise repeat, done once per rollout: the layers split into
   # buffers of their own and gathered (unstack_layers), the weights cast to the activation
-  # dtype (`models.decode_weights`).
+  # dtype, with weights_left laid out as [out, in] matrices (`models.decode_weights`).
   layers = None
   if mode != 'recompute' and getattr(fns, 'decode_weights', None):
-    params, layers = fns.decode_weights(params, _per_layer(fns, mode, unstack_layers))
+    per_layer = _per_layer(fns, mode, unstack_layers)
+    left = {'weights_left': True} if weights_left and per_layer else {}
+    params, layers = fns.decode_weights(params, per_layer, **left)
 
   def cond(state):
     return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)
@@ -300,7 +303,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
            method: sampling.Method, eos_id: int | Sequence[int], pad_id: int,
            mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
-           unstack_layers: bool = False) -> SampleOutput:
+           unstack_layers: bool = False, weights_left: bool = False) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -329,6 +332,11 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       gathers) every layer's weights and KV at every token. The tokens are the same
       (`sampler_args.decode_unstacked` picks it from config.rloo.decode_layers;
       `models.decode_weights`).
+    weights_left: with unstack_layers, every matmul kernel laid out once as an [out, in]
+      matrix that multiplies the step's rows from the left (`layers.dense_left`): XLA:CPU's
+      faster form. The tokens are the same up to float rounding (`sampler_args.decode_options`
+      picks it from config.rloo.decode_matmul). Ignored without unstack_layers or in
+      'recompute' mode.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -348,5 +356,6 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
                 batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
   state = decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
-                      batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
+                      batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers),
+                      weights_left=bool(weights_left))
   return state.output()

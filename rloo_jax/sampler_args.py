@@ -131,3 +131,52 @@ def decode_unstacked(exp) -> bool:
   if mode != 'auto':
     return mode == 'unstacked'
   return exp.layout.shape['fsdp'] == 1 and not exp.model_config.lora_rank
+
+
+DECODE_MATMULS = ('auto', 'weights_left', 'plain')
+
+
+def validate_decode_layout(rloo_config) -> None:
+  """config.rloo.decode_layers and decode_matmul: known values, and no weights-left layout of a
+  decode forced to scan (the config alone says so; `decode_weights_left` catches 'auto')."""
+  layers = rloo_config.get('decode_layers', 'auto')
+  matmul = rloo_config.get('decode_matmul', 'auto')
+  if layers not in DECODE_LAYERS:
+    raise ValueError(f'unknown config.rloo.decode_layers {layers!r}; choose one of {DECODE_LAYERS}')
+  if matmul not in DECODE_MATMULS:
+    raise ValueError(f'unknown config.rloo.decode_matmul {matmul!r}; choose one of '
+                     f'{DECODE_MATMULS}')
+  if matmul == 'weights_left' and layers == 'scanned':
+    raise ValueError("config.rloo.decode_matmul='weights_left' lays out the unrolled decode's "
+                     "weights; it cannot run with config.rloo.decode_layers='scanned'")
+
+
+def weights_left_on(platform: str) -> bool:
+  """'auto''s choice of the weights-left decode on `platform`: on CPU only, where XLA's GEMM
+  runs a decode step's matmuls faster that way (docs/PERFORMANCE.md, "The decode's matmuls
+  with the weights on the left"). Not measured on GPU or TPU, where it would cost a second
+  copy of an untied head for no known gain."""
+  return platform == 'cpu'
+
+
+def decode_weights_left(exp) -> bool:
+  """config.rloo.decode_matmul resolved: whether the unrolled decode multiplies by its weights
+  laid out once as [out, in] matrices, from the left (`sampler.sample`'s weights_left). It
+  needs the unrolled decode (`decode_unstacked`); 'auto' takes it there on CPU devices."""
+  mode = exp.config.rloo.get('decode_matmul', 'auto')
+  if mode not in DECODE_MATMULS:
+    raise ValueError(f'config.rloo.decode_matmul={mode!r}; one of {DECODE_MATMULS}')
+  unstacked = decode_unstacked(exp)
+  if mode == 'weights_left' and not unstacked:
+    raise ValueError("config.rloo.decode_matmul='weights_left' lays out the unrolled decode's "
+                     "weights, but config.rloo.decode_layers resolves to 'scanned' here (FSDP "
+                     "or LoRA under 'auto'); set config.rloo.decode_layers='unstacked' or "
+                     "decode_matmul='auto'")
+  if mode != 'auto':
+    return mode == 'weights_left'
+  return unstacked and weights_left_on(exp.layout.mesh.devices.flat[0].platform)
+
+
+def decode_options(exp) -> dict:
+  """`sampler.sample`'s decode layout arguments (unstack_layers, weights_left) for `exp`."""
+  return dict(unstack_layers=decode_unstacked(exp), weights_left=decode_weights_left(exp))

@@ -517,7 +517,7 @@ def test_the_unstacked_decode_reads_its_weights_cast_once_to_the_activation_dtyp
   top, layers = fns.decode_weights(params, True)
   dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in
             jax.tree_util.tree_flatten_with_path(
-                ({k: v for k, v in top.items() if k != 'layers'}, layers[0]))[0]}
+                ({k: v for k, v in top.items() if k != 'layers'}, layers.weights[0]))[0]}
   assert {d for k, d in dtypes.items() if 'norm' in k} == {jnp.dtype(jnp.float32)}
   assert {d for k, d in dtypes.items() if 'norm' not in k} == {jnp.dtype(jnp.bfloat16)}
   # On one device the scanned decode makes no copy: its weights are the stored ones.

@@ -30,9 +30,9 @@ swiglu.defvjp(_fwd, _bwd)
 def apply():
   plain = layers.MLP.__call__
 
-  def mlp(self, x_bse):
-    if self.gpt2:  # GELU with biases: not a SwiGLU
-      return plain(self, x_bse)
+  def mlp(self, x_bse, left=None):
+    if self.gpt2 or left is not None:  # GELU with biases: not a SwiGLU; the decode's form
+      return plain(self, x_bse, left)
     dt = x_bse.dtype
     up = layers._dense(x_bse, layers._cast(self.up_kernel, dt))
     gate = layers._dense(x_bse, layers._cast(self.gate_kernel, dt))

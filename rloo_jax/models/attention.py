@@ -15,7 +15,7 @@ from flax import nnx
 
 from rloo_jax.models import lora
 from rloo_jax.models.config import TransformerConfig, dtype_of
-from rloo_jax.models.layers import _cast, _dense, _param, _project, _rope, apply_norm
+from rloo_jax.models.layers import _cast, _dense, _param, _project, _rope, apply_norm, dense_left
 
 # Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
 # finite distribution instead of NaNs that would leak into gradients through a masked mean.
@@ -84,18 +84,19 @@ class Attention(nnx.Module):
       self.q_norm_scale = _param(rngs, ones, (d,), ('head_dim',), pdt)
       self.k_norm_scale = _param(rngs, ones, (d,), ('head_dim',), pdt)
 
-  def qkv(self, x_bse: jax.Array, rotary, fused: bool = False):
+  def qkv(self, x_bse: jax.Array, rotary, fused: bool = False, left: dict | None = None):
     """Returns q [B,S,Hkv,G,D] (grouped for GQA) and post-RoPE k, v [B,S,Hkv,D].
 
     `rotary`: the forward's `Transformer._rotary(positions)` (None for GPT-2); it rotates the
     first `config.rotary_dim` dims of q and k, after their per-head RMSNorm with config.qk_norm.
     fused: one matmul against the three kernels concatenated per kv head (see `_fused_qkv`)
     instead of three. Same values; faster for the few rows of a decode step.
+    left: `left_kernels`' matrices (the decode's), the fused product taken by `dense_left`.
     """
     c = self.config
     dt = x_bse.dtype
-    if fused:
-      q, k, v = self._fused_qkv(x_bse)
+    if fused or left is not None:
+      q, k, v = self._fused_qkv(x_bse, None if left is None else left['qkv'])
     else:
       q = _project(x_bse, _cast(self.q_kernel, dt))
       k = _project(x_bse, _cast(self.k_kernel, dt))
@@ -117,7 +118,7 @@ class Attention(nnx.Module):
     q_bshgd = q.reshape(b, s, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
     return q_bshgd, k, v
 
-  def _fused_qkv(self, x_bse: jax.Array):
+  def _fused_qkv(self, x_bse: jax.Array, left_kernel: jax.Array | None = None):
     """q [B,S,H,D], k and v [B,S,Hkv,D] from one [E, Hkv*(G+2)*D] matmul.
 
     The kernels are concatenated per kv head, [E, Hkv, G + 2, D] (the G query heads of a group,
@@ -128,23 +129,39 @@ class Attention(nnx.Module):
     experiments/variants/unfused_decode_qkv.py; see docs/PERFORMANCE.md).
     """
     c = self.config
-    dt = x_bse.dtype
+    hkv, d = c.num_kv_heads, c.head_dim
+    g = c.num_heads // hkv
+    y = (_dense(x_bse, self.fused_qkv_kernel(x_bse.dtype)) if left_kernel is None else
+         dense_left(x_bse, left_kernel))
+    b, s = y.shape[:2]
+    y = y.reshape(b, s, hkv, g + 2, d)
+    return y[:, :, :, :g].reshape(b, s, hkv * g, d), y[:, :, :, g], y[:, :, :, g + 1]
+
+  def fused_qkv_kernel(self, dt) -> jax.Array:
+    """`_fused_qkv`'s kernel, [E, Hkv * (G + 2) * D] in dtype `dt`."""
+    c = self.config
     e, hkv, d = c.hidden_size, c.num_kv_heads, c.head_dim
     g = c.num_heads // hkv
     kernel = jnp.concatenate([_cast(self.q_kernel, dt).reshape(e, hkv, g, d),
                               _cast(self.k_kernel, dt).reshape(e, hkv, 1, d),
                               _cast(self.v_kernel, dt).reshape(e, hkv, 1, d)], axis=2)
-    y = _dense(x_bse, kernel.reshape(e, hkv * (g + 2) * d))
-    b, s = y.shape[:2]
-    y = y.reshape(b, s, hkv, g + 2, d)
-    return y[:, :, :, :g].reshape(b, s, hkv * g, d), y[:, :, :, g], y[:, :, :, g + 1]
+    return kernel.reshape(e, hkv * (g + 2) * d)
 
-  def out(self, o_bshgd: jax.Array) -> jax.Array:
+  def left_kernels(self, dt) -> dict:
+    """The fused q/k/v and the output kernels as the [out, in] matrices of `dense_left`."""
+    o = _cast(self.o_kernel, dt)
+    return {'qkv': self.fused_qkv_kernel(dt).T, 'o': o.reshape(-1, o.shape[-1]).T}
+
+  def out(self, o_bshgd: jax.Array, left: dict | None = None) -> jax.Array:
     c = self.config
     b, s = o_bshgd.shape[:2]
     o_bsf = o_bshgd.reshape(b, s, c.num_heads * c.head_dim)
-    kernel = _cast(self.o_kernel, o_bsf.dtype)
-    y = lora.apply(self, 'o', o_bsf, _dense(o_bsf, kernel.reshape(-1, kernel.shape[-1])))
+    if left is None:
+      kernel = _cast(self.o_kernel, o_bsf.dtype)
+      y = _dense(o_bsf, kernel.reshape(-1, kernel.shape[-1]))
+    else:
+      y = dense_left(o_bsf, left['o'])
+    y = lora.apply(self, 'o', o_bsf, y)
     if c.out_bias:
       y = y + _cast(self.o_bias, y.dtype)
     return y

@@ -1,5 +1,5 @@
 """The transformer's building blocks other than attention: parameter creation, norms, rotary
-position embedding, the matmul helpers, and the MLP."""
+position embedding, the matmul helpers, the MLP and the head."""
 
 from __future__ import annotations
 
@@ -131,6 +131,22 @@ def _dense(x_bse: jax.Array, kernel_ef: jax.Array, preferred_element_type=None) 
   return y.reshape(b, s, kernel_ef.shape[-1])
 
 
+def dense_left(x_bse: jax.Array, kernel_fe: jax.Array, preferred_element_type=None) -> jax.Array:
+  """x @ kernel_fe.T, [B, S, E] x [F, E] -> [B, S, F], computed as (kernel_fe @ x.T).T: the
+  decode step's form (`Block.left_kernels` prepares its [out, in] kernels once a rollout).
+
+  Why: XLA:CPU multiplies the few rows of a decode step by a large matrix on the right more
+  slowly than it computes the same product with the matrix on the left (docs/PERFORMANCE.md,
+  "The decode's matmuls with the weights on the left"). The barriers keep XLA from folding the
+  transposes back into the slow form (it rewrites transpose(dot) as a dot of swapped operands).
+  """
+  b, s, e = x_bse.shape
+  barrier = jax.lax.optimization_barrier
+  x_eb = barrier(x_bse.reshape(b * s, e).T)
+  y_fb = barrier(jnp.matmul(kernel_fe, x_eb, preferred_element_type=preferred_element_type))
+  return y_fb.T.reshape(b, s, kernel_fe.shape[0])
+
+
 def _project(x_bse: jax.Array, kernel_ehd: jax.Array) -> jax.Array:
   """x @ kernel, [B, S, E] x [E, H, D] -> [B, S, H, D], as one 2-D matmul (see `_dense`)."""
   _, h, d = kernel_ehd.shape
@@ -165,15 +181,54 @@ class MLP(nnx.Module):
       sizes = {'embed': e, 'mlp': f}
       lora.add(self, rngs, c, name, (sizes[i],), (i,), (sizes[o],), (o,))
 
-  def __call__(self, x_bse: jax.Array) -> jax.Array:
+  def left_kernels(self, dt) -> dict:
+    """The kernels as the [out, in] matrices of `dense_left` (the decode's), in dtype `dt`."""
+    names = ('up', 'down') if self.gpt2 else ('gate', 'up', 'down')
+    return {n: _cast(getattr(self, f'{n}_kernel'), dt).T for n in names}
+
+  def __call__(self, x_bse: jax.Array, left: dict | None = None) -> jax.Array:
+    """`left`: `left_kernels`' matrices, multiplied by `dense_left` instead of the kernels."""
     dt = x_bse.dtype
-    up = lora.apply(self, 'up', x_bse, _dense(x_bse, _cast(self.up_kernel, dt)))
+
+    def matmul(name, x):
+      y = (_dense(x, _cast(getattr(self, f'{name}_kernel'), dt)) if left is None else
+           dense_left(x, left[name]))
+      return lora.apply(self, name, x, y)
+
+    up = matmul('up', x_bse)
     if self.gpt2:
       h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=self.approximate)
     else:
-      gate = lora.apply(self, 'gate', x_bse, _dense(x_bse, _cast(self.gate_kernel, dt)))
+      gate = matmul('gate', x_bse)
       h = (jax.nn.gelu(gate, approximate=True) if self.geglu else jax.nn.silu(gate)) * up
-    y = lora.apply(self, 'down', h, _dense(h, _cast(self.down_kernel, dt)))
+    y = matmul('down', h)
     if self.gpt2:
       y = y + _cast(self.down_bias, dt)
     return y
+
+
+def apply_head(config: TransformerConfig, head_params, x_bse, left=None):
+  """Final norm and head on hidden states: logits [B, S, V] (values [B, S] for head='scalar').
+
+  A pure function of the `transformer.HEAD_KEYS` parameters (Params or arrays), so the chunked
+  log-probs (`loss.chunked_logprobs`) run it one chunk of positions at a time and differentiate
+  only these. The contraction accumulates and returns float32 whatever the dtype;
+  config.final_softcap caps the logits (Gemma 2) in float32 too. `left`: the head as a [V, E]
+  matrix, multiplied by `dense_left` (the decode's, `models.decode_weights`)."""
+  norm = head_params['final_norm']
+  x = apply_norm(x_bse, norm['scale'], norm['bias'] if 'bias' in norm else None,
+                 config.norm_eps, config.is_gemma)
+  f32 = jnp.float32
+  if config.head == 'scalar':
+    v = jnp.einsum('bse,eo->bso', x, _cast(head_params['score_kernel'], x.dtype),
+                   preferred_element_type=f32)
+    return v[..., 0] + jnp.asarray(head_params['score_bias'][...], f32)[0]
+  if left is not None:
+    logits = dense_left(x, left, preferred_element_type=f32)
+  else:
+    kernel = (_cast(head_params['embedding'], x.dtype).T if config.tie_embeddings else
+              _cast(head_params['lm_head'], x.dtype))
+    logits = _dense(x, kernel, preferred_element_type=f32)
+  if config.final_softcap:
+    logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
+  return logits

@@ -34,7 +34,7 @@ from rloo_jax.models.config import (  # noqa: F401  (re-exported)
 from rloo_jax.models import decode_weights as decode_weights_lib
 from rloo_jax.models.presets import from_experiment_config  # noqa: F401  (re-exported)
 from rloo_jax.models.layers import (  # noqa: F401  (re-exported)
-    MLP, Norm, _cast, _dense, _param, _project, _rope, _rotary, apply_norm)
+    MLP, Norm, _cast, _dense, _param, _project, _rope, _rotary, apply_head, apply_norm)
 
 
 # `TransformerConfig.remat` -> the jax.checkpoint policy of the scanned layer body.
@@ -45,29 +45,6 @@ REMAT_POLICIES = {
 }
 # The parameters `head` reads (every other top-level entry is the embedding input or the layers).
 HEAD_KEYS = ('final_norm', 'embedding', 'lm_head', 'score_kernel', 'score_bias')
-
-
-def apply_head(config: TransformerConfig, head_params, x_bse):
-  """Final norm and head on hidden states: logits [B, S, V] (values [B, S] for head='scalar').
-
-  A pure function of the `HEAD_KEYS` parameters (Params or arrays), so the chunked log-probs
-  (`loss.chunked_logprobs`) run it one chunk of positions at a time and differentiate only
-  these. The contraction accumulates and returns float32 whatever the dtype; config.final_softcap
-  caps the logits (Gemma 2) in float32 too."""
-  norm = head_params['final_norm']
-  x = apply_norm(x_bse, norm['scale'], norm['bias'] if 'bias' in norm else None,
-                 config.norm_eps, config.is_gemma)
-  f32 = jnp.float32
-  if config.head == 'scalar':
-    v = jnp.einsum('bse,eo->bso', x, _cast(head_params['score_kernel'], x.dtype),
-                   preferred_element_type=f32)
-    return v[..., 0] + jnp.asarray(head_params['score_bias'][...], f32)[0]
-  kernel = (_cast(head_params['embedding'], x.dtype).T if config.tie_embeddings else
-            _cast(head_params['lm_head'], x.dtype))
-  logits = _dense(x, kernel, preferred_element_type=f32)
-  if config.final_softcap:
-    logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
-  return logits
 
 
 def _last_valid(x_bse, mask_bs):
@@ -136,8 +113,8 @@ class Transformer(nnx.Module):
     out['final_norm'] = {k: getattr(norm, k) for k in ('scale', 'bias') if hasattr(norm, k)}
     return out
 
-  def _head(self, x_bse):
-    return apply_head(self.config, self.head_params(), x_bse)
+  def _head(self, x_bse, left=None):
+    return apply_head(self.config, self.head_params(), x_bse, left)
 
   def _scan(self, body, x, positions, carry=None, xs=None, gather=None, layers=None):
     """Runs `body(block, x, carry, xs_l, rotary, scores) -> (x, carry, y)` over the layers with
@@ -272,14 +249,16 @@ class Transformer(nnx.Module):
   def decode(self, tokens_bk, positions_bk, cache: DecodeCache, gather=None, layers=None):
     """One token per stream, written at stream slot cache.copied_prefix + cache.index (callers
     keep index < max_new_tokens: dynamic_update_slice clamps, so a step past the end would
-    overwrite the last slot). Returns (logits [B,K,V], cache)."""
+    overwrite the last slot). `layers`: `decode_weights.DecodeLayers` (unrolled layers, with
+    their weights-left matrices when it has them). Returns (logits [B,K,V], cache)."""
     idx = cache.index.astype(jnp.int32)
     slot, copied = idx + cache.copied_prefix, cache.copied_prefix
     if cache.per_layer and layers is None:  # its buffers are picked by a static layer number
       raise ValueError('a per-layer decode cache is read by unrolled layers only: pass `layers` '
                        '(ModelFns.decode_weights(params, unstacked=True))')
-    layer_ids = (np.arange(self.config.num_layers) if cache.per_layer else
+    layer_ids = (np.arange(self.config.num_layers) if layers is not None else
                  jnp.arange(self.config.num_layers, dtype=jnp.int32))
+    left = None if layers is None else layers.left
     window_pos = (positions_bk, cache.prefix_positions_bp)
     xs = (layer_ids, None if copied or cache.per_layer else
           (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
@@ -299,14 +278,14 @@ class Transformer(nnx.Module):
                                        idx, scores, window_pos)
         return o, (k_all, v_all)
 
-      x, kv = block(x, rotary, attend, fused=True)
+      x, kv = block(x, rotary, attend, fused=True, left=None if left is None else left[l])
       return x, kv, None
 
     x, (k_all, v_all), _ = self._scan(body, self._embed(tokens_bk, positions_bk), positions_bk,
                                       carry=(cache.k_lbkhdt, cache.v_lbkhtd), xs=xs, gather=gather,
-                                      layers=layers)
+                                      layers=None if layers is None else layers.weights)
     new_cache = cache.replace(k_lbkhdt=k_all, v_lbkhtd=v_all, index=idx + 1)
-    return self._head(x), new_cache
+    return self._head(x, None if layers is None else layers.head), new_cache
 
 
 class ModelFns(NamedTuple):
@@ -365,7 +344,8 @@ def model_fns(graphdef, gather=None) -> ModelFns:
       return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, layers=layers)
     return model(params).decode(tokens_bk, positions_bk, cache, gather=gather)
 
-  decode_weights = functools.partial(decode_weights_lib.prepare, config, gather=gather)
+  decode_weights = functools.partial(decode_weights_lib.prepare, config, gather=gather,
+                                     graphdef=graphdef)
 
   def grouped(params, *rows):
     return model(params).grouped(*rows, gather=gather)
