@@ -90,9 +90,8 @@ def main():
                  up=normal((e, f)), down=normal((f, e))) for _ in range(args.layers)]
   head = normal((e, v))
   # The [out, in] layout the trainer's decode_weights prepares once a rollout.
-  left = [{name: w.T.copy() for name, w in layer.items()} for layer in stored]
-  weights = {"plain": (stored, head), "left": (left, head.T.copy()),
-             "left_folded": (left, head.T.copy())}
+  left = ([{name: w.T.copy() for name, w in layer.items()} for layer in stored], head.T.copy())
+  weights = {"plain": (stored, head), "left": left, "left_folded": left}
   x = normal((args.rows, 1, e))
   forms = args.forms.split(",")
   fns = {form: program(form, e, args.steps) for form in forms}

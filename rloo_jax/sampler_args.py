@@ -102,6 +102,15 @@ def validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, e
 
 
 DECODE_LAYERS = ('auto', 'unstacked', 'scanned')
+DECODE_MATMULS = ('auto', 'weights_left', 'plain')
+
+
+def _choice(name: str, rloo_config, choices) -> str:
+  """config.rloo.<name> (default 'auto'), refused unless one of `choices`."""
+  value = rloo_config.get(name, 'auto')
+  if value not in choices:
+    raise ValueError(f'unknown config.rloo.{name} {value!r}; choose one of {choices}')
+  return value
 
 
 def layer_bytes(m, itemsize: int, tensor: int = 1) -> float:
@@ -125,27 +134,17 @@ def decode_unstacked(exp) -> bool:
   sharded to fit may not have room for: the memory plan compiles it and names 'unstacked' when
   it fits, `memory.speedups`) or the policy is LoRA (its frozen base would be held twice)."""
   c = exp.config
-  mode = c.rloo.get('decode_layers', 'auto')
-  if mode not in DECODE_LAYERS:
-    raise ValueError(f'config.rloo.decode_layers={mode!r}; one of {DECODE_LAYERS}')
+  mode = _choice('decode_layers', c.rloo, DECODE_LAYERS)
   if mode != 'auto':
     return mode == 'unstacked'
   return exp.layout.shape['fsdp'] == 1 and not exp.model_config.lora_rank
 
 
-DECODE_MATMULS = ('auto', 'weights_left', 'plain')
-
-
 def validate_decode_layout(rloo_config) -> None:
   """config.rloo.decode_layers and decode_matmul: known values, and no weights-left layout of a
   decode forced to scan (the config alone says so; `decode_weights_left` catches 'auto')."""
-  layers = rloo_config.get('decode_layers', 'auto')
-  matmul = rloo_config.get('decode_matmul', 'auto')
-  if layers not in DECODE_LAYERS:
-    raise ValueError(f'unknown config.rloo.decode_layers {layers!r}; choose one of {DECODE_LAYERS}')
-  if matmul not in DECODE_MATMULS:
-    raise ValueError(f'unknown config.rloo.decode_matmul {matmul!r}; choose one of '
-                     f'{DECODE_MATMULS}')
+  layers = _choice('decode_layers', rloo_config, DECODE_LAYERS)
+  matmul = _choice('decode_matmul', rloo_config, DECODE_MATMULS)
   if matmul == 'weights_left' and layers == 'scanned':
     raise ValueError("config.rloo.decode_matmul='weights_left' lays out the unrolled decode's "
                      "weights; it cannot run with config.rloo.decode_layers='scanned'")
@@ -163,9 +162,7 @@ def decode_weights_left(exp) -> bool:
   """config.rloo.decode_matmul resolved: whether the unrolled decode multiplies by its weights
   laid out once as [out, in] matrices, from the left (`sampler.sample`'s weights_left). It
   needs the unrolled decode (`decode_unstacked`); 'auto' takes it there on CPU devices."""
-  mode = exp.config.rloo.get('decode_matmul', 'auto')
-  if mode not in DECODE_MATMULS:
-    raise ValueError(f'config.rloo.decode_matmul={mode!r}; one of {DECODE_MATMULS}')
+  mode = _choice('decode_matmul', exp.config.rloo, DECODE_MATMULS)
   unstacked = decode_unstacked(exp)
   if mode == 'weights_left' and not unstacked:
     raise ValueError("config.rloo.decode_matmul='weights_left' lays out the unrolled decode's "
