@@ -1,0 +1,154 @@
+r"""The fastest an RLOO iteration of a compare_peers size could run on this machine, and so the
+largest speed-up over a peer's measured step that any implementation of the same work could show.
+
+The work is fixed by the size (compare_peers.SIZES) and the float32 comparison: its model FLOPs
+per program are the memory planner's count (`rloo_jax.memory.flops`: the rollout's prefill and
+decode, the reference forward, the update's forward and backward, the prompt counted once per
+group), plus what the update's backward recomputes at a given `--remat`. Each class of FLOPs is
+timed at the rate this machine's XLA:CPU reaches on the matmuls that carry it, each matmul jitted
+alone, outside any program (where nothing else competes for the cores): the trunk's
+four projections at the scoring forwards' row count, the head at its row count, and every
+decode-step matmul at the decode's row count, as `x @ W` and as `W.T @ x.T` (the faster of the
+two is taken: the decode's weights-left form). Attention is charged at the trunk's rate and the
+elementwise work, the draw and every copy at nothing, so the floor is below what any program of
+this work can reach; a peer's step over it bounds the ratio from above.
+
+Prints one JSON line: the measured rates (GFLOP/s, median of --repeats), FLOPs per program,
+`floor_s` per program and for the iteration, and with `--peer_s trl=83.2,tunix=...` the
+`max_ratio` over each peer; with `--hf_generate_s` (bench_sampler's figure for the size's
+rollout) the largest rollout speed-up over transformers' generate, `max_rollout_ratio_hf`.
+
+    python experiments/bench_floor.py --size c --remat none --peer_s trl=83.2
+    python experiments/bench_floor.py --size b --remat none --peer_s trl=0.754,tunix=0.799
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rloo_jax.memory import flops as flops_lib  # noqa: E402
+from rloo_jax.models import transformer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_peers import SIZES  # noqa: E402
+
+
+def model_config(size: dict) -> transformer.TransformerConfig:
+  """bench_step's model at `size`: a Llama shape, kv heads = heads, MLP 4 x hidden, untied."""
+  h = size["hidden"]
+  return transformer.TransformerConfig.llama(
+      vocab_size=size["vocab"], hidden_size=h, num_layers=size["layers"],
+      num_heads=size["heads"], num_kv_heads=size["heads"], head_dim=h // size["heads"],
+      intermediate_size=4 * h, max_seq_len=size["prompt_len"] + size["new_tokens"],
+      tie_embeddings=False)
+
+
+def median_s(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def rate(rows: int, inner: int, outer: int, repeats: int, left: bool = False) -> float:
+  """GFLOP/s of one jitted float32 [rows, inner] x [inner, outer] product; `left`: computed as
+  [outer, inner] @ [inner, rows], the weights on the left (a barrier keeps XLA from swapping the
+  operands back, as `layers.dense_left` does)."""
+  key = jax.random.PRNGKey(0)
+  if left:
+    w = jax.random.normal(key, (outer, inner), jnp.float32)
+    x = jax.random.normal(key, (inner, rows), jnp.float32)
+    f = jax.jit(lambda w, x: w @ jax.lax.optimization_barrier(x))
+    args = (w, x)
+  else:
+    x = jax.random.normal(key, (rows, inner), jnp.float32)
+    w = jax.random.normal(key, (inner, outer), jnp.float32)
+    f = jax.jit(lambda x, w: x @ w)
+    args = (x, w)
+  return 2 * rows * inner * outer / median_s(lambda: f(*args), repeats) / 1e9
+
+
+def harmonic(rates_and_weights) -> float:
+  """The rate of a FLOP mix run at each part's rate: total FLOPs over summed times."""
+  total = sum(w for _, w in rates_and_weights)
+  return total / sum(w / r for r, w in rates_and_weights)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--size", default="c", choices=sorted(SIZES))
+  p.add_argument("--remat", default="none", choices=("none", "dots", "full"),
+                 help="what the update's backward recomputes, counted in its FLOPs")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--peer_s", default="",
+                 help="peer=seconds a step, comma-separated (compare_peers' medians)")
+  p.add_argument("--hf_generate_s", type=float, default=0.0,
+                 help="seconds of transformers' generate on the size's rollout "
+                      "(bench_sampler's hf_generate_s)")
+  args = p.parse_args()
+  size = SIZES[args.size]
+  m = model_config(size)
+  h, i, v = m.hidden_size, m.intermediate_size, m.vocab_size
+  b, k, plen, t = size["prompts"], size["k"], size["prompt_len"], size["new_tokens"]
+  streams = b * k
+  scored = b * plen + streams * (t - 1)  # the scoring forwards' rows, prompt once per group
+  # Per layer: q, k, v, o are [h, h] (kv heads = heads), gate and up [h, i], down [i, h].
+  trunk_shapes = [(h, h, 4 * h * h), (h, i, 2 * h * i), (i, h, h * i)]
+
+  def trunk_rate(rows, left=False):
+    return harmonic([(rate(rows, a, c, args.repeats, left), w) for a, c, w in trunk_shapes])
+
+  rates = {
+      "trunk_scoring": trunk_rate(scored),
+      "head_scoring": rate(streams * t, h, v, args.repeats),
+      "trunk_decode": max(trunk_rate(streams), trunk_rate(streams, left=True)),
+      "head_decode": max(rate(streams, h, v, args.repeats),
+                         rate(streams, h, v, args.repeats, left=True)),
+  }
+  trunk, attention, head = flops_lib._scoring_forward(m, b, plen, k, t, True)
+  recompute = flops_lib.remat_recompute_flops(m, b, plen, k, t, True, 1, args.remat)
+  trunk_params, head_params = flops_lib._matrices(m)
+  rollout = flops_lib.rollout_flops(m, b, plen, k, t)
+  # The rollout's share carried by the head: the decode steps' and the prefill's last positions.
+  rollout_head = 2 * head_params * (streams * (t - 1) + b)
+  fl = {"rollout": rollout, "reference": trunk + attention + head,
+        "update": 3 * (trunk + attention + head) + recompute}
+  floor = {
+      "rollout": (rollout - rollout_head) / rates["trunk_decode"] / 1e9
+                 + rollout_head / rates["head_decode"] / 1e9,
+      "reference": (trunk + attention) / rates["trunk_scoring"] / 1e9
+                   + head / rates["head_scoring"] / 1e9,
+  }
+  # The update: forward and backward (3 forwards) plus the recomputation, whose head part is
+  # every log-prob chunk's head (remat_recompute_flops counts it at any remat).
+  update_head = 3 * head + head
+  update_trunk = fl["update"] - update_head
+  floor["update"] = (update_trunk / rates["trunk_scoring"]
+                     + update_head / rates["head_scoring"]) / 1e9
+  floor_s = sum(floor.values())
+  out = dict(size=args.size, remat=args.remat, jax=jax.__version__, params=m.num_params,
+             trunk_params=trunk_params, scored_rows=scored, decode_rows=streams,
+             gflops={k_: round(r, 3) for k_, r in rates.items()},
+             gflop={k_: round(f / 1e9, 6) for k_, f in fl.items()},
+             floor_s={k_: round(s, 6) for k_, s in floor.items()},
+             floor_iteration_s=round(floor_s, 6))
+  if args.peer_s:
+    peers = dict(kv.split("=") for kv in args.peer_s.split(","))
+    out["max_ratio"] = {name: round(float(s) / floor_s, 3) for name, s in peers.items()}
+  if args.hf_generate_s:
+    out["max_rollout_ratio_hf"] = round(args.hf_generate_s / floor["rollout"], 3)
+  print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+  main()
