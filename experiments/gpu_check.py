@@ -40,6 +40,12 @@ from rloo_jax.memory.flops import model_flops_per_iteration
 from rloo_jax.models import decode_weights, presets, transformer
 
 
+def _sig(x: float, digits: int = 5) -> float:
+  # Significant figures, not fixed decimals: the same script prints tens of tokens/s on a CPU
+  # and tens of thousands on a GPU, and one decimal of 24 tokens/s is already a 0.2% error.
+  return float(f"{x:.{digits}g}")
+
+
 def timed(fn, repeats):
   """(median seconds, last result) of `fn()` run to completion `repeats` times after one
   untimed (compiling) run."""
@@ -97,10 +103,10 @@ def _decode_one(args, m, fns, params, prompts, lengths, unstack) -> dict:
   roofline = streams / step_roofline_s
   return dict(start_s=round(start_s, 5), decode_s=round(decode_s, 5), decode_steps=steps,
               streams=streams, weight_gb=weight_bytes / 1e9, kv_cache_gb=kv_bytes / 1e9,
-              decode_step_ms=round(1e3 * decode_s / steps, 4),
-              roofline_step_ms=round(1e3 * step_roofline_s, 4),
-              decode_tokens_per_s=round(measured, 1), roofline_tokens_per_s=round(roofline, 1),
-              roofline_over_measured=round(roofline / measured, 3))
+              decode_step_ms=_sig(1e3 * decode_s / steps),
+              roofline_step_ms=_sig(1e3 * step_roofline_s),
+              decode_tokens_per_s=_sig(measured), roofline_tokens_per_s=_sig(roofline),
+              roofline_over_measured=_sig(roofline / measured))
 
 
 def update_check(args) -> dict:
