@@ -24,40 +24,30 @@ rollout) the largest rollout speed-up over transformers' generate, `max_rollout_
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rloo_jax import experiment  # noqa: E402
+from rloo_jax.config_utils import base_config  # noqa: E402
 from rloo_jax.memory import flops as flops_lib  # noqa: E402
 from rloo_jax.models import transformer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_step  # noqa: E402
+from bench_gemm import median_time  # noqa: E402
 from compare_peers import SIZES  # noqa: E402
 
 
 def model_config(size: dict) -> transformer.TransformerConfig:
-  """bench_step's model at `size`: a Llama shape, kv heads = heads, MLP 4 x hidden, untied."""
-  h = size["hidden"]
-  return transformer.TransformerConfig.llama(
-      vocab_size=size["vocab"], hidden_size=h, num_layers=size["layers"],
-      num_heads=size["heads"], num_kv_heads=size["heads"], head_dim=h // size["heads"],
-      intermediate_size=4 * h, max_seq_len=size["prompt_len"] + size["new_tokens"],
-      tie_embeddings=False)
-
-
-def median_s(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  """The model bench_step runs at `size` (its `model_fields`, resolved as an experiment does)."""
+  c = base_config()
+  c.model.update(**bench_step.model_fields(size["hidden"], size["layers"], size["heads"],
+                                           size["prompt_len"], size["new_tokens"]))
+  return experiment.model_config(c, lambda: size["vocab"])
 
 
 def rate(rows: int, inner: int, outer: int, repeats: int, left: bool = False) -> float:
@@ -75,7 +65,8 @@ def rate(rows: int, inner: int, outer: int, repeats: int, left: bool = False) ->
     w = jax.random.normal(key, (inner, outer), jnp.float32)
     f = jax.jit(lambda x, w: x @ w)
     args = (x, w)
-  return 2 * rows * inner * outer / median_s(lambda: f(*args), repeats) / 1e9
+  seconds = median_time(lambda: jax.block_until_ready(f(*args)), repeats)
+  return 2 * rows * inner * outer / seconds / 1e9
 
 
 def harmonic(rates_and_weights) -> float:
@@ -115,9 +106,9 @@ def main():
       "head_decode": max(rate(streams, h, v, args.repeats),
                          rate(streams, h, v, args.repeats, left=True)),
   }
-  trunk, attention, head = flops_lib._scoring_forward(m, b, plen, k, t, True)
+  trunk, attention, head = flops_lib.scoring_forward_flops(m, b, plen, k, t, True)
   recompute = flops_lib.remat_recompute_flops(m, b, plen, k, t, True, 1, args.remat)
-  trunk_params, head_params = flops_lib._matrices(m)
+  trunk_params, head_params = flops_lib.matrix_params(m)
   rollout = flops_lib.rollout_flops(m, b, plen, k, t)
   # The rollout's share carried by the head: the decode steps' and the prefill's last positions.
   rollout_head = 2 * head_params * (streams * (t - 1) + b)

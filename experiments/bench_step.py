@@ -103,6 +103,15 @@ def build(config, task, workdir):
   return algo, algo.init_state(transformer.create(base, seed=0)[1])
 
 
+def model_fields(hidden, layers, heads, prompt_len, new_tokens) -> dict:
+  """config.model values of the peers' comparison model at a size: a Llama with kv heads =
+  heads and an MLP of 4 x hidden (the vocabulary comes from the task's tokenizer); the same
+  shape bench_trl_rloo.py and bench_tunix_rloo.py build."""
+  return dict(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+              head_dim=hidden // heads, intermediate_size=4 * hidden,
+              max_seq_len=prompt_len + new_tokens)
+
+
 def default_workload(hidden, layers, model=None, **train):
   """(RLOO algorithm, initial state, task) of the TRL comparison's workload at its defaults (4
   heads, vocab 256, 8 prompts of 16 tokens, k = 4, 32 new tokens, one gradient step), with
@@ -111,8 +120,7 @@ def default_workload(hidden, layers, model=None, **train):
   runs one RL iteration."""
   c = base_config()
   c.task = "bench"
-  c.model.update(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=4,
-                 head_dim=hidden // 4, intermediate_size=4 * hidden, max_seq_len=48, **(model or {}))
+  c.model.update(**{**model_fields(hidden, layers, 4, 16, 32), **(model or {})})
   c.data.max_prompt_len = 16
   c.rloo.update(k=4, num_prompts=8, max_new_tokens=32)
   c.kl.beta = 0.05
@@ -152,9 +160,8 @@ def main():
 
   c = base_config()
   c.task = "bench"
-  c.model.update(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                 num_kv_heads=args.heads, head_dim=args.hidden // args.heads,
-                 intermediate_size=4 * args.hidden, max_seq_len=args.prompt_len + args.new_tokens,
+  c.model.update(**model_fields(args.hidden, args.layers, args.heads, args.prompt_len,
+                                args.new_tokens),
                  dtype=args.dtype, ref_dtype=args.ref_dtype, remat=args.remat)
   c.model.lora.update(rank=args.lora_rank, targets=args.lora_targets)
   c.data.max_prompt_len = args.prompt_len

@@ -22,7 +22,7 @@ def test_the_counted_work_is_the_planners(runs):
   m = bench_floor.model_config(size)
   b, k, p, t = size["prompts"], size["k"], size["prompt_len"], size["new_tokens"]
   counted = flops_lib.model_flops_per_iteration(m, b, p, k, t, True)
-  trunk, attention, _ = flops_lib._scoring_forward(m, b, p, k, t, True)
+  trunk, attention, _ = flops_lib.scoring_forward_flops(m, b, p, k, t, True)
   for remat, r in runs.items():
     assert r["params"] == m.num_params and r["decode_rows"] == b * k
     assert r["scored_rows"] == b * p + b * k * (t - 1)  # the prompt once per group

@@ -11,7 +11,7 @@ model-FLOP utilisation figures leave it out.
 from __future__ import annotations
 
 
-def _matrices(m):
+def matrix_params(m):
   """(trunk, head) parameters that are matmul weights per token: the head's are vocab x hidden;
   the trunk's every other weight but the embedding lookup (norms and biases are negligible)."""
   head = m.vocab_size * m.hidden_size
@@ -24,11 +24,11 @@ def _attn(m, q: int, kv: int) -> int:
   return 4 * m.num_layers * m.num_heads * m.head_dim * q * kv
 
 
-def _scoring_forward(m, num_prompts, prompt_len, k, new_tokens, shared_prefix):
+def scoring_forward_flops(m, num_prompts, prompt_len, k, new_tokens, shared_prefix):
   """(trunk matmuls, attention, head) of one forward over the rollout's rows, as the reference
   pass and the update run it: each [prompt | completion] without its last token, the head on
   the completion's positions only; with shared_prefix each prompt fed once for its k samples."""
-  trunk, head = _matrices(m)
+  trunk, head = matrix_params(m)
   n, u = num_prompts * k, new_tokens - 1
   if shared_prefix:
     fed = num_prompts * prompt_len + n * u
@@ -44,7 +44,7 @@ def rollout_flops(m, num_prompts, prompt_len, k, new_tokens, mode: str = "shared
   """The sampler's FLOPs (`rloo_jax.sampler`, by its mode). The prefill applies the head at each
   prompt's last position only (the first token's distribution); each of the new_tokens - 1
   decode steps feeds one token per stream through trunk and head."""
-  trunk, head = _matrices(m)
+  trunk, head = matrix_params(m)
   n, t = num_prompts * k, new_tokens
   if mode == "recompute":
     # Every step runs the whole [n, P + T] buffer through the model, head included.
@@ -63,7 +63,7 @@ def model_flops_per_iteration(m, num_prompts, prompt_len, k, new_tokens, shared_
                               num_epochs: int = 1, mode: str = "shared") -> dict:
   """{'rollout', 'reference', 'update'} model FLOPs of one iteration of a model with
   TransformerConfig `m` (matmuls and attention; rematerialisation excluded)."""
-  trunk, attention, head = _scoring_forward(m, num_prompts, prompt_len, k, new_tokens,
+  trunk, attention, head = scoring_forward_flops(m, num_prompts, prompt_len, k, new_tokens,
                                             shared_prefix)
   forward = trunk + attention + head
   # LoRA: the frozen weights get no gradient, so the weight matmuls' backward is the input
@@ -80,7 +80,7 @@ def remat_recompute_flops(m, num_prompts, prompt_len, k, new_tokens, shared_pref
   (`loss.chunked_logprobs` checkpoints each chunk), the whole trunk forward with remat='full',
   the attention products with 'dots' (they have batch dimensions, so its policy does not save
   them)."""
-  trunk, attention, head = _scoring_forward(m, num_prompts, prompt_len, k, new_tokens,
+  trunk, attention, head = scoring_forward_flops(m, num_prompts, prompt_len, k, new_tokens,
                                             shared_prefix)
   body = {"none": 0.0, "dots": attention, "full": trunk + attention}[remat]
   return num_epochs * (head + body)
