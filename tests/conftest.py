@@ -18,7 +18,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "rloo_jax_test_xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # LLVM's optimisation of the generated CPU code costs more than the tests' tiny programs take
-# to run (about a third of a cold suite); XLA's HLO passes, the fusions and layouts the tests
+# to run; XLA's HLO passes, the fusions and layouts the tests
 # check, run as they do for users. Numerics compare programs built the same way.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
