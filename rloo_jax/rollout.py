@@ -213,25 +213,35 @@ def reward_fields(batch: Mapping[str, Any], k: int) -> dict[str, np.ndarray]:
           if name not in _BATCH_KEYS}
 
 
-def sample_batch(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None):
-  """k completions per prompt of a data batch (this process's rows), sampled on the mesh.
+def sample_output(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None
+                  ) -> sampler.SampleOutput:
+  """k completions per prompt of a data batch (this process's rows), sampled on the mesh: the
+  SampleOutput of the global batch, its tokens left on the devices.
 
   With `config.rloo.rollout_chunk_prompts` = C below the global batch, the batch is sampled in
   consecutive chunks of C prompts (`sample_chunked`), so the KV cache holds only C prompts at
-  once; the output has the same shapes, layout and row order as an unchunked one.
-
-  Returns (SampleOutput of the global batch, this process's completions as text)."""
-  layout = exp.layout
+  once; the output has the same shapes, layout and row order as an unchunked one."""
   chunk = int(exp.config.rloo.get("rollout_chunk_prompts", 0) or 0)
   b = batch["prompt_tokens"].shape[0]
   if 0 < chunk < b * jax.process_count():
-    out = sample_chunked(exp, params, batch, rng, k=k, method=method, chunk_prompts=chunk)
-  else:
-    out = _sample_rows(exp, params, batch["prompt_tokens"], batch["prompt_lengths"], rng, k=k,
-                       method=method)
-  tokens_nt = layout.local_rows(out.tokens_bkt).reshape(b * k, -1)
+    return sample_chunked(exp, params, batch, rng, k=k, method=method, chunk_prompts=chunk)
+  return _sample_rows(exp, params, batch["prompt_tokens"], batch["prompt_lengths"], rng, k=k,
+                      method=method)
+
+
+def completion_texts(exp, out: sampler.SampleOutput) -> list[str]:
+  """This process's completions of `out` as text (fetched from the devices, then decoded)."""
+  layout = exp.layout
   lengths_n = layout.local_rows(out.lengths_bk).reshape(-1)
-  return out, decode_completions(exp.tokenizer, tokens_nt, lengths_n)
+  tokens_nt = layout.local_rows(out.tokens_bkt).reshape(lengths_n.shape[0], -1)
+  return decode_completions(exp.tokenizer, tokens_nt, lengths_n)
+
+
+def sample_batch(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None):
+  """`sample_output` and its `completion_texts`: (SampleOutput of the global batch, this
+  process's completions as text)."""
+  out = sample_output(exp, params, batch, rng, k=k, method=method)
+  return out, completion_texts(exp, out)
 
 
 def rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None, rewards=None,
@@ -243,9 +253,12 @@ def rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None, 
   scores. Returns (SampleOutput, rewards [B, k] of the global batch, this process's
   completions, {function name: global scores [B*k]})."""
   rewards = rewards or exp.rewards
-  out, completions = sample_batch(exp, params, batch, rng, k=k, method=method)
+  out = sample_output(exp, params, batch, rng, k=k, method=method)
   if on_sampled is not None:
     on_sampled(out)
+  # Fetched and detokenised after on_sampled, so that the device work it dispatched overlaps
+  # this host work too, not only the reward functions.
+  completions = completion_texts(exp, out)
   b = batch["prompt_tokens"].shape[0]
   prompts = list(np.repeat(np.asarray(batch["prompt"], object), k))
   rewards_n, parts = rewards(prompts, completions, reward_fields(batch, k))
@@ -260,8 +273,9 @@ def timed_rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int,
 
   `on_sampled(out)` runs once the completions are sampled, before the rewards (`rollout`).
   Returns (sample output, rewards [B, k] float32, usable mask, number masked as non-finite,
-  per-function scores, {'rollout_s': sampling, 'reward_s': the host's reward scoring, which
-  on_sampled's device work overlaps}, on_sampled's result or None)."""
+  per-function scores, {'rollout_s': sampling, 'reward_s': the host's work after it (fetching
+  and detokenising the completions, the reward functions), which on_sampled's device work
+  overlaps}, on_sampled's result or None)."""
   t0 = time.perf_counter()
   timings, dispatched = {}, []
 

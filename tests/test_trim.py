@@ -150,16 +150,14 @@ def test_iterations_compile_the_train_step_once_per_bucket(tmp_path, monkeypatch
   algo = RLOO(exp)
   state = algo.init_state(models.create(exp.model_config)[1])
   longest = iter([2, 7, 12, 3, 6])
-  real = rollout.sample_batch
+  real = rollout.sample_output
 
   def ending_early(exp_, params, batch, rng, *, k, method=None):
-    out, _ = real(exp_, params, batch, rng, k=k, method=method)
+    out = real(exp_, params, batch, rng, k=k, method=method)
     lengths = np.minimum(np.asarray(out.lengths_bk), next(longest))
-    out = stopped_early(out, lengths, exp_.tokenizer.pad_id)
-    return out, rollout.decode_completions(exp_.tokenizer, np.asarray(out.tokens_bkt).reshape(
-        lengths.size, -1), lengths.reshape(-1))
+    return stopped_early(out, lengths, exp_.tokenizer.pad_id)
 
-  monkeypatch.setattr(rollout, "sample_batch", ending_early)
+  monkeypatch.setattr(rollout, "sample_output", ending_early)
   columns, p = [], first_batch(exp)["prompt_tokens"].shape[1]
   data = pipeline.prompt_batches(exp.task.train, exp.tokenizer,
                                  global_batch_size=exp.config.rloo.num_prompts,
