@@ -5,8 +5,9 @@ The work is fixed by the size (compare_peers.SIZES) and the float32 comparison: 
 per program are the memory planner's count (`rloo_jax.memory.flops`: the rollout's prefill and
 decode, the reference forward, the update's forward and backward, the prompt counted once per
 group), plus what the update's backward recomputes at a given `--remat`. Each class of FLOPs is
-timed at the rate this machine's XLA:CPU reaches on the matmuls that carry it, each matmul jitted
-alone, outside any program (where nothing else competes for the cores): the trunk's
+timed at the rate this machine's XLA:CPU reaches on the matmuls that carry it, each matmul
+alone in a compiled loop of its own (nothing else competes for the cores, and no dispatch
+from Python is charged to it): the trunk's
 four projections at the scoring forwards' row count, the head at its row count, and every
 decode-step matmul at the decode's row count, as `x @ W` and as `W.T @ x.T` (the faster of the
 two is taken: the decode's weights-left form). Attention is charged at the trunk's rate and the
@@ -50,23 +51,52 @@ def model_config(size: dict) -> transformer.TransformerConfig:
   return experiment.model_config(c, lambda: size["vocab"])
 
 
-def rate(rows: int, inner: int, outer: int, repeats: int, left: bool = False) -> float:
-  """GFLOP/s of one jitted float32 [rows, inner] x [inner, outer] product; `left`: computed as
-  [outer, inner] @ [inner, rows], the weights on the left (a barrier keeps XLA from swapping the
-  operands back, as `layers.dense_left` does)."""
+# Products per timed call: one call's dispatch from Python (tens of microseconds) would
+# otherwise be charged to a decode-sized product that itself takes about as long.
+PRODUCTS_PER_CALL = 16
+
+
+def product_loop(rows: int, inner: int, outer: int, left: bool = False):
+  """(jitted f, its arguments): PRODUCTS_PER_CALL float32 [rows, inner] x [inner, outer] products
+  in one compiled loop (as the decode and the layer scan run them); `left`: each computed as
+  [outer, inner] @ [inner, rows], the weights on the left (as `layers.dense_left` does)."""
   key = jax.random.PRNGKey(0)
   if left:
     w = jax.random.normal(key, (outer, inner), jnp.float32)
     x = jax.random.normal(key, (inner, rows), jnp.float32)
-    f = jax.jit(lambda w, x: w @ jax.lax.optimization_barrier(x))
-    args = (w, x)
+    product = lambda w, x: w @ x  # noqa: E731
+    out_shape = (outer, rows)
   else:
     x = jax.random.normal(key, (rows, inner), jnp.float32)
     w = jax.random.normal(key, (inner, outer), jnp.float32)
-    f = jax.jit(lambda x, w: x @ w)
-    args = (x, w)
-  seconds = median_time(lambda: jax.block_until_ready(f(*args)), repeats)
+    product = lambda w, x: x @ w  # noqa: E731
+    out_shape = (rows, outer)
+
+  def products(w, x):
+    def body(_, carry):
+      x, acc = carry
+      # The activations change every trip (a scaling XLA cannot fold), so no product is
+      # loop-invariant; the barrier keeps a weights-left product from being swapped back.
+      x = jax.lax.optimization_barrier(x * jnp.float32(1.0 + 2 ** -20))
+      return x, acc + product(w, x)
+    return jax.lax.fori_loop(0, PRODUCTS_PER_CALL, body,
+                             (x, jnp.zeros(out_shape, jnp.float32)))[1]
+
+  return jax.jit(products), (w, x)
+
+
+def rate(rows: int, inner: int, outer: int, repeats: int, left: bool = False) -> float:
+  """GFLOP/s of one [rows, inner] x [inner, outer] product in `product_loop`. Each trip's
+  elementwise scaling and sum (a [rows, inner] and a [rows, outer] pass) are charged to it: the
+  floor only gets higher by them, by 1/outer and 1/inner of the product's FLOPs."""
+  f, args = product_loop(rows, inner, outer, left)
+  seconds = median_time(lambda: jax.block_until_ready(f(*args)), repeats) / PRODUCTS_PER_CALL
   return 2 * rows * inner * outer / seconds / 1e9
+
+
+def sig(x: float, digits: int = 6) -> float:
+  """x to `digits` significant figures: a tiny size's floor is well under a millisecond."""
+  return float(f"{x:.{digits}g}")
 
 
 def harmonic(rates_and_weights) -> float:
@@ -131,8 +161,8 @@ def main():
              trunk_params=trunk_params, scored_rows=scored, decode_rows=streams,
              gflops={k_: round(r, 3) for k_, r in rates.items()},
              gflop={k_: round(f / 1e9, 6) for k_, f in fl.items()},
-             floor_s={k_: round(s, 6) for k_, s in floor.items()},
-             floor_iteration_s=round(floor_s, 6))
+             floor_s={k_: sig(s) for k_, s in floor.items()},
+             floor_iteration_s=sig(floor_s))
   if args.peer_s:
     peers = dict(kv.split("=") for kv in args.peer_s.split(","))
     out["max_ratio"] = {name: round(float(s) / floor_s, 3) for name, s in peers.items()}

@@ -37,9 +37,9 @@ from rloo_jax import sampler, sampler_args  # noqa: E402
 PROGRAMS = ("rollout", "reference", "gradient")
 
 
-def programs(hidden: int, layers: int) -> dict:
+def programs(hidden: int, layers: int, remat: str = "full") -> dict:
   """{name: a closure running that program once, to completion} on one rollout's inputs."""
-  algo, state, task = bench_step.default_workload(hidden, layers)
+  algo, state, task = bench_step.default_workload(hidden, layers, model=dict(remat=remat))
   exp, c = algo.exp, algo.exp.config
   data = bench_step.prompt_batches(task, 8, 16)
   captured = {}
@@ -104,12 +104,14 @@ def main():
   p.add_argument("--programs", default=",".join(PROGRAMS))
   p.add_argument("--runs", type=int, default=5, help="traced runs, after 3 untraced")
   p.add_argument("--top", type=int, default=8)
+  p.add_argument("--remat", default="full", choices=("none", "dots", "full"),
+                 help="config.model.remat (bench_step's default: full)")
   args = p.parse_args()
-  fns = programs(args.hidden, args.layers)
+  fns = programs(args.hidden, args.layers, args.remat)
   for name in args.programs.split(","):
     for _ in range(3):  # compile and warm up
       fns[name]()
-    print(json.dumps(dict(program=name, hidden=args.hidden, layers=args.layers,
+    print(json.dumps(dict(program=name, hidden=args.hidden, layers=args.layers, remat=args.remat,
                           **trace(fns[name], args.runs, args.top))), flush=True)
 
 

@@ -243,6 +243,30 @@ def test_bench_sampler_modes_agree():
   assert r["unstacked_over_shared"] == pytest.approx(r["unstacked_s"] / r["shared_s"], rel=0.01)
 
 
+TINY_SAMPLER = ("--prompt_len", 4, "--new_tokens", 4, "--prompts", 2, "--k", 2, "--vocab", 64,
+                "--hidden", 32, "--layers", 1, "--heads", 2, "--kv_heads", 2, "--intermediate", 64,
+                "--repeats", 1)
+
+
+def test_compare_generate_alternates_processes_and_takes_the_median_ratio():
+  r = run_json("compare_generate.py", "--modes", "unstacked,shared", "--rounds", 3, *TINY_SAMPLER)
+  assert (r["ours"], r["peer"]) == ("unstacked", "shared")
+  assert [x["order"] for x in r["rounds"]] == [["unstacked", "shared"], ["shared", "unstacked"],
+                                               ["unstacked", "shared"]]
+  for x in r["rounds"]:
+    assert x["ratio"] == pytest.approx(x["seconds"]["shared"] / x["seconds"]["unstacked"],
+                                       abs=1e-3)
+  assert r["median_ratio"] == sorted(x["ratio"] for x in r["rounds"])[1]
+  assert r["median_ours_s"] == sorted(x["seconds"]["unstacked"] for x in r["rounds"])[1]
+  assert r["config"]["hidden"] == 32 and r["config"]["new_tokens"] == 4
+
+
+def test_compare_generate_names_a_bad_modes_flag():
+  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "compare_generate.py"),
+                        "--modes", "hf"], capture_output=True, text=True, cwd=REPO)
+  assert out.returncode == 2 and "--modes takes two different modes" in out.stderr
+
+
 def test_trace_programs_sums_each_programs_kernels():
   out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "trace_programs.py"),
                         "--hidden", "32", "--layers", "1", "--runs", "2", "--top", "4"],

@@ -1,0 +1,75 @@
+r"""Our rollout against transformers' generate, each in a process of its own: bench_sampler.py
+run once per mode per round, the order alternating from round to round, and the median of the
+per-round ratios (the peer's seconds over ours).
+
+Why not bench_sampler's own round-robin: there both run in one process, and torch's OpenMP
+threads (spinning after each parallel region) and its allocations share the cores and caches
+with XLA's; at size (c)'s shape that slowed our rollout by about a fifth on a 2-core CPU.
+compare_peers runs its frameworks apart for the same reason.
+
+`--modes ours,peer` (default left,hf: the trainer's decode on one CPU device and HF generate);
+every other flag goes to bench_sampler.py unchanged. The hf mode needs torch and transformers
+beside jax: `--python .venv-hf/bin/python` (set up in docs/PERFORMANCE.md). One JSON line.
+
+    python experiments/compare_generate.py --python .venv-hf/bin/python --rounds 2 \
+        --prompt_len=64 --new_tokens=64 --repeats=3
+    python experiments/compare_generate.py --python .venv-hf/bin/python --rounds 2 \
+        --prompt_len=64 --new_tokens=64 --prompts 4 --hidden 896 --layers 24 --heads 14 \
+        --kv_heads 14 --intermediate 3584 --vocab 151936 --repeats=2
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# bench_sampler's JSON key of each mode's median seconds.
+KEYS = {"hf": "hf_generate_s"}
+
+
+def run_mode(python: str, mode: str, sampler_args: list) -> dict:
+  """bench_sampler.py with `--modes=mode` in a new process: its JSON line."""
+  proc = subprocess.run([python, os.path.join(HERE, "bench_sampler.py"), *sampler_args,
+                         f"--modes={mode}"], capture_output=True, text=True, check=False)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+  if proc.returncode or not lines:
+    raise SystemExit(f"bench_sampler.py --modes={mode} failed (exit {proc.returncode}):\n"
+                     f"{proc.stderr[-2000:]}")
+  return json.loads(lines[-1])
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--modes", default="left,hf", help="ours,peer: two bench_sampler modes")
+  p.add_argument("--rounds", type=int, default=2)
+  p.add_argument("--python", default=sys.executable,
+                 help="the interpreter of both sides (one with torch for the hf mode)")
+  args, sampler_args = p.parse_known_args()
+  modes = args.modes.split(",")
+  if len(modes) != 2 or len(set(modes)) != 2:
+    p.error(f"--modes takes two different modes (ours,peer), got {args.modes!r}")
+  if args.rounds < 1:
+    p.error(f"--rounds must be >= 1, got {args.rounds}")
+  rounds = []
+  for i in range(args.rounds):
+    order = modes if i % 2 == 0 else modes[::-1]
+    seconds, config = {}, None
+    for mode in order:
+      out = run_mode(args.python, mode, sampler_args)
+      seconds[mode] = out[KEYS.get(mode, f"{mode}_s")]
+      config = out["config"]
+    rounds.append(dict(order=order, seconds=seconds,
+                       ratio=round(seconds[modes[1]] / seconds[modes[0]], 3)))
+  ours, peer = modes
+  result = dict(ours=ours, peer=peer, rounds=rounds,
+                median_ours_s=statistics.median(r["seconds"][ours] for r in rounds),
+                median_peer_s=statistics.median(r["seconds"][peer] for r in rounds),
+                median_ratio=statistics.median(r["ratio"] for r in rounds),
+                config={k: v for k, v in config.items() if k != "modes"})
+  print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main()
