@@ -39,7 +39,7 @@ from rloo_jax.models import transformer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
-from bench_gemm import median_time  # noqa: E402
+from bench_gemm import median_time, significant  # noqa: E402
 from compare_peers import SIZES  # noqa: E402
 
 
@@ -92,11 +92,6 @@ def rate(rows: int, inner: int, outer: int, repeats: int, left: bool = False) ->
   f, args = product_loop(rows, inner, outer, left)
   seconds = median_time(lambda: jax.block_until_ready(f(*args)), repeats) / PRODUCTS_PER_CALL
   return 2 * rows * inner * outer / seconds / 1e9
-
-
-def sig(x: float, digits: int = 6) -> float:
-  """x to `digits` significant figures: a tiny size's floor is well under a millisecond."""
-  return float(f"{x:.{digits}g}")
 
 
 def harmonic(rates_and_weights) -> float:
@@ -161,8 +156,8 @@ def main():
              trunk_params=trunk_params, scored_rows=scored, decode_rows=streams,
              gflops={k_: round(r, 3) for k_, r in rates.items()},
              gflop={k_: round(f / 1e9, 6) for k_, f in fl.items()},
-             floor_s={k_: sig(s) for k_, s in floor.items()},
-             floor_iteration_s=sig(floor_s))
+             floor_s={k_: significant(s, 6) for k_, s in floor.items()},
+             floor_iteration_s=significant(floor_s, 6))
   if args.peer_s:
     peers = dict(kv.split("=") for kv in args.peer_s.split(","))
     out["max_ratio"] = {name: round(float(s) / floor_s, 3) for name, s in peers.items()}

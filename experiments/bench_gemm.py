@@ -22,6 +22,13 @@ SHAPES = [(1536, 256, 1024, "mlp up/gate"), (1536, 1024, 256, "mlp down"),
           (32, 256, 1024, "decode step, mlp up")]
 
 
+def significant(x: float, digits: int) -> float:
+  """x to `digits` significant figures, not fixed decimals: a figure printed on a CPU and on a
+  GPU, or for a tiny and a large size, spans orders of magnitude (one decimal of 24 tokens/s is
+  already a 0.2% error; a tiny size's floor is well under a millisecond)."""
+  return float(f"{x:.{digits}g}")
+
+
 def median_time(fn, repeats):
   fn()
   times = []

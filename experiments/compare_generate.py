@@ -21,23 +21,24 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_peers import run_side  # noqa: E402
+
 # bench_sampler's JSON key of each mode's median seconds.
 KEYS = {"hf": "hf_generate_s"}
 
 
 def run_mode(python: str, mode: str, sampler_args: list) -> dict:
-  """bench_sampler.py with `--modes=mode` in a new process: its JSON line."""
-  proc = subprocess.run([python, os.path.join(HERE, "bench_sampler.py"), *sampler_args,
-                         f"--modes={mode}"], capture_output=True, text=True, check=False)
-  lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-  if proc.returncode or not lines:
-    raise SystemExit(f"bench_sampler.py --modes={mode} failed (exit {proc.returncode}):\n"
-                     f"{proc.stderr[-2000:]}")
-  return json.loads(lines[-1])
+  """bench_sampler.py with `--modes=mode` in a new process (`compare_peers.run_side`, no
+  memory limit): its JSON line."""
+  result, failure = run_side(python, "bench_sampler.py", [*sampler_args, f"--modes={mode}"],
+                             mem_limit_gb=0)
+  if failure is not None:
+    raise SystemExit(f"bench_sampler.py --modes={mode} failed (exit {failure['returncode']}):\n"
+                     f"{failure['output_tail']}")
+  return result
 
 
 def main():
@@ -67,7 +68,7 @@ def main():
                 median_ours_s=statistics.median(r["seconds"][ours] for r in rounds),
                 median_peer_s=statistics.median(r["seconds"][peer] for r in rounds),
                 median_ratio=statistics.median(r["ratio"] for r in rounds),
-                config={k: v for k, v in config.items() if k != "modes"})
+                config=config)
   print(json.dumps(result), flush=True)
 
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import bench_step  # experiments/, beside this file
+from bench_gemm import significant
 
 from rloo_jax import sampler, sampling
 from rloo_jax.config_utils import base_config
@@ -40,10 +41,8 @@ from rloo_jax.memory.flops import model_flops_per_iteration
 from rloo_jax.models import decode_weights, presets, transformer
 
 
-def _sig(x: float, digits: int = 5) -> float:
-  # Significant figures, not fixed decimals: the same script prints tens of tokens/s on a CPU
-  # and tens of thousands on a GPU, and one decimal of 24 tokens/s is already a 0.2% error.
-  return float(f"{x:.{digits}g}")
+def _sig(x: float) -> float:
+  return significant(x, 5)
 
 
 def timed(fn, repeats):

@@ -64,7 +64,7 @@ def model_flops_per_iteration(m, num_prompts, prompt_len, k, new_tokens, shared_
   """{'rollout', 'reference', 'update'} model FLOPs of one iteration of a model with
   TransformerConfig `m` (matmuls and attention; rematerialisation excluded)."""
   trunk, attention, head = scoring_forward_flops(m, num_prompts, prompt_len, k, new_tokens,
-                                            shared_prefix)
+                                                 shared_prefix)
   forward = trunk + attention + head
   # LoRA: the frozen weights get no gradient, so the weight matmuls' backward is the input
   # gradient alone (2 x their forward, not 3); the attention products keep both gradients. The
@@ -81,6 +81,6 @@ def remat_recompute_flops(m, num_prompts, prompt_len, k, new_tokens, shared_pref
   the attention products with 'dots' (they have batch dimensions, so its policy does not save
   them)."""
   trunk, attention, head = scoring_forward_flops(m, num_prompts, prompt_len, k, new_tokens,
-                                            shared_prefix)
+                                                 shared_prefix)
   body = {"none": 0.0, "dots": attention, "full": trunk + attention}[remat]
   return num_epochs * (head + body)
