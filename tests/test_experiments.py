@@ -261,10 +261,13 @@ def test_compare_generate_alternates_processes_and_takes_the_median_ratio():
   assert r["config"]["hidden"] == 32 and r["config"]["new_tokens"] == 4
 
 
-def test_compare_generate_names_a_bad_modes_flag():
+def test_compare_generate_names_a_bad_modes_or_rounds_flag():
   out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "compare_generate.py"),
                         "--modes", "hf"], capture_output=True, text=True, cwd=REPO)
   assert out.returncode == 2 and "--modes takes two different modes" in out.stderr
+  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "compare_generate.py"),
+                        "--rounds", "0"], capture_output=True, text=True, cwd=REPO)
+  assert out.returncode == 2 and "--rounds must be >= 1, got 0" in out.stderr
 
 
 def test_trace_programs_sums_each_programs_kernels():
