@@ -4,7 +4,8 @@ largest speed-up over a peer's measured step that any implementation of the same
 The work is fixed by the size (compare_peers.SIZES) and the float32 comparison: its model FLOPs
 per program are the memory planner's count (`rloo_jax.memory.flops`: the rollout's prefill and
 decode, the reference forward, the update's forward and backward, the prompt counted once per
-group), plus what the update's backward recomputes at a given `--remat`. Each class of FLOPs is
+group), plus what the update's backward recomputes at a given `--remat` (and, with
+`--fused_head 0`, the head of every log-prob chunk). Each class of FLOPs is
 timed at the rate this machine's XLA:CPU reaches on the matmuls that carry it, each matmul
 alone in a compiled loop of its own (nothing else competes for the cores, and no dispatch
 from Python is charged to it): the trunk's
@@ -105,6 +106,10 @@ def main():
   p.add_argument("--size", default="c", choices=sorted(SIZES))
   p.add_argument("--remat", default="none", choices=("none", "dots", "full"),
                  help="what the update's backward recomputes, counted in its FLOPs")
+  p.add_argument("--fused_head", type=int, default=1, choices=(0, 1),
+                 help="1 (bench_step's default, config.train.fused_head_grad): the head's "
+                      "gradient in the log-prob pass, so the backward recomputes no head; 0: "
+                      "every log-prob chunk's head recomputed, as autodiff's two passes do")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--peer_s", default="",
                  help="peer=seconds a step, comma-separated (compare_peers' medians)")
@@ -132,7 +137,8 @@ def main():
                          rate(streams, h, v, args.repeats, left=True)),
   }
   trunk, attention, head = flops_lib.scoring_forward_flops(m, b, plen, k, t, True)
-  recompute = flops_lib.remat_recompute_flops(m, b, plen, k, t, True, 1, args.remat)
+  recompute = flops_lib.remat_recompute_flops(m, b, plen, k, t, True, 1, args.remat,
+                                              fused_head=bool(args.fused_head))
   trunk_params, head_params = flops_lib.matrix_params(m)
   rollout = flops_lib.rollout_flops(m, b, plen, k, t)
   # The rollout's share carried by the head: the decode steps' and the prefill's last positions.
@@ -146,14 +152,15 @@ def main():
                    + head / rates["head_scoring"] / 1e9,
   }
   # The update: forward and backward (3 forwards) plus the recomputation, whose head part is
-  # every log-prob chunk's head (remat_recompute_flops counts it at any remat).
-  update_head = 3 * head + head
+  # every log-prob chunk's head without --fused_head (remat_recompute_flops counts it then).
+  update_head = 3 * head + (0 if args.fused_head else head)
   update_trunk = fl["update"] - update_head
   floor["update"] = (update_trunk / rates["trunk_scoring"]
                      + update_head / rates["head_scoring"]) / 1e9
   floor_s = sum(floor.values())
-  out = dict(size=args.size, remat=args.remat, jax=jax.__version__, params=m.num_params,
-             trunk_params=trunk_params, scored_rows=scored, decode_rows=streams,
+  out = dict(size=args.size, remat=args.remat, fused_head=args.fused_head, jax=jax.__version__,
+             params=m.num_params, trunk_params=trunk_params, scored_rows=scored,
+             decode_rows=streams,
              gflops={k_: round(r, 3) for k_, r in rates.items()},
              gflop={k_: round(f / 1e9, 6) for k_, f in fl.items()},
              floor_s={k_: significant(s, 6) for k_, s in floor.items()},

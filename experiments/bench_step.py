@@ -112,22 +112,29 @@ def model_fields(hidden, layers, heads, prompt_len, new_tokens) -> dict:
               max_seq_len=prompt_len + new_tokens)
 
 
-def default_workload(hidden, layers, model=None, **train):
+def default_workload(hidden, layers, model=None, work=None, **train):
   """(RLOO algorithm, initial state, task) of the TRL comparison's workload at its defaults (4
   heads, vocab 256, 8 prompts of 16 tokens, k = 4, 32 new tokens, one gradient step), with
-  `config.train` overrides (and `model`, a dict of `config.model` ones): the set-up the
-  in-process A/B scripts share. The experiment is `algo.exp`; `algo.iteration(state, batch)`
-  runs one RL iteration."""
+  `work` overriding those (a dict of any of heads, vocab, prompts, prompt_len, k, new_tokens:
+  compare_peers.SIZES), `config.train` overrides (and `model`, a dict of `config.model` ones):
+  the set-up the in-process A/B scripts share. The experiment is `algo.exp`;
+  `algo.iteration(state, batch)` runs one RL iteration."""
+  w = dict(heads=4, vocab=256, prompts=8, prompt_len=16, k=4, new_tokens=32)
+  unknown = sorted(set(work or {}) - set(w))
+  if unknown:
+    raise ValueError(f"default_workload: unknown work keys {unknown}; known: {sorted(w)}")
+  w.update(work or {})
   c = base_config()
   c.task = "bench"
-  c.model.update(**{**model_fields(hidden, layers, 4, 16, 32), **(model or {})})
-  c.data.max_prompt_len = 16
-  c.rloo.update(k=4, num_prompts=8, max_new_tokens=32)
+  c.model.update(**{**model_fields(hidden, layers, w["heads"], w["prompt_len"], w["new_tokens"]),
+                    **(model or {})})
+  c.data.max_prompt_len = w["prompt_len"]
+  c.rloo.update(k=w["k"], num_prompts=w["prompts"], max_new_tokens=w["new_tokens"])
   c.kl.beta = 0.05
   c.train.update(num_epochs=1, num_minibatches=1, **train)
   c.rewards.fns = [synthetic_reward]
   c.rewards.weights = [1.0]
-  task = bench_task(256, 16)
+  task = bench_task(w["vocab"], w["prompt_len"])
   algo, state = build(c, task, tempfile.mkdtemp())
   return algo, state, task
 

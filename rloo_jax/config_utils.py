@@ -170,6 +170,10 @@ def base_config() -> ml_collections.ConfigDict:
       # Sequence positions per chunk of the log-prob computation: [N, chunk, V] logits live at
       # once instead of [N, T, V], the largest activation at a 150k vocab.
       logprob_chunk_size=32,
+      # A loss linear in the log-probs (loss.type='reinforce'): the head's gradient computed in
+      # the log-prob pass, one pass over the head and its [N, chunk, V] logits instead of two
+      # (rloo_jax/head_loss.py). The same gradient; False: autodiff's two passes, for A/B runs.
+      fused_head_grad=True,
       # On accelerators, compile the programs at start-up and refuse a job that does not fit,
       # before the first rollout rather than an out-of-memory error hours in.
       check_memory=True,

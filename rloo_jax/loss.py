@@ -36,6 +36,9 @@ Array = jax.Array
 AGGREGATIONS = ("sequence_sum", "sequence_mean", "token_mean", "fixed_length")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("reinforce", "ppo_clip")
+# The loss types linear in the log-probs: d loss / d logp does not depend on logp, so the head's
+# gradient can be computed in the log-prob pass (`linear_coefficients`, `rloo_jax.head_loss`).
+LINEAR_LOSS_TYPES = ("reinforce",)
 RATIO_LEVELS = ("sequence", "token")
 
 
@@ -73,24 +76,10 @@ def chunked_logprobs(logits_fn: Callable[..., Array], params, hidden_bte: Array,
   False; entropy (None unless `with_entropy`) is unmasked like `token_entropy`, and carries no
   gradient, being a metric.
   """
-  if hidden_bte.ndim != 3 or hidden_bte.shape[:2] != targets_bt.shape:
-    raise ValueError(f"hidden shape {tuple(hidden_bte.shape)} does not match targets shape "
-                     f"{tuple(targets_bt.shape)} (expected hidden [B, T, E] and targets [B, T])")
   if mask_bt is not None and mask_bt.shape != targets_bt.shape:
     raise ValueError(f"mask shape {tuple(mask_bt.shape)} does not match targets shape "
                      f"{tuple(targets_bt.shape)}")
-  if chunk_size < 1:
-    raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-  b, t, e = hidden_bte.shape
-  c = min(chunk_size, t)
-  n = -(-t // c)
-  pad = n * c - t
-  h = jnp.pad(hidden_bte, ((0, 0), (0, pad), (0, 0)))
-  y = jnp.pad(targets_bt.astype(jnp.int32), ((0, 0), (0, pad)))
-  # The chunk axis leads for the scan, and B stays first within each chunk: B is the axis a
-  # mesh shards, so every chunk keeps the batch sharding and needs no resharding.
-  h_nbce = h.reshape(b, n, c, e).swapaxes(0, 1)
-  y_nbc = y.reshape(b, n, c).swapaxes(0, 1)
+  h_nbce, y_nbc, unchunk = position_chunks(hidden_bte, targets_bt.astype(jnp.int32), chunk_size)
 
   @jax.checkpoint
   def chunk(p, h_bce, y_bc):
@@ -105,11 +94,30 @@ def chunked_logprobs(logits_fn: Callable[..., Array], params, hidden_bte: Array,
 
   _, (logp_nbc, ent_nbc) = jax.lax.scan(lambda carry, xs: (carry, chunk(params, *xs)), None,
                                         (h_nbce, y_nbc))
-  unchunk = lambda x_nbc: x_nbc.swapaxes(0, 1).reshape(b, n * c)[:, :t]
   logp = unchunk(logp_nbc)
   if mask_bt is not None:
     logp = jnp.where(mask_bt, logp, 0.0)
   return logp, None if ent_nbc is None else unchunk(ent_nbc)
+
+
+def position_chunks(hidden_bte: Array, x_bt: Array, chunk_size: int):
+  """(hidden [n, B, c, E], x [n, B, c], unchunk): T cut into n chunks of c = min(chunk_size, T)
+  positions, padded up to a multiple (zeros); `unchunk(v_nbc) -> [B, T]` drops the padding."""
+  if hidden_bte.ndim != 3 or hidden_bte.shape[:2] != x_bt.shape:
+    raise ValueError(f"hidden shape {tuple(hidden_bte.shape)} does not match targets shape "
+                     f"{tuple(x_bt.shape)} (expected hidden [B, T, E] and targets [B, T])")
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+  b, t, e = hidden_bte.shape
+  c = min(chunk_size, t)
+  n = -(-t // c)
+  pad = n * c - t
+  h = jnp.pad(hidden_bte, ((0, 0), (0, pad), (0, 0)))
+  x = jnp.pad(x_bt, ((0, 0), (0, pad)))
+  # The chunk axis leads for the scan, and B stays first within each chunk: B is the axis a
+  # mesh shards, so every chunk keeps the batch sharding and needs no resharding.
+  unchunk = lambda v_nbc: v_nbc.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+  return h.reshape(b, n, c, e).swapaxes(0, 1), x.reshape(b, n, c).swapaxes(0, 1), unchunk
 
 
 def masked_sum(x: Array, mask: Array, axis=None) -> Array:
@@ -340,3 +348,16 @@ def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Arr
                          aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt,
                          normalizer=normalizer)
   raise ValueError(f"unknown config.loss.type {spec.type!r}; choose one of {LOSS_TYPES}")
+
+
+def linear_coefficients(spec: LossSpec, mask_bt: Array, advantages_b: Array, *,
+                        normalizer: Optional[Normalizer] = None) -> Array:
+  """c [B, T] float32 with policy_loss(spec, logp, ...) == sum(c * logp) for every logp, for a
+  loss type in LINEAR_LOSS_TYPES: the loss's gradient in logp, taken at zero (it is constant)."""
+  if spec.type not in LINEAR_LOSS_TYPES:
+    raise ValueError(f"config.loss.type {spec.type!r} is not linear in the log-probs (linear: "
+                     f"{LINEAR_LOSS_TYPES}); its gradient needs the two-pass "
+                     "loss.chunked_logprobs")
+  zeros = jnp.zeros(mask_bt.shape, jnp.float32)
+  return jax.grad(lambda lp: policy_loss(spec, lp, zeros, mask_bt, advantages_b,
+                                         normalizer=normalizer)[0])(zeros)

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import advantage, loss, rollout
+from rloo_jax import advantage, head_loss, loss, rollout
 from rloo_jax.models import lora
 from rloo_jax.optim import apply_if_finite
 
@@ -60,7 +60,8 @@ def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
 
 
 def gradients(params, rows, frozen=None, *, fns, spec: loss.LossSpec, k: int, chunk_size: int,
-              microbatches: int = 1, param_shardings=None, rows_sharding=None):
+              microbatches: int = 1, param_shardings=None, rows_sharding=None,
+              fused_head: bool = True):
   """The policy loss's gradient on a minibatch of rollout rows (`rollout.GroupedRows` or
   `SequenceRows`), summed over `microbatches` slices of it (gradient accumulation: the same
   gradient for any number, up to float rounding). Returns (grads, loss, metrics). Pure.
@@ -68,17 +69,32 @@ def gradients(params, rows, frozen=None, *, fns, spec: loss.LossSpec, k: int, ch
   `frozen`: with LoRA, the base the adapters `params` sit on (`rloo_jax.adapters`): an argument
   that is not differentiated, so the gradient (and the optimizer) covers the adapters only.
 
+  `fused_head` (config.train.fused_head_grad): for a loss linear in the log-probs
+  (loss.LINEAR_LOSS_TYPES), the head's gradient is computed in the log-prob pass
+  (`head_loss.linear_logprob_loss`: one pass over the head, not two); the same gradient. Other
+  loss types ignore it.
+
   FSDP: `fns` gathers each layer's weights as the layer scan reaches it and reduce-scatters its
   gradient (`sharding.ParamGather`); the summed gradient stays on `param_shardings`."""
   norm = loss.normalizer(spec, rows.cmask_nt)
+  fused = fused_head and spec.type in loss.LINEAR_LOSS_TYPES
 
   def grads_of(mb):
     def loss_fn(params):
       full = params if frozen is None else lora.join(frozen, params)
-      logp, entropy = rollout.logprobs(mb, fns, full, chunk_size=chunk_size,
-                                       with_entropy=True)
-      return loss.policy_loss(spec, logp, mb.old_logp_nt, mb.cmask_nt, mb.advantages_n,
-                              entropy, normalizer=norm)
+      if not fused:
+        logp, entropy = rollout.logprobs(mb, fns, full, chunk_size=chunk_size,
+                                         with_entropy=True)
+        return loss.policy_loss(spec, logp, mb.old_logp_nt, mb.cmask_nt, mb.advantages_n,
+                                entropy, normalizer=norm)
+      coef = loss.linear_coefficients(spec, mb.cmask_nt, mb.advantages_n, normalizer=norm)
+      value, logp, entropy = head_loss.linear_logprob_loss(
+          fns.head, fns.head_params(full), mb.hidden(fns, full), mb.completions_nt, coef,
+          chunk_size=chunk_size, with_entropy=True)
+      # The metrics from the same log-probs (no gradient); policy_loss among them equals value.
+      _, metrics = loss.policy_loss(spec, jnp.where(mb.cmask_nt, logp, 0.0), mb.old_logp_nt,
+                                    mb.cmask_nt, mb.advantages_n, entropy, normalizer=norm)
+      return value, metrics
     (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return constrain(grads, param_shardings), value, metrics
 
@@ -105,15 +121,17 @@ class TrainStep:
   """
 
   def __init__(self, *, fns, tx, spec: loss.LossSpec, k: int, chunk_size: int, microbatches: int,
-               state_shardings, rows_sharding, replicated):
+               state_shardings, rows_sharding, replicated, fused_head: bool = True):
     params_sh = state_shardings.params
+    # Whether the head's gradient is computed in the log-prob pass (`gradients`' fused_head).
+    self.fused_head = bool(fused_head) and spec.type in loss.LINEAR_LOSS_TYPES
     # LoRA: the frozen base is a third, read-only argument of the gradient program.
     self.lora = getattr(state_shardings, "lora", False)
     frozen_sh = (state_shardings.ref_params,) if self.lora else ()
     self.grad_fn = jax.jit(
         functools.partial(gradients, fns=fns, spec=spec, k=k, chunk_size=chunk_size,
                           microbatches=microbatches, param_shardings=params_sh,
-                          rows_sharding=rows_sharding),
+                          rows_sharding=rows_sharding, fused_head=fused_head),
         in_shardings=(params_sh, rows_sharding, *frozen_sh),
         out_shardings=(params_sh, replicated, replicated))
     self.apply_fn = jax.jit(functools.partial(apply_gradients, tx=tx),

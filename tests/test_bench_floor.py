@@ -14,9 +14,13 @@ import bench_floor  # noqa: E402
 
 @pytest.fixture(scope="module")
 def runs():
-  return {remat: run_json("bench_floor.py", "--size", "t", "--remat", remat, "--repeats", 1,
-                          "--peer_s", "trl=2.5,tunix=1.5", "--hf_generate_s", 0.5)
-          for remat in ("none", "full")}
+  out = {remat: run_json("bench_floor.py", "--size", "t", "--remat", remat, "--repeats", 1,
+                         "--peer_s", "trl=2.5,tunix=1.5", "--hf_generate_s", 0.5)
+         for remat in ("none", "full")}
+  out["none, two-pass head"] = run_json("bench_floor.py", "--size", "t", "--remat", "none",
+                                        "--fused_head", 0, "--repeats", 1, "--peer_s",
+                                        "trl=2.5,tunix=1.5", "--hf_generate_s", 0.5)
+  return out
 
 
 def test_the_counted_work_is_the_planners(runs):
@@ -24,11 +28,12 @@ def test_the_counted_work_is_the_planners(runs):
   m = bench_floor.model_config(size)
   b, k, p, t = size["prompts"], size["k"], size["prompt_len"], size["new_tokens"]
   counted = flops_lib.model_flops_per_iteration(m, b, p, k, t, True)
-  trunk, attention, _ = flops_lib.scoring_forward_flops(m, b, p, k, t, True)
-  for remat, r in runs.items():
+  trunk, attention, head = flops_lib.scoring_forward_flops(m, b, p, k, t, True)
+  for r in runs.values():
     assert r["params"] == m.num_params and r["decode_rows"] == b * k
     assert r["scored_rows"] == b * p + b * k * (t - 1)  # the prompt once per group
-    recompute = flops_lib.remat_recompute_flops(m, b, p, k, t, True, 1, remat)
+    recompute = flops_lib.remat_recompute_flops(m, b, p, k, t, True, 1, r["remat"],
+                                                fused_head=bool(r["fused_head"]))
     assert r["gflop"]["rollout"] == round(counted["rollout"] / 1e9, 6)
     assert r["gflop"]["reference"] == round(counted["reference"] / 1e9, 6)
     assert r["gflop"]["update"] == round((counted["update"] + recompute) / 1e9, 6)
@@ -36,6 +41,10 @@ def test_the_counted_work_is_the_planners(runs):
   full, none = runs["full"]["gflop"], runs["none"]["gflop"]
   assert full["update"] - none["update"] == pytest.approx((trunk + attention) / 1e9, abs=2e-6)
   assert full["rollout"] == none["rollout"] and full["reference"] == none["reference"]
+  # Autodiff's two passes recompute every log-prob chunk's head; the fused pass does not.
+  two_pass = runs["none, two-pass head"]
+  assert runs["none"]["fused_head"] == 1 and two_pass["fused_head"] == 0
+  assert two_pass["gflop"]["update"] - none["update"] == pytest.approx(head / 1e9, abs=2e-6)
 
 
 def test_the_floor_and_the_ratios_follow_from_the_rates(runs):

@@ -272,10 +272,13 @@ def test_compare_generate_names_a_bad_modes_or_rounds_flag():
 
 def test_trace_programs_sums_each_programs_kernels():
   out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "trace_programs.py"),
-                        "--hidden", "32", "--layers", "1", "--runs", "2", "--top", "4"],
+                        "--hidden", "32", "--layers", "1", "--runs", "2", "--top", "4",
+                        "--programs", "apply,rollout,reference,gradient"],
                        check=True, capture_output=True, text=True, cwd=REPO).stdout
-  rows = {r["program"]: r for r in map(json.loads, out.splitlines()) if r}
-  assert set(rows) == {"rollout", "reference", "gradient"}
+  rows = [r for r in map(json.loads, out.splitlines()) if r]
+  # Run in the scripts' order whatever the flag's: 'apply' donates the state the others read.
+  assert [r["program"] for r in rows] == ["rollout", "reference", "gradient", "apply"]
+  rows = {r["program"]: r for r in rows}
   for r in rows.values():
     assert r["wall_s"] > 0 and r["thunks"] > 0 and 0 < r["thunk_s"]
     # The kernels' summed time over the threads: at most every core busy the whole run.
@@ -285,6 +288,29 @@ def test_trace_programs_sums_each_programs_kernels():
   # The decode loop launches kernels at every one of its 31 steps; a forward pass, a few
   # hundred at most.
   assert rows["rollout"]["thunks"] > 31 * 20 > rows["reference"]["thunks"] / 2
+
+
+def test_trace_programs_takes_a_peer_size_and_names_an_unknown_program():
+  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "trace_programs.py"),
+                        "--size", "t", "--programs", "gradient", "--runs", "1", "--top", "2"],
+                       check=True, capture_output=True, text=True, cwd=REPO).stdout
+  row = json.loads(out.splitlines()[-1])
+  assert (row["size"], row["hidden"], row["layers"]) == ("t", 32, 1)
+  bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "trace_programs.py"),
+                        "--programs", "gradient,update"], capture_output=True, text=True,
+                       cwd=REPO)
+  assert bad.returncode == 2 and "unknown programs ['update']" in bad.stderr
+
+
+def test_ab_gradient_runs_both_head_passes_on_one_rollout_and_they_agree():
+  r = run_json("ab_gradient.py", "--size", "t", "--pairs", 2)
+  assert (r["A"], r["B"]) == ("fused_head_grad=False", "fused_head_grad=True")
+  assert r["A_s"] > 0 and r["B_s"] > 0 and r["median_pair_ratio_B_over_A"] > 0
+  assert r["loss"][0] != 0 and r["loss"][1] == pytest.approx(r["loss"][0], rel=1e-5)
+  assert 0 <= r["max_grad_diff_over_max_grad"] < 1e-5
+  bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "ab_gradient.py"),
+                        "--pairs", "0"], capture_output=True, text=True, cwd=REPO)
+  assert bad.returncode == 2 and "--pairs must be >= 1, got 0" in bad.stderr
 
 
 def test_gpu_check_figures_follow_from_their_measurements():

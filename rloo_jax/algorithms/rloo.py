@@ -100,7 +100,8 @@ class RLOO:
     self.step_fn = update.TrainStep(
         fns=exp.fns, tx=exp.tx, spec=exp.loss_spec, k=self.k, chunk_size=chunk,
         microbatches=update.microbatches(c, per="minibatch"), state_shardings=state_sh,
-        rows_sharding=rows_sh, replicated=rep)
+        rows_sharding=rows_sh, replicated=rep,
+        fused_head=bool(c.train.get("fused_head_grad", True)))
     # The scoring pass as two programs: the reference's log-probs (the heavy one, dispatched as
     # soon as the completions exist, so it runs while the host scores the rewards) and the KL,
     # penalised rewards and advantages (a few [B, k] operations once the rewards are in).

@@ -212,7 +212,8 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
   f = flops_lib.model_flops_per_iteration(m, **shape, num_epochs=c.train.num_epochs,
                                           mode=c.rloo.sampler_mode)
   f["remat_recompute"] = flops_lib.remat_recompute_flops(
-      m, **shape, num_epochs=c.train.num_epochs, remat=m.remat)
+      m, **shape, num_epochs=c.train.num_epochs, remat=m.remat,
+      fused_head=algo.step_fn.fused_head)
   report = dict(
       peak_gb_per_device=_gb(peak), fits=bool(peak <= limit),
       params_gb=_gb(compiled.state_bytes["params"]),

@@ -75,12 +75,15 @@ def model_flops_per_iteration(m, num_prompts, prompt_len, k, new_tokens, shared_
 
 
 def remat_recompute_flops(m, num_prompts, prompt_len, k, new_tokens, shared_prefix=True,
-                          num_epochs: int = 1, remat: str = "none") -> float:
-  """What the update's backward recomputes: the head of every log-prob chunk always
-  (`loss.chunked_logprobs` checkpoints each chunk), the whole trunk forward with remat='full',
-  the attention products with 'dots' (they have batch dimensions, so its policy does not save
-  them)."""
+                          num_epochs: int = 1, remat: str = "none",
+                          fused_head: bool = False) -> float:
+  """What the update's backward recomputes: the head of every log-prob chunk
+  (`loss.chunked_logprobs` checkpoints each chunk) unless `fused_head` (its gradient computed in
+  the log-prob pass, `head_loss`; `update.TrainStep.fused_head`), the whole trunk forward with
+  remat='full', the attention products with 'dots' (they have batch dimensions, so its policy
+  does not save them)."""
   trunk, attention, head = scoring_forward_flops(m, num_prompts, prompt_len, k, new_tokens,
                                                  shared_prefix)
   body = {"none": 0.0, "dots": attention, "full": trunk + attention}[remat]
-  return num_epochs * (head + body)
+  return num_epochs * ((0.0 if fused_head else head) + body)
+

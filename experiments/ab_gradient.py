@@ -1,0 +1,67 @@
+r"""A/B of the update's gradient program with the head's gradient fused into the log-prob pass
+(config.train.fused_head_grad, `rloo_jax/head_loss.py`) and without (autodiff's two passes over
+the head): bench_step's workload at a compare_peers size, one rollout's update inputs, both
+programs compiled on them and run alternately (A, B, then B, A, ...) in one process.
+
+Prints one JSON line: each side's median seconds, the median of the per-pair ratios B / A, the
+largest gradient difference relative to the largest gradient entry, and both losses.
+Only the gradient program differs between the sides (the optimizer step is the same program),
+so this is the part of the update the flag changes, without two trainers in memory (at (c) one
+holds 12 GB).
+
+    python experiments/ab_gradient.py --size b --pairs 10
+    python experiments/ab_gradient.py --size c --pairs 4
+"""
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_programs  # noqa: E402
+from compare_peers import SIZES  # noqa: E402
+
+from rloo_jax import update  # noqa: E402
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--size", default="b", choices=sorted(SIZES))
+  p.add_argument("--pairs", type=int, default=6)
+  args = p.parse_args()
+  if args.pairs < 1:
+    p.error(f"--pairs must be >= 1, got {args.pairs}")
+  hidden, layers, work = trace_programs.size_work(args.size)
+  algo, _, _, (params, rows) = trace_programs.workload(hidden, layers, work=work)
+  exp, c = algo.exp, algo.exp.config
+  programs = {name: jax.jit(functools.partial(
+      update.gradients, fns=exp.fns, spec=exp.loss_spec, k=algo.k,
+      chunk_size=int(c.train.logprob_chunk_size), fused_head=fused))
+      for name, fused in (("A", False), ("B", True))}
+  out = {name: jax.block_until_ready(programs[name](params, rows)) for name in programs}
+  times = {"A": [], "B": []}
+  for i in range(args.pairs):
+    for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+      t0 = time.perf_counter()
+      jax.block_until_ready(programs[name](params, rows))
+      times[name].append(time.perf_counter() - t0)
+  ga, gb = (jax.tree.leaves(out[name][0]) for name in ("A", "B"))
+  scale = max(float(np.abs(np.asarray(x)).max()) for x in ga)
+  diff = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(ga, gb))
+  a, b = np.array(times["A"]), np.array(times["B"])
+  print(json.dumps({
+      "size": args.size, "pairs": args.pairs, "A": "fused_head_grad=False",
+      "B": "fused_head_grad=True",
+      "A_s": round(float(np.median(a)), 4), "B_s": round(float(np.median(b)), 4),
+      "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3),
+      "loss": [float(out["A"][1]), float(out["B"][1])],
+      "max_grad_diff_over_max_grad": diff / scale}))
+
+
+if __name__ == "__main__":
+  main()
