@@ -11,6 +11,11 @@ holds 12 GB).
 
     python experiments/ab_gradient.py --size b --pairs 10
     python experiments/ab_gradient.py --size c --pairs 4
+    python experiments/ab_gradient.py --size c --pairs 3 --trainer 1
+
+With `--trainer 1` it times whole RL iterations of one trainer instead, its update step
+swapped between the two settings from one iteration to the next (pairs in alternating order,
+after one pair that compiles): the update as the trainer runs it, between the other programs.
 """
 import argparse
 import functools
@@ -27,18 +32,53 @@ import trace_programs  # noqa: E402
 from compare_peers import SIZES  # noqa: E402
 
 from rloo_jax import update  # noqa: E402
+from rloo_jax.algorithms.rloo import RLOO  # noqa: E402
+
+
+def in_trainer(algo, state, data, pairs: int) -> dict:
+  """Whole RL iterations of one trainer whose update step is swapped between the two settings
+  from one iteration to the next (one state, so one model's memory): {'A'|'B': [metrics]}."""
+  c = algo.exp.config
+  steps = {}
+  for name, fused in (("A", False), ("B", True)):
+    with c.unlocked():
+      c.train.fused_head_grad = fused
+    steps[name] = RLOO(algo.exp).step_fn
+  assert (steps["A"].fused_head, steps["B"].fused_head) == (False, True), "a side's flag is off"
+  rows = {"A": [], "B": []}
+  for i in range(pairs + 1):  # the first pair compiles
+    for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+      algo.step_fn = steps[name]
+      state, m = algo.iteration(state, next(data))
+      if i:
+        rows[name].append(m)
+  return rows
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--size", default="b", choices=sorted(SIZES))
   p.add_argument("--pairs", type=int, default=6)
+  p.add_argument("--trainer", type=int, default=0, choices=(0, 1),
+                 help="1: whole RL iterations instead, the update step swapped between the "
+                      "settings each iteration; medians of update_s and iteration_s")
   args = p.parse_args()
   if args.pairs < 1:
     p.error(f"--pairs must be >= 1, got {args.pairs}")
   hidden, layers, work = trace_programs.size_work(args.size)
-  algo, _, _, (params, rows) = trace_programs.workload(hidden, layers, work=work)
+  algo, state, data, (params, rows) = trace_programs.workload(hidden, layers, work=work)
   exp, c = algo.exp, algo.exp.config
+  if args.trainer:
+    del params, rows
+    iterations = in_trainer(algo, state, data, args.pairs)
+    result = {"size": args.size, "pairs": args.pairs, "trainer": 1,
+              "A": "fused_head_grad=False", "B": "fused_head_grad=True"}
+    for key in ("update_s", "iteration_s"):
+      a, b = (np.array([m[key] for m in iterations[n]]) for n in ("A", "B"))
+      result[key] = {"A_s": round(float(np.median(a)), 4), "B_s": round(float(np.median(b)), 4),
+                     "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3)}
+    print(json.dumps(result))
+    return
   programs = {name: jax.jit(functools.partial(
       update.gradients, fns=exp.fns, spec=exp.loss_spec, k=algo.k,
       chunk_size=int(c.train.logprob_chunk_size), fused_head=fused))

@@ -308,6 +308,11 @@ def test_ab_gradient_runs_both_head_passes_on_one_rollout_and_they_agree():
   assert r["A_s"] > 0 and r["B_s"] > 0 and r["median_pair_ratio_B_over_A"] > 0
   assert r["loss"][0] != 0 and r["loss"][1] == pytest.approx(r["loss"][0], rel=1e-5)
   assert 0 <= r["max_grad_diff_over_max_grad"] < 1e-5
+  t = run_json("ab_gradient.py", "--size", "t", "--pairs", 2, "--trainer", 1)
+  assert t["trainer"] == 1 and (t["A"], t["B"]) == (r["A"], r["B"])
+  for key in ("update_s", "iteration_s"):
+    assert t[key]["A_s"] > 0 and t[key]["B_s"] > 0 and t[key]["median_pair_ratio_B_over_A"] > 0
+  assert t["update_s"]["A_s"] < t["iteration_s"]["A_s"]
   bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "ab_gradient.py"),
                         "--pairs", "0"], capture_output=True, text=True, cwd=REPO)
   assert bad.returncode == 2 and "--pairs must be >= 1, got 0" in bad.stderr
