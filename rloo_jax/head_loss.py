@@ -11,8 +11,8 @@ and from it the hidden states' and the head weights' gradients. Per chunk that i
 [rows, E] x [E, V] products instead of four, and one pass over the [rows, V] logits instead of
 two, with the same peak. The same trick as Liger-Kernel's fused linear cross-entropy: a scalar
 output's VJP is its gradient times the output cotangent, so computing the gradient ahead
-composes with any caller. This holds at every scale: at a 150k vocabulary the head is a third
-of a 0.5B model's FLOPs.
+composes with any caller. It holds at every scale and matters most where the vocabulary is large
+beside the hidden size (150k-256k vocabularies on 0.5-2B models; docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
