@@ -47,6 +47,8 @@ def linear_logprob_loss(logits_fn: Callable[..., Array], params, hidden_bte: Arr
   h_nbce, y_nbc, unchunk = loss.position_chunks(hidden_bte, targets_bt, chunk_size)
   coef_nbc = loss.position_chunks(hidden_bte, coef_bt.astype(jnp.float32), chunk_size)[1]
 
+  weighted_sum = lambda c, logp: jnp.sum(jnp.where(c == 0, 0.0, c * logp))
+
   def run(params, h_nbce, coef_nbc, want_params: bool, want_hidden: bool):
     """One scan: log-probs, entropies, and the gradients asked for (None otherwise)."""
     def body(grad_acc, xs):
@@ -71,7 +73,9 @@ def linear_logprob_loss(logits_fn: Callable[..., Array], params, hidden_bte: Arr
       if vjp is None:
         return grad_acc, (logp, ent, None)
       onehot = jnp.arange(logits.shape[-1]) == y[..., None]
-      dp, dh = vjp(c[..., None] * (onehot - probs))
+      # Where c is 0 (masked positions) the gradient is 0 even if those logits are not finite,
+      # as the two-pass path's masked log-probs give.
+      dp, dh = vjp(jnp.where(c[..., None] == 0, 0.0, c[..., None] * (onehot - probs)))
       if want_params:
         grad_acc = jax.tree.map(jnp.add, grad_acc, dp)
       return grad_acc, (logp, ent, dh if want_hidden else None)
@@ -82,7 +86,7 @@ def linear_logprob_loss(logits_fn: Callable[..., Array], params, hidden_bte: Arr
   @jax.custom_vjp
   def value_of(params, h_nbce, coef_nbc):
     _, (logp, ent, _) = run(params, h_nbce, coef_nbc, False, False)
-    return jnp.sum(coef_nbc * logp), logp, ent
+    return weighted_sum(coef_nbc, logp), logp, ent
 
   static = {}  # what fwd learns at trace time that bwd needs: not arrays, so not residuals
   # By type: a Variable in the tree forwards attribute lookups to its value, so a hasattr test
@@ -94,7 +98,7 @@ def linear_logprob_loss(logits_fn: Callable[..., Array], params, hidden_bte: Arr
     want_params = any(leaf.perturbed for leaf in leaves)
     dp, (logp, ent, dh) = run(static["treedef"].unflatten([leaf.value for leaf in leaves]),
                               h_nbce.value, coef_nbc.value, want_params, h_nbce.perturbed)
-    out = (jnp.sum(coef_nbc.value * logp), logp, ent)
+    out = (weighted_sum(coef_nbc.value, logp), logp, ent)
     return out, (dp, dh, logp if coef_nbc.perturbed else None)
 
   def bwd(res, cotangents):

@@ -200,3 +200,19 @@ def test_the_trainer_fuses_the_head_pass_only_where_asked_and_the_loss_allows(
   if loss_type == "reinforce":
     assert by_choice[True] != by_choice[False]
   assert dots(algo.step_fn.grad_fn) == by_choice[used]
+
+
+def test_positions_with_a_zero_coefficient_cannot_poison_the_value():
+  """A masked position (coefficient 0) whose hidden state is not finite: the value stays the
+  clean one, as the two-pass path's masked log-probs keep it, and so do the other positions'
+  hidden-state gradients. (The head weights' gradient multiplies that hidden state by zero and
+  is NaN in both paths.)"""
+  params, hidden, targets, coef = _inputs()
+  coef = coef.at[1, 4:].set(0.0)
+  poisoned = hidden.at[1, 5].set(jnp.nan)
+  value, grad = jax.value_and_grad(_fused, 1)(params, poisoned, targets, coef, 3)
+  np.testing.assert_allclose(value, _fused(params, hidden, targets, coef, 3), rtol=1e-6)
+  want = jax.grad(_fused, 1)(params, hidden, targets, coef, 3)
+  keep = np.ones((B, T), bool)
+  keep[1, 5] = False
+  np.testing.assert_allclose(np.asarray(grad)[keep], np.asarray(want)[keep], rtol=1e-6)
