@@ -99,15 +99,17 @@ def linear_logprob_loss(logits_fn: Callable[..., Array], params, hidden_bte: Arr
     dp, (logp, ent, dh) = run(static["treedef"].unflatten([leaf.value for leaf in leaves]),
                               h_nbce.value, coef_nbc.value, want_params, h_nbce.perturbed)
     out = (weighted_sum(coef_nbc.value, logp), logp, ent)
-    return out, (dp, dh, logp if coef_nbc.perturbed else None)
+    # d value / d coef: the log-probs, 0 where the coefficient is (as weighted_sum's where).
+    d_coef = jnp.where(coef_nbc.value == 0, 0.0, logp) if coef_nbc.perturbed else None
+    return out, (dp, dh, d_coef)
 
   def bwd(res, cotangents):
-    dp, dh, logp = res
+    dp, dh, d_coef = res
     g = cotangents[0]  # the logp and entropy outputs carry no gradient: their cotangents drop
     scale = lambda x: None if x is None else g.astype(x.dtype) * x  # in each input's dtype
     d_params = (static["treedef"].unflatten([None] * static["treedef"].num_leaves)
                 if dp is None else jax.tree.map(scale, dp))
-    return d_params, scale(dh), scale(logp)
+    return d_params, scale(dh), scale(d_coef)
 
   value_of.defvjp(fwd, bwd, symbolic_zeros=True)
   value, logp_nbc, ent_nbc = value_of(params, h_nbce, coef_nbc)
