@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import re
-import statistics
 import sys
 import time
 
@@ -32,6 +31,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
+from ab_config import pair_summary  # noqa: E402
+from compare_peers import round_order  # noqa: E402
 
 from rloo_jax import loss, rollout, sampler  # noqa: E402
 
@@ -125,20 +126,18 @@ def main():
                       for x, y in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])))
 
   times = collections.defaultdict(list)
+  compiled_by_side = {"A": side_a, "B": side_b}
   for i in range(args.pairs):
     for name in programs:
-      order = (("A", side_a), ("B", side_b)) if i % 2 == 0 else (("B", side_b), ("A", side_a))
-      for side, compiled in order:
+      for side in round_order(i, ("A", "B")):
         t0 = time.perf_counter()
-        jax.block_until_ready(compiled[name](*prog_args[name]))
+        jax.block_until_ready(compiled_by_side[side][name](*prog_args[name]))
         times[side, name].append(time.perf_counter() - t0)
   result = {"variant": os.path.basename(args.variant), "hidden": args.hidden,
             "layers": args.layers, "pairs": args.pairs, "rollout_tokens_equal": tokens_equal,
             "gradient_max_rel_diff": grad_rel_diff}
   for name in programs:
-    a, b = np.array(times["A", name]), np.array(times["B", name])
-    result[name] = {"A_s": round(statistics.median(a), 4), "B_s": round(statistics.median(b), 4),
-                    "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3),
+    result[name] = {**pair_summary(times["A", name], times["B", name]),
                     # Whether the variant reached this program at all (the pitfall this avoids).
                     "program_changed": program_text(side_a[name]) != program_text(side_b[name])}
   print(json.dumps(result))

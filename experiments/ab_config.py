@@ -27,9 +27,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
+from compare_peers import round_order  # noqa: E402
 
 PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
 FIRST_ITERATION = ("reward_mean", "kl", "loss", "completion_length")
+
+
+def pair_summary(a_s, b_s) -> dict:
+  """Each side's median seconds and the median of the per-pair ratios B / A."""
+  a, b = np.asarray(a_s, float), np.asarray(b_s, float)
+  return {"A_s": round(float(np.median(a)), 4), "B_s": round(float(np.median(b)), 4),
+          "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3)}
 
 
 def side(hidden, layers, flag, value):
@@ -69,15 +77,12 @@ def main():
     iterate(name)
   rows = {"A": [], "B": []}
   for i in range(args.pairs):
-    for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+    for name in round_order(i, ("A", "B")):
       rows[name].append(iterate(name))
   result = {"flag": args.flag, "A": a, "B": b, "hidden": args.hidden,
             "layers": args.layers, "pairs": args.pairs, "first_iteration": first}
   for k in PHASES:
-    a = np.array([m[k] for m in rows["A"]])
-    b = np.array([m[k] for m in rows["B"]])
-    result[k] = {"A_s": round(float(np.median(a)), 4), "B_s": round(float(np.median(b)), 4),
-                 "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3)}
+    result[k] = pair_summary([m[k] for m in rows["A"]], [m[k] for m in rows["B"]])
   print(json.dumps(result))
 
 

@@ -29,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_programs  # noqa: E402
-from compare_peers import SIZES  # noqa: E402
+from ab_config import pair_summary  # noqa: E402
+from compare_peers import SIZES, round_order  # noqa: E402
 
 from rloo_jax import update  # noqa: E402
 from rloo_jax.algorithms.rloo import RLOO  # noqa: E402
@@ -47,7 +48,7 @@ def in_trainer(algo, state, data, pairs: int) -> dict:
   assert (steps["A"].fused_head, steps["B"].fused_head) == (False, True), "a side's flag is off"
   rows = {"A": [], "B": []}
   for i in range(pairs + 1):  # the first pair compiles
-    for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+    for name in round_order(i, ("A", "B")):
       algo.step_fn = steps[name]
       state, m = algo.iteration(state, next(data))
       if i:
@@ -74,9 +75,7 @@ def main():
     result = {"size": args.size, "pairs": args.pairs, "trainer": 1,
               "A": "fused_head_grad=False", "B": "fused_head_grad=True"}
     for key in ("update_s", "iteration_s"):
-      a, b = (np.array([m[key] for m in iterations[n]]) for n in ("A", "B"))
-      result[key] = {"A_s": round(float(np.median(a)), 4), "B_s": round(float(np.median(b)), 4),
-                     "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3)}
+      result[key] = pair_summary(*([m[key] for m in iterations[n]] for n in ("A", "B")))
     print(json.dumps(result))
     return
   programs = {name: jax.jit(functools.partial(
@@ -86,19 +85,16 @@ def main():
   out = {name: jax.block_until_ready(programs[name](params, rows)) for name in programs}
   times = {"A": [], "B": []}
   for i in range(args.pairs):
-    for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+    for name in round_order(i, ("A", "B")):
       t0 = time.perf_counter()
       jax.block_until_ready(programs[name](params, rows))
       times[name].append(time.perf_counter() - t0)
   ga, gb = (jax.tree.leaves(out[name][0]) for name in ("A", "B"))
   scale = max(float(np.abs(np.asarray(x)).max()) for x in ga)
   diff = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(ga, gb))
-  a, b = np.array(times["A"]), np.array(times["B"])
   print(json.dumps({
       "size": args.size, "pairs": args.pairs, "A": "fused_head_grad=False",
-      "B": "fused_head_grad=True",
-      "A_s": round(float(np.median(a)), 4), "B_s": round(float(np.median(b)), 4),
-      "median_pair_ratio_B_over_A": round(float(np.median(b / a)), 3),
+      "B": "fused_head_grad=True", **pair_summary(times["A"], times["B"]),
       "loss": [float(out["A"][1]), float(out["B"][1])],
       "max_grad_diff_over_max_grad": diff / scale}))
 

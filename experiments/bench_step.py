@@ -40,6 +40,7 @@ from rloo_jax.data import pipeline
 from rloo_jax.models import lora, transformer
 from rloo_jax.memory.flops import model_flops_per_iteration
 
+import compare_peers  # experiments/compare_peers.py: the peers' work sizes
 from workload import add_workload_flags  # experiments/workload.py
 
 
@@ -119,7 +120,7 @@ def default_workload(hidden, layers, model=None, work=None, **train):
   compare_peers.SIZES), `config.train` overrides (and `model`, a dict of `config.model` ones):
   the set-up the in-process A/B scripts share. The experiment is `algo.exp`;
   `algo.iteration(state, batch)` runs one RL iteration."""
-  w = dict(heads=4, vocab=256, prompts=8, prompt_len=16, k=4, new_tokens=32)
+  w = dict(compare_peers.WORK)
   unknown = sorted(set(work or {}) - set(w))
   if unknown:
     raise ValueError(f"default_workload: unknown work keys {unknown}; known: {sorted(w)}")

@@ -24,7 +24,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_peers import run_side  # noqa: E402
+from compare_peers import round_order, run_side  # noqa: E402
 
 # bench_sampler's JSON key of each mode's median seconds.
 KEYS = {"hf": "hf_generate_s"}
@@ -55,7 +55,7 @@ def main():
     p.error(f"--rounds must be >= 1, got {args.rounds}")
   rounds = []
   for i in range(args.rounds):
-    order = modes if i % 2 == 0 else modes[::-1]
+    order = round_order(i, modes)
     seconds, config = {}, None
     for mode in order:
       out = run_mode(args.python, mode, sampler_args)

@@ -33,7 +33,7 @@ from jax._src.lib import _profile_data  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
-from compare_peers import SIZES  # noqa: E402
+from compare_peers import SIZES, WORK  # noqa: E402
 
 from rloo_jax import sampler, sampler_args  # noqa: E402
 
@@ -42,8 +42,7 @@ PROGRAMS = ("rollout", "reference", "gradient", "apply")
 
 def size_work(size: str):
   """(hidden, layers, work) of a compare_peers size, for `workload`."""
-  work = {key: SIZES[size][key]
-          for key in ("heads", "vocab", "prompts", "prompt_len", "k", "new_tokens")}
+  work = {key: SIZES[size][key] for key in WORK}
   return SIZES[size]["hidden"], SIZES[size]["layers"], work
 
 

@@ -59,6 +59,12 @@ def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
   return jax.lax.scan(body, zeros, split)[0]
 
 
+def fuses_head(spec: loss.LossSpec, fused_head: bool) -> bool:
+  """Whether `gradients` computes the head's gradient in the log-prob pass: asked for
+  (config.train.fused_head_grad) and a loss linear in the log-probs."""
+  return bool(fused_head) and spec.type in loss.LINEAR_LOSS_TYPES
+
+
 def gradients(params, rows, frozen=None, *, fns, spec: loss.LossSpec, k: int, chunk_size: int,
               microbatches: int = 1, param_shardings=None, rows_sharding=None,
               fused_head: bool = True):
@@ -77,7 +83,7 @@ def gradients(params, rows, frozen=None, *, fns, spec: loss.LossSpec, k: int, ch
   FSDP: `fns` gathers each layer's weights as the layer scan reaches it and reduce-scatters its
   gradient (`sharding.ParamGather`); the summed gradient stays on `param_shardings`."""
   norm = loss.normalizer(spec, rows.cmask_nt)
-  fused = fused_head and spec.type in loss.LINEAR_LOSS_TYPES
+  fused = fuses_head(spec, fused_head)
 
   def grads_of(mb):
     def loss_fn(params):
@@ -124,7 +130,7 @@ class TrainStep:
                state_shardings, rows_sharding, replicated, fused_head: bool = True):
     params_sh = state_shardings.params
     # Whether the head's gradient is computed in the log-prob pass (`gradients`' fused_head).
-    self.fused_head = bool(fused_head) and spec.type in loss.LINEAR_LOSS_TYPES
+    self.fused_head = fuses_head(spec, fused_head)
     # LoRA: the frozen base is a third, read-only argument of the gradient program.
     self.lora = getattr(state_shardings, "lora", False)
     frozen_sh = (state_shardings.ref_params,) if self.lora else ()

@@ -86,4 +86,3 @@ def remat_recompute_flops(m, num_prompts, prompt_len, k, new_tokens, shared_pref
                                                  shared_prefix)
   body = {"none": 0.0, "dots": attention, "full": trunk + attention}[remat]
   return num_epochs * ((0.0 if fused_head else head) + body)
-
