@@ -302,6 +302,12 @@ def test_trace_programs_takes_a_peer_size_and_names_an_unknown_program():
   assert bad.returncode == 2 and "unknown programs ['update']" in bad.stderr
 
 
+def test_the_bench_workload_names_an_unknown_work_key():
+  import bench_step  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=r"unknown work keys \['vocab_size'\]; known: \['heads'"):
+    bench_step.default_workload(32, 1, work=dict(vocab_size=64))
+
+
 def test_ab_gradient_runs_both_head_passes_on_one_rollout_and_they_agree():
   r = run_json("ab_gradient.py", "--size", "t", "--pairs", 2)
   assert (r["A"], r["B"]) == ("fused_head_grad=False", "fused_head_grad=True")
