@@ -8,8 +8,10 @@ with XLA's; at size (c)'s shape that slowed our rollout by about a fifth on a 2-
 compare_peers runs its frameworks apart for the same reason.
 
 `--modes ours,peer` (default left,hf: the trainer's decode on one CPU device and HF generate);
-every other flag goes to bench_sampler.py unchanged. The hf mode needs torch and transformers
-beside jax: `--python .venv-hf/bin/python` (set up in docs/PERFORMANCE.md). One JSON line.
+every other flag goes to bench_sampler.py unchanged. Both sides run with compare_peers'
+`--malloc_hugepages` setting (default 1: malloc madvises transparent huge pages). The hf mode
+needs torch and transformers beside jax: `--python .venv-hf/bin/python` (set up in
+docs/PERFORMANCE.md). One JSON line.
 
     python experiments/compare_generate.py --python .venv-hf/bin/python --rounds 2 \
         --prompt_len=64 --new_tokens=64 --repeats=3
@@ -24,17 +26,17 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_peers import round_order, run_side  # noqa: E402
+from compare_peers import HUGEPAGES_TUNABLE, malloc_env, round_order, run_side  # noqa: E402
 
 # bench_sampler's JSON key of each mode's median seconds.
 KEYS = {"hf": "hf_generate_s"}
 
 
-def run_mode(python: str, mode: str, sampler_args: list) -> dict:
+def run_mode(python: str, mode: str, sampler_args: list, env=None) -> dict:
   """bench_sampler.py with `--modes=mode` in a new process (`compare_peers.run_side`, no
-  memory limit): its JSON line."""
+  memory limit, `env` added to its environment): its JSON line."""
   result, failure = run_side(python, "bench_sampler.py", [*sampler_args, f"--modes={mode}"],
-                             mem_limit_gb=0)
+                             mem_limit_gb=0, env=env or None)
   if failure is not None:
     raise SystemExit(f"bench_sampler.py --modes={mode} failed (exit {failure['returncode']}):\n"
                      f"{failure['output_tail']}")
@@ -47,18 +49,22 @@ def main():
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--python", default=sys.executable,
                  help="the interpreter of both sides (one with torch for the hf mode)")
+  p.add_argument("--malloc_hugepages", type=int, default=1, choices=(0, 1),
+                 help=f"1: both sides with GLIBC_TUNABLES={HUGEPAGES_TUNABLE}, as compare_peers "
+                      "runs them; 0: the machine's defaults")
   args, sampler_args = p.parse_known_args()
   modes = args.modes.split(",")
   if len(modes) != 2 or len(set(modes)) != 2:
     p.error(f"--modes takes two different modes (ours,peer), got {args.modes!r}")
   if args.rounds < 1:
     p.error(f"--rounds must be >= 1, got {args.rounds}")
+  env = malloc_env(bool(args.malloc_hugepages))
   rounds = []
   for i in range(args.rounds):
     order = round_order(i, modes)
     seconds, config = {}, None
     for mode in order:
-      out = run_mode(args.python, mode, sampler_args)
+      out = run_mode(args.python, mode, sampler_args, env)
       seconds[mode] = out[KEYS.get(mode, f"{mode}_s")]
       config = out["config"]
     rounds.append(dict(order=order, seconds=seconds,
@@ -68,7 +74,7 @@ def main():
                 median_ours_s=statistics.median(r["seconds"][ours] for r in rounds),
                 median_peer_s=statistics.median(r["seconds"][peer] for r in rounds),
                 median_ratio=statistics.median(r["ratio"] for r in rounds),
-                config=config)
+                env=env, config=config)
   print(json.dumps(result), flush=True)
 
 

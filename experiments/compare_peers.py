@@ -23,6 +23,13 @@ under RLIMIT_DATA = --mem_limit_gb, so running out of memory is an allocation er
 kernel's OOM killer on a shared machine), and that peer is not run again at that size. One JSON
 line per size, then a summary line.
 
+Every side runs with glibc's malloc asking for transparent huge pages (`--malloc_hugepages 1`,
+the default: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, effective where the kernel's THP mode is
+`madvise` or `always`). Without it each fresh multi-MB buffer of a step is faulted in 4 KiB
+page by page: at size (c) 14 million minor faults in a bench_step run, against 0.5 million with
+it (docs/PERFORMANCE.md). Frameworks whose allocators keep their memory, as XLA's and torch's do on
+an accelerator, never pay that; `--malloc_hugepages 0` measures the machine as it comes.
+
     bash experiments/setup_trl_venv.sh && bash experiments/setup_tunix_venv.sh
     python experiments/compare_peers.py --sizes a,b --rounds 3
 """
@@ -48,6 +55,25 @@ SIZES = {
               new_tokens=4, iterations=2),
 }
 SIDES = ("rloo_jax", "trl", "tunix")
+HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def malloc_env(hugepages: bool) -> dict:
+  """The environment every side runs with: glibc's malloc madvising huge pages, or as it is."""
+  if not hugepages:
+    return {}
+  tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
+  return {"GLIBC_TUNABLES": ":".join(tunables + [HUGEPAGES_TUNABLE])}
+
+
+def thp_mode() -> str:
+  """The kernel's transparent huge page mode ('always', 'madvise', 'never'), or '' unknown."""
+  try:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+      text = f.read()
+  except OSError:
+    return ""
+  return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
 SCRIPTS = {"rloo_jax": "bench_step.py", "trl": "bench_trl_rloo.py", "tunix": "bench_tunix_rloo.py"}
 OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError",
              "can't allocate memory", "std::bad_alloc", "Cannot allocate memory")
@@ -93,7 +119,8 @@ def round_order(r, sides):
   return sides[r % len(sides):] + sides[:r % len(sides)]
 
 
-def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wait_policy):
+def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wait_policy,
+                 malloc=None):
   """One size's line: every round's seconds and ratios, the medians, and the peers' fate."""
   args = bench_args(size)
   extra = {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
@@ -101,7 +128,10 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
   # Torch's OpenMP threads spin while they wait: with another process on one of the 2 cores a
   # 2-thread TRL step at size a took 2.9 s, 0.23 s with OMP_WAIT_POLICY=PASSIVE; on a quiet
   # machine passive waiting doubles it (0.27 s against 0.13-0.16 s). Pick by the load.
-  envs = {"trl": {"OMP_WAIT_POLICY": omp_wait_policy} if omp_wait_policy else {}}
+  malloc = malloc or {}
+  envs = {side: dict(malloc) for side in SIDES}
+  if omp_wait_policy:
+    envs["trl"]["OMP_WAIT_POLICY"] = omp_wait_policy
   status = {}  # side -> why it is not run
   for side in SIDES[1:]:
     if side not in pythons:
@@ -119,7 +149,7 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
       row["order"].append(side)
       python = sys.executable if side == "rloo_jax" else pythons[side]
       result, failure = run_side(python, SCRIPTS[side], args + extra[side], mem_limit_gb,
-                                 envs.get(side))
+                                 envs[side] or None)
       if failure is not None:
         if side == "rloo_jax":
           sys.exit(f"rloo_jax failed at size {name}: {json.dumps(failure)}")
@@ -144,7 +174,7 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
   ours = last["rloo_jax"]
   out = {"size": name, **{k: v for k, v in size.items()}, "dtype": "float32",
          "fixed_length": True, "params": ours["params"], "rounds": rounds,
-         "trl_threads": trl_threads, "trl_env": envs["trl"],
+         "trl_threads": trl_threads, "trl_env": envs["trl"], "env": malloc, "thp": thp_mode(),
          "median_rloo_jax_iteration_s": median_of("rloo_jax_s"),
          "median_rloo_jax_rollout_s": round(statistics.median(
              row["rloo_jax_split_s"]["rollout_s"] for row in per_round), 5)}
@@ -183,6 +213,9 @@ def main(argv=None):
                       "PASSIVE on a loaded machine")
   p.add_argument("--mem_limit_gb", type=float, default=20.0,
                  help="RLIMIT_DATA of every run, GiB (0: none)")
+  p.add_argument("--malloc_hugepages", type=int, default=1, choices=(0, 1),
+                 help=f"1: every side with GLIBC_TUNABLES={HUGEPAGES_TUNABLE} (malloc madvises "
+                      "transparent huge pages); 0: the machine's defaults")
   args = p.parse_args(argv)
   sizes = [s for s in args.sizes.split(",") if s]
   unknown = [s for s in sizes if s not in SIZES]
@@ -193,13 +226,14 @@ def main(argv=None):
     p.error(f"unknown peers {sorted(set(peers) - set(SIDES[1:]))}")
   pythons = {peer: getattr(args, f"{peer}_python") for peer in peers}
   summary = {"summary": True, "rounds": args.rounds, "mem_limit_gb": args.mem_limit_gb,
+             "env": malloc_env(bool(args.malloc_hugepages)), "thp": thp_mode(),
              "load_before": [round(x, 2) for x in os.getloadavg()], "sizes": {}}
   for name in sizes:
     size = dict(SIZES[name])
     if args.iterations:
       size["iterations"] = args.iterations
     line = compare_size(name, size, pythons, args.rounds, args.mem_limit_gb, args.trl_threads,
-                        args.trl_omp_wait_policy)
+                        args.trl_omp_wait_policy, malloc_env(bool(args.malloc_hugepages)))
     print(json.dumps(line), flush=True)
     summary["sizes"][name] = {
         k: line[k] for k in ("median_rloo_jax_iteration_s", "median_trl_step_s",

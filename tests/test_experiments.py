@@ -149,6 +149,7 @@ if [ -e "$0.ran" ]; then
   exit 1
 fi
 touch "$0.ran"
+echo "$GLIBC_TUNABLES" > "$0.env"
 echo '{"framework": "trl", "trl": "fake", "torch": "fake", "params": %d, "median_step_s": 0.25}'
 """
 
@@ -171,7 +172,11 @@ def test_compare_peers_rounds_ratios_and_peer_failures(tmp_path):
   size, summary = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
   assert size["size"] == "t" and size["hidden"] == hidden and size["params"] == params
   assert size["fixed_length"] is True and "warning" not in size
-  assert size["trl_threads"] == 2 and size["trl_env"] == {}
+  # Every side runs with malloc madvising huge pages (the default --malloc_hugepages 1).
+  tunables = size["env"]["GLIBC_TUNABLES"]
+  assert tunables.split(":")[-1] == "glibc.malloc.hugetlb=1"
+  assert size["trl_threads"] == 2 and size["trl_env"] == size["env"]
+  assert (tmp_path / "fake_python.env").read_text().strip() == tunables
   rounds = size["per_round"]
   # The order rotates (ours, TRL, Tunix; TRL, Tunix, ours; Tunix, ours, TRL) less the peers
   # that do not run: Tunix is missing, and TRL ran out of memory in round 1.
@@ -248,6 +253,46 @@ TINY_SAMPLER = ("--prompt_len", 4, "--new_tokens", 4, "--prompts", 2, "--k", 2, 
                 "--repeats", 1)
 
 
+# A stand-in peer whose step takes half as long under the huge-page tunable; it logs the
+# tunables of each run.
+FAKE_MALLOC_PEER = """#!/bin/sh
+echo "${GLIBC_TUNABLES:-none}" >> "$0.log"
+case "$GLIBC_TUNABLES" in *hugetlb=1*) s=0.2;; *) s=0.4;; esac
+echo "{\\"median_step_s\\": $s}"
+"""
+
+
+def test_ab_malloc_alternates_the_tunable_and_takes_per_pair_ratios(tmp_path):
+  fake = tmp_path / "fake_python"
+  fake.write_text(FAKE_MALLOC_PEER)
+  fake.chmod(0o755)
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  r = json.loads(subprocess.run(
+      [sys.executable, os.path.join(EXPERIMENTS, "ab_malloc.py"), "--size", "t", "--pairs", "2",
+       "--sides", "trl", "--trl_python", str(fake)],
+      check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout.splitlines()[-1])
+  # Pair 1 runs A (no tunable) then B; pair 2 the other way round.
+  assert (tmp_path / "fake_python.log").read_text().split() == [
+      "none", "glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=1", "none"]
+  assert r["env_B"] == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} and "rloo_jax" not in r
+  t = r["trl"]
+  assert (t["A_s"], t["B_s"], t["median_pair_ratio_B_over_A"]) == (0.4, 0.2, 0.5)
+  assert t["A_runs_s"] == [0.4, 0.4] and t["A_minor_faults"] >= 0
+  bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "ab_malloc.py"), "--sides",
+                        "torch"], capture_output=True, text=True, cwd=REPO)
+  assert bad.returncode == 2 and "--sides 'torch'" in bad.stderr
+
+
+def test_malloc_env_adds_the_huge_page_tunable_to_the_callers_or_nothing(monkeypatch):
+  import compare_peers
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+  assert compare_peers.malloc_env(True) == {
+      "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+  assert compare_peers.malloc_env(False) == {}
+  monkeypatch.delenv("GLIBC_TUNABLES")
+  assert compare_peers.malloc_env(True) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
 def test_compare_generate_alternates_processes_and_takes_the_median_ratio():
   r = run_json("compare_generate.py", "--modes", "unstacked,shared", "--rounds", 3, *TINY_SAMPLER)
   assert (r["ours"], r["peer"]) == ("unstacked", "shared")
@@ -259,6 +304,7 @@ def test_compare_generate_alternates_processes_and_takes_the_median_ratio():
   assert r["median_ratio"] == sorted(x["ratio"] for x in r["rounds"])[1]
   assert r["median_ours_s"] == sorted(x["seconds"]["unstacked"] for x in r["rounds"])[1]
   assert r["config"]["hidden"] == 32 and r["config"]["new_tokens"] == 4
+  assert r["env"]["GLIBC_TUNABLES"].endswith("glibc.malloc.hugetlb=1")
 
 
 def test_compare_generate_names_a_bad_modes_or_rounds_flag():
