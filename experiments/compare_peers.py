@@ -74,6 +74,8 @@ def thp_mode() -> str:
   except OSError:
     return ""
   return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
 SCRIPTS = {"rloo_jax": "bench_step.py", "trl": "bench_trl_rloo.py", "tunix": "bench_tunix_rloo.py"}
 OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError",
              "can't allocate memory", "std::bad_alloc", "Cannot allocate memory")
