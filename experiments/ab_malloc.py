@@ -44,10 +44,8 @@ def main(argv=None):
   p.add_argument("--size", default="b", choices=sorted(SIZES))
   p.add_argument("--pairs", type=int, default=4)
   p.add_argument("--sides", default="rloo_jax", help="comma separated: rloo_jax, trl, tunix")
-  p.add_argument("--trl_python", default=os.path.join(compare_peers.REPO, ".venv-trl", "bin",
-                                                      "python"))
-  p.add_argument("--tunix_python", default=os.path.join(compare_peers.REPO, ".venv-tunix", "bin",
-                                                        "python"))
+  p.add_argument("--trl_python", default=compare_peers.venv_python("trl"))
+  p.add_argument("--tunix_python", default=compare_peers.venv_python("tunix"))
   args = p.parse_args(argv)
   sides = [s for s in args.sides.split(",") if s]
   if not sides or set(sides) - set(SIDES):
@@ -60,8 +58,6 @@ def main(argv=None):
     p.error(f"no interpreter for {missing}: set it up with experiments/setup_<side>_venv.sh")
   size = SIZES[args.size]
   common = compare_peers.bench_args(size)
-  extra = {"rloo_jax": ["--fixed_length", "1"], "trl": ["--fixed_length", "1", "--threads", "2"],
-           "tunix": []}
   envs = {"A": compare_peers.malloc_env(False), "B": compare_peers.malloc_env(True)}
   out = {"size": args.size, "pairs": args.pairs, "env_B": envs["B"],
          "thp": compare_peers.thp_mode(), "load_before": [round(x, 2) for x in os.getloadavg()]}
@@ -69,7 +65,7 @@ def main(argv=None):
     seconds, faults, parts = {"A": [], "B": []}, {"A": [], "B": []}, {"A": [], "B": []}
     for i in range(args.pairs):
       for name in compare_peers.round_order(i, ["A", "B"]):
-        s, result, n = run(side, pythons[side], common + extra[side], envs[name])
+        s, result, n = run(side, pythons[side], common + compare_peers.side_args(side), envs[name])
         seconds[name].append(s)
         faults[name].append(n)
         if side == "rloo_jax":

@@ -59,11 +59,13 @@ HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 def malloc_env(hugepages: bool) -> dict:
-  """The environment every side runs with: glibc's malloc madvising huge pages, or as it is."""
-  if not hugepages:
-    return {}
-  tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
-  return {"GLIBC_TUNABLES": ":".join(tunables + [HUGEPAGES_TUNABLE])}
+  """The environment every side runs with: glibc's malloc madvising huge pages, or not (the
+  caller's other tunables kept either way)."""
+  given = os.environ.get("GLIBC_TUNABLES", "")
+  tunables = [t for t in given.split(":") if t and t != HUGEPAGES_TUNABLE]
+  if hugepages:
+    return {"GLIBC_TUNABLES": ":".join(tunables + [HUGEPAGES_TUNABLE])}
+  return {"GLIBC_TUNABLES": ":".join(tunables)} if HUGEPAGES_TUNABLE in given.split(":") else {}
 
 
 def thp_mode() -> str:
@@ -79,6 +81,18 @@ def thp_mode() -> str:
 SCRIPTS = {"rloo_jax": "bench_step.py", "trl": "bench_trl_rloo.py", "tunix": "bench_tunix_rloo.py"}
 OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError",
              "can't allocate memory", "std::bad_alloc", "Cannot allocate memory")
+
+
+def venv_python(side: str) -> str:
+  """The interpreter of a peer's virtual environment (experiments/setup_<side>_venv.sh)."""
+  return os.path.join(REPO, f".venv-{side}", "bin", "python")
+
+
+def side_args(side: str, trl_threads: int = 2) -> list:
+  """The flags a side's bench script takes beyond `bench_args`: fixed-length completions
+  (Tunix's bench has no end token to begin with) and TRL's torch threads."""
+  return {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
+          "trl": ["--fixed_length", "1", "--threads", str(trl_threads)]}[side]
 
 
 def bench_args(size):
@@ -125,8 +139,6 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
                  malloc=None):
   """One size's line: every round's seconds and ratios, the medians, and the peers' fate."""
   args = bench_args(size)
-  extra = {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
-           "trl": ["--fixed_length", "1", "--threads", str(trl_threads)]}
   # Torch's OpenMP threads spin while they wait: with another process on one of the 2 cores a
   # 2-thread TRL step at size a took 2.9 s, 0.23 s with OMP_WAIT_POLICY=PASSIVE; on a quiet
   # machine passive waiting doubles it (0.27 s against 0.13-0.16 s). Pick by the load.
@@ -150,8 +162,8 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
         continue
       row["order"].append(side)
       python = sys.executable if side == "rloo_jax" else pythons[side]
-      result, failure = run_side(python, SCRIPTS[side], args + extra[side], mem_limit_gb,
-                                 envs[side] or None)
+      result, failure = run_side(python, SCRIPTS[side], args + side_args(side, trl_threads),
+                                 mem_limit_gb, envs[side] or None)
       if failure is not None:
         if side == "rloo_jax":
           sys.exit(f"rloo_jax failed at size {name}: {json.dumps(failure)}")
@@ -207,8 +219,8 @@ def main(argv=None):
   p.add_argument("--iterations", type=int, default=0,
                  help="timed iterations per run (0: each size's default, 8 at a/b, 2 at c)")
   p.add_argument("--peers", default="trl,tunix", help="comma separated: trl, tunix (or '')")
-  p.add_argument("--trl_python", default=os.path.join(REPO, ".venv-trl", "bin", "python"))
-  p.add_argument("--tunix_python", default=os.path.join(REPO, ".venv-tunix", "bin", "python"))
+  p.add_argument("--trl_python", default=venv_python("trl"))
+  p.add_argument("--tunix_python", default=venv_python("tunix"))
   p.add_argument("--trl_threads", type=int, default=2, help="torch threads of the TRL side")
   p.add_argument("--trl_omp_wait_policy", default="", choices=("", "PASSIVE", "ACTIVE"),
                  help="OMP_WAIT_POLICY of the TRL side ('': torch's default, spinning); "

@@ -289,6 +289,11 @@ def test_malloc_env_adds_the_huge_page_tunable_to_the_callers_or_nothing(monkeyp
   assert compare_peers.malloc_env(True) == {
       "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
   assert compare_peers.malloc_env(False) == {}
+  # Without it means without, even when the caller's environment asks for huge pages.
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2")
+  assert compare_peers.malloc_env(False) == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+  assert compare_peers.malloc_env(True) == {
+      "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
   monkeypatch.delenv("GLIBC_TUNABLES")
   assert compare_peers.malloc_env(True) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
