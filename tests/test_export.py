@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import FIXTURE_TERMS, assert_f32_close
 
 from conftest import REPO
 import rloo_jax
@@ -284,7 +285,7 @@ def test_transformers_loads_the_export_with_the_same_logits(family, tmp_path):
     theirs = model(input_ids=torch.tensor(tokens).long(),
                    attention_mask=torch.tensor(mask.astype(np.int64)),
                    position_ids=torch.tensor(positions).long()).logits.numpy()
-  np.testing.assert_allclose(theirs[mask], ours[mask], atol=1e-4, rtol=0)
+  assert_f32_close(theirs[mask], ours[mask], FIXTURE_TERMS)
 
 
 SHARDED = '''

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import FIXTURE_TERMS, assert_f32_close
 
 from rloo_jax import sampler, sampling
 from rloo_jax.models import hf, model_fns
@@ -38,18 +39,18 @@ def loaded(request):
   return request.param, path, config, params, jitted, fns, ref
 
 
-def check_logits(jitted, params, ref, atol=1e-4):
+def check_logits(jitted, params, ref):
   for side in ('right', 'left'):
     mask = ref[f'{side}_mask']
     logits = jitted['forward'](params, ref[f'{side}_tokens'], ref[f'{side}_positions'], mask)
     assert logits.dtype == jnp.float32
-    np.testing.assert_allclose(logits[mask], ref[f'{side}_logits'][mask], atol=atol, rtol=0,
-                               err_msg=f'{side}-padded batch')
+    assert_f32_close(logits[mask], ref[f'{side}_logits'][mask], FIXTURE_TERMS,
+                     err_msg=f'{side}-padded batch')
     # The prefill's head runs at each row's last valid position only: the same logits there.
     first, _ = jitted['prefill'](params, ref[f'{side}_tokens'], ref[f'{side}_positions'], mask)
     last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
-    np.testing.assert_allclose(first, ref[f'{side}_logits'][np.arange(len(last)), last],
-                               atol=atol, rtol=0, err_msg=f'{side}-padded prefill')
+    assert_f32_close(first, ref[f'{side}_logits'][np.arange(len(last)), last], FIXTURE_TERMS,
+                     err_msg=f'{side}-padded prefill')
 
 
 def greedy(jitted, fns, params, prompt_tokens_bp, lengths_b, *, k, new_tokens):

@@ -13,6 +13,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from numerics import FIXTURE_TERMS, assert_f32_close
 
 from rloo_jax.models import hf, model_fns
 
@@ -25,7 +26,6 @@ ARCH = {'llama': 'LlamaForSequenceClassification', 'llama3': 'LlamaForSequenceCl
         'gemma3': 'Gemma3TextForSequenceClassification'}
 FAMILIES = tuple(ARCH)  # make_hf_fixtures.FAMILIES, one reward model each
 MODEL_FAMILY = {'llama3': 'llama', 'mistral': 'llama'}
-ATOL = 1e-4
 
 
 def last_valid(mask):
@@ -56,11 +56,11 @@ def test_reward_model_scores_match_transformers(family):
     rows = np.arange(mask.shape[0])
     scores = values[rows, last_valid(mask)]
     errors[side] = float(np.abs(scores - ref[f'{side}_scores']).max())
-    np.testing.assert_allclose(scores, ref[f'{side}_scores'], atol=ATOL, rtol=0,
-                               err_msg=f'{family} {side}-padded scores')
+    assert_f32_close(scores, ref[f'{side}_scores'], FIXTURE_TERMS,
+                     err_msg=f'{family} {side}-padded scores')
     # Every valid position too: what a value model (or a per-token reward) reads.
-    np.testing.assert_allclose(values[mask], ref[f'{side}_values'][mask], atol=ATOL, rtol=0,
-                               err_msg=f'{family} {side}-padded values')
+    assert_f32_close(values[mask], ref[f'{side}_values'][mask], FIXTURE_TERMS,
+                     err_msg=f'{family} {side}-padded values')
   # The fixture's rows score far apart, so a mix-up of rows or of pooling positions would show.
   s = ref['right_scores']
   assert np.abs(s[:, None] - s[None, :])[np.triu_indices(len(s), 1)].min() > 0.1

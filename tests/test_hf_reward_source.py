@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from numerics import FIXTURE_TERMS as RM_TERMS, assert_f32_close
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(TESTS, 'fixtures')
@@ -64,10 +65,10 @@ def test_spec_scores_equal_the_parity_path(family):
   parity = np.asarray(values)[np.arange(len(TEXTS)), last_valid(ref['right_mask'])]
   scores = fn(PROMPTS, COMPLETIONS)
   assert scores.dtype == np.float32 and scores.shape == (len(TEXTS),)
-  # 1e-5 relative too: XLA's CPU kernels for a 64-row batch (the scorer's) round float32 sums
-  # differently from a 3-row one, ~5e-6 of a score of 15 (checked: the same shapes agree bitwise).
-  np.testing.assert_allclose(scores, parity, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(scores, ref['right_scores'], atol=1e-4, rtol=0)
+  # A 64-row batch (the scorer's) rounds float32 sums differently from a 3-row one, and torch
+  # differently again: float32 rounding of the scores' scale either way.
+  assert_f32_close(scores, parity, RM_TERMS)
+  assert_f32_close(scores, ref['right_scores'], RM_TERMS)
 
   bf16 = registry.resolve(spec(family))
   assert bf16.params['embedding'][...].dtype == jax.numpy.bfloat16
@@ -92,10 +93,10 @@ def test_unscorable_rows_are_nan_and_batches_reuse_one_compile():
   long = ' the reward model' * 20  # ~60 tokens > max_len=40
   got = fn(['', PROMPTS[0], 'x', PROMPTS[1]], ['', COMPLETIONS[0], long, COMPLETIONS[1]])
   assert np.isnan(got[[0, 2]]).all() and fn.num_unscorable == 2
-  np.testing.assert_allclose(got[[1, 3]], alone[:2], atol=1e-5, rtol=0)
+  assert_f32_close(got[[1, 3]], alone[:2], RM_TERMS, scale=np.abs(alone).max())
   for n in (1, 3, 7):
     out = fn((PROMPTS * 3)[:n], (COMPLETIONS * 3)[:n])
-    np.testing.assert_allclose(out, np.tile(alone, 3)[:n], atol=1e-5, rtol=0)
+    assert_f32_close(out, np.tile(alone, 3)[:n], RM_TERMS, scale=np.abs(alone).max())
   assert fn._score._cache_size() == 1
   mid = ' plus two' * 15  # 36 tokens: the second bucket
   assert 32 < fn.encode([PROMPTS[2]], [COMPLETIONS[2] + mid])[1].sum() <= 40
@@ -235,7 +236,7 @@ def test_exported_fixture_scores_the_same(tmp_path):
                 tokenizer_dir=os.path.join(FIXTURES, 'hf', 'gpt_neox'))
   again = registry.resolve(f'hf_reward_model:{out}?dtype=float32')  # its own tokenizer now
   want = registry.resolve(spec('gpt_neox', dtype='float32'))(PROMPTS, COMPLETIONS)
-  np.testing.assert_allclose(again(PROMPTS, COMPLETIONS), want, atol=1e-5, rtol=0)
+  assert_f32_close(again(PROMPTS, COMPLETIONS), want, RM_TERMS)
 
 
 def test_reward_model_directory_exports_to_the_same_scores(tmp_path):
@@ -272,11 +273,10 @@ def test_reward_model_directory_exports_to_the_same_scores(tmp_path):
   # clip(whiten(raw)) by hand: the statistics and the clip reached the exported scorer.
   np.testing.assert_allclose(want, np.clip((rm.raw(prompts, completions) - 0.5) / 2.0, -3, 3),
                              atol=1e-6, rtol=0)
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  assert_f32_close(got, want, RM_TERMS)
   # Statistics overridden in the spec, as for reward_model:.
   raw = registry.resolve(f'hf_reward_model:{out}?dtype=float32&whiten=false&clip=0')
-  np.testing.assert_allclose(raw(prompts, completions), rm.raw(prompts, completions),
-                             atol=1e-5, rtol=0)
+  assert_f32_close(raw(prompts, completions), rm.raw(prompts, completions), RM_TERMS)
   # A task tokenizer has no tokenizer.json: refused, before the restore.
   byte_dir = str(tmp_path / 'byte_rm')
   RewardModelScorer(config, params, tok_lib.ByteTokenizer(), seq_len=32).save(byte_dir)
@@ -308,7 +308,10 @@ def test_weights_are_sharded_and_scores_match_one_device(tmp_path):
     # Split over fsdp: each device holds about a quarter (a half) of the weights, not all.
     assert r[name]['per_device_bytes'] < 0.6 * r[name]['total_bytes'], r[name]
     assert r[name]['out_devices'] == 4  # every device scored a slice of the batch
-    np.testing.assert_allclose(r[name]['scores'], r['one_device']['scores'], atol=1e-5, rtol=0)
+    assert_f32_close(r[name]['scores'], r['one_device']['scores'], RM_TERMS, err_msg=name)
+  # The tolerance tells a wrong shard apart: one device's quarter of one matrix scaled by 1e-3.
+  with pytest.raises(AssertionError):
+    assert_f32_close(r['fsdp4_one_shard_perturbed'], r['one_device']['scores'], RM_TERMS)
   assert r['fsdp4']['per_device_bytes'] < 0.35 * r['fsdp4']['total_bytes']
   assert r['one_device']['per_device_bytes'] == r['one_device']['total_bytes']
   assert np.isnan(r['one_device']['scores'][-1])
@@ -327,7 +330,7 @@ def _worker(result: str) -> None:
              'data2_fsdp2': sharding.make_layout(dict(data=2, fsdp=2, tensor=1, rules=rules))}
   prompts = (PROMPTS * 3)[:7] + ['x']
   completions = (COMPLETIONS * 3)[:7] + [' the reward model' * 30]  # too long: NaN
-  out = {'devices': jax.device_count()}
+  out, fns = {'devices': jax.device_count()}, {}
   for name, layout in layouts.items():
     fn = registry.resolve(spec('llama', dtype='float32', batch_size=4), layout)
     s = fn._score(fn.params, *(fn.layout.shard_batch(a) for a in (
@@ -336,8 +339,25 @@ def _worker(result: str) -> None:
     out[name] = dict(per_device_bytes=sharding.per_device_bytes(jax.tree.leaves(fn.params)),
                      total_bytes=int(total), out_devices=len(s.sharding.device_set),
                      scores=[float(x) for x in fn(prompts, completions)])
+    fns[name] = fn
+  fns['fsdp4'].params = _perturb_one_shard(fns['fsdp4'].params, 1e-3)
+  out['fsdp4_one_shard_perturbed'] = [float(x) for x in fns['fsdp4'](prompts, completions)]
   with open(result, 'w') as f:
     json.dump(out, f)
+
+
+def _perturb_one_shard(params, relative: float):
+  """`params` with the first device's shard of the largest split matrix scaled by 1 + relative."""
+  import jax
+  leaves, treedef = jax.tree.flatten(params)
+  split = [i for i, x in enumerate(leaves) if x.ndim == 2 and len(x.addressable_shards) > 1
+           and x.addressable_shards[0].data.shape != x.shape]
+  i = max(split, key=lambda j: leaves[j].size)
+  x = leaves[i]
+  shards = [s.data * (1 + relative) if n == 0 else s.data
+            for n, s in enumerate(x.addressable_shards)]
+  leaves[i] = jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+  return jax.tree.unflatten(treedef, leaves)
 
 
 # Two processes x 2 CPU devices (jax.distributed), one FSDP mesh over all 4: each process scores
@@ -362,7 +382,7 @@ def test_two_processes_score_their_own_rows(tmp_path):
     r = json.loads((tmp_path / f'{i}.json').read_text())
     assert r['devices'] == 4 and r['local_devices'] == 2
     assert r['per_device_bytes'] < 0.35 * r['total_bytes']
-    np.testing.assert_allclose(r['scores'], one(prompts, completions), atol=1e-5, rtol=1e-5)
+    assert_f32_close(r['scores'], one(prompts, completions), RM_TERMS)
   assert np.isnan(r['scores'][-1]) and np.isfinite(r['scores'][:-1]).all()
 
 

@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from numerics import FIXTURE_TERMS, assert_f32_close
 from flax import nnx
 
 from rloo_jax import adapters
@@ -44,7 +45,7 @@ def test_merged_export_reloads_as_the_lora_policy(family, tmp_path):
   assert mcfg.lora_rank == 0
   again = np.asarray(transformer.model_fns(graphdef).forward(merged, *rows))
   mask = rows[2].astype(bool)
-  np.testing.assert_allclose(again[mask], ours[mask], atol=1e-4, rtol=0)
+  assert_f32_close(again[mask], ours[mask], FIXTURE_TERMS)
 
 
 def _state(params):
@@ -67,7 +68,7 @@ def test_transformers_loads_the_merged_export_within_1e4(tmp_path):
                    attention_mask=torch.tensor(mask.astype(np.int64)),
                    position_ids=torch.tensor(positions).long()).logits.numpy()
   m = mask.astype(bool)
-  np.testing.assert_allclose(theirs[m], ours[m], atol=1e-4, rtol=0)
+  assert_f32_close(theirs[m], ours[m], FIXTURE_TERMS)
 
 
 def test_peft_directory_layout(tmp_path):
@@ -104,7 +105,7 @@ def test_peft_loads_the_adapter_onto_the_base_with_the_same_logits(family, tmp_p
                    attention_mask=torch.tensor(mask.astype(np.int64)),
                    position_ids=torch.tensor(positions).long()).logits.numpy()
   m = mask.astype(bool)
-  np.testing.assert_allclose(theirs[m], ours[m], atol=1e-4, rtol=0)
+  assert_f32_close(theirs[m], ours[m], FIXTURE_TERMS)
 
 
 def test_export_cli_of_a_lora_run_merges_or_writes_the_adapters(tmp_path):
