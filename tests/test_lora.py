@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_f32_close
 from flax import nnx
 
 from rloo_jax.models import lora, transformer
@@ -118,8 +119,9 @@ def test_adapter_gradient_is_the_projection_of_the_full_gradient():
     got_a = np.asarray(flat_ga[path][...]).reshape(want_a.shape)
     got_b = np.asarray(flat_ga[(*prefix, f'{target}_lora_b')][...]).reshape(want_b.shape)
     assert np.abs(want_a).max() > 1e-6
-    np.testing.assert_allclose(got_a, want_a, rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(got_b, want_b, rtol=1e-4, atol=1e-7)
+    # Rounding relative to the gradients' scale: elements near 0 carry their neighbours' error.
+    assert_f32_close(got_a, want_a, g_lio.shape[-1])
+    assert_f32_close(got_b, want_b, g_lio.shape[1])
     checked += 1
   assert checked == len(lora.TARGETS)
 
