@@ -9,7 +9,8 @@ the real shardings (no data, no weights), and what it needs per device.
 Sizes are GiB (2^30 bytes) per device. A program's peak is what it holds at once (`programs`);
 the plan's peak is the largest. When it does not fit, `advice` names the settings to turn,
 the largest consumer first. With config.train.check_memory, an accelerator run plans itself at
-start-up (`check`, from the loop) and refuses a job that would run out of memory.
+start-up (`check`, the preflight `algorithms.run` runs before the loop) and refuses a job that
+would run out of memory.
 """
 
 from __future__ import annotations
