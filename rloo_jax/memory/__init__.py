@@ -306,7 +306,7 @@ def check(algo, *, log=print, backend: Optional[str] = None,
     return None
   if (backend or jax.default_backend()) == "cpu":
     return None
-  if getattr(algo, "name", "") != "rloo":
+  if algo.name != "rloo":  # the plan covers the RLOO programs
     log(f"[plan] config.train.check_memory: the memory plan covers the RLOO programs only; "
         f"{algo.name} is not checked")
     return None
