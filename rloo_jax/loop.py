@@ -85,20 +85,19 @@ class _Preemption:
 
 def run(algo, workdir: str, *, log: Callable[[str], None] = print, initial_params=None,
         evaluator: Optional[evaluation.Evaluator] = None, keep_checkpoints: Optional[int] = None,
-        eval_every: Optional[int] = None, check_config: bool = True) -> dict:
+        eval_every: Optional[int] = None) -> dict:
   """Trains `algo` in `workdir` (resuming from its newest readable checkpoint) and returns the
   summary, also written to <workdir>/summary.json (by process 0), plus `state`, `last_metrics`
   and `preempted` (True when SIGTERM/SIGINT stopped the run after a synchronous save).
 
-  initial_params: the starting policy (default: `policy_init.initial_params`, i.e.
-  config.model.init_from or the cached SFT stage). evaluator: the held-out evaluation (default:
-  the task's test split, `Evaluator.from_config`). check_config: compare the config with the
-  one the workdir was started with (`workdir.check_config`; `algorithms.run` does it before
-  building anything and passes False)."""
+  The caller compared the config with the one the workdir was started with
+  (`workdir.check_config`, before building anything: `algorithms.run`, the RLHF pipeline); the
+  loop holds the workdir's lock while it runs. initial_params: the starting policy (default:
+  `policy_init.initial_params`, i.e. config.model.init_from or the cached SFT stage).
+  evaluator: the held-out evaluation (default: the task's test split,
+  `Evaluator.from_config`)."""
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  if check_config:
-    workdir_lib.check_config(workdir, algo.exp.config, log=log)
   with workdir_lib.Lock(workdir, log=log):
     return _run(algo, workdir, log=log, initial_params=initial_params, evaluator=evaluator,
                 keep_checkpoints=keep_checkpoints, eval_every=eval_every)

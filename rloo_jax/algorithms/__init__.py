@@ -101,4 +101,4 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.
     memory.check(algo, log=log)
-    return loop.run(algo, workdir, log=log, check_config=False)
+    return loop.run(algo, workdir, log=log)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from rloo_jax import algorithms, experiment, loop, memory, policy_init
+from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.metrics import read_jsonl
@@ -199,6 +200,7 @@ def run(config, workdir: str, *, log=print) -> dict:
       rewards=RewardSet([scorer, gold_fn], [1.0, 0.0], ["proxy", "gold"]),
       eval_rewards=RewardSet([gold_fn, scorer], [1.0, 0.0], ["gold", "proxy"]))
   rl_dir = os.path.join(workdir, "rloo")
+  workdir_lib.check_config(rl_dir, rl_config, log=log)
   rl_algo = RLOO(rl_exp)
   memory.check(rl_algo, log=log)  # config.train.check_memory, before the loop compiles
   # A copy: the policy's buffers are donated by the train step, the SFT params are reused.
