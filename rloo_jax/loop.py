@@ -1,7 +1,7 @@
 """The one outer loop every algorithm runs (RLOO and its estimators, PPO, DPO, the RLHF
-pipeline's RL stage): the starting policy, resume, iterations, metrics, the evaluation cadence,
-checkpoints, the progress bar, the summary, and every guard that keeps work from being lost
-(docs/RELIABILITY.md). Side effects live here and only here; an algorithm brings its state, its
+pipeline's RL stage): the training prompts, the starting policy, resume, iterations, metrics,
+the evaluation cadence, checkpoints, the progress bar, the summary, and every guard that keeps
+work from being lost (docs/RELIABILITY.md). Side effects live here and only here; an algorithm brings its state, its
 batches and one iteration through the protocol `rloo_jax.algorithms.base.Algorithm`, every
 member of which the loop calls (exp, name, label, num_iterations, eval_every, abstract_state,
 init_state, resume_state, checkpoint_state, prepare, batches, iteration, eval_params, log_line,
@@ -27,12 +27,25 @@ from jax.experimental import multihost_utils
 
 from rloo_jax import evaluation, policy_init, workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
+from rloo_jax.data import pipeline
 from rloo_jax.metrics import MetricWriter
 from rloo_jax.optim import NonFiniteError
 
 
 class UnscorableError(RuntimeError):
   """The reward functions could score no sample, iteration after iteration."""
+
+
+def prompt_batches(exp, *, seed: Optional[int] = None):
+  """The training prompts, `config.rloo.num_prompts` a batch, this process's rows of each: the
+  batches of an algorithm that brings none of its own (`AlgorithmBase.batches`)."""
+  c = exp.config
+  return pipeline.prompt_batches(exp.task.train, exp.tokenizer,
+                                 global_batch_size=c.rloo.num_prompts,
+                                 max_prompt_len=c.data.max_prompt_len,
+                                 seed=c.seed if seed is None else seed, overlong=c.data.overlong,
+                                 process_index=jax.process_index(),
+                                 process_count=jax.process_count())
 
 
 def _progress(total: int, initial: int, enabled: bool, desc: str):

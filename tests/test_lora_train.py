@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config
-from rloo_jax import algorithms, rollout
+from rloo_jax import algorithms, loop, rollout
 from rloo_jax.algorithms.rloo import RLOO, rollout_rows
 from rloo_jax.checkpoint import Checkpointer, leaf_specs
 from rloo_jax.models import lora
@@ -35,7 +35,7 @@ def started(tmp_path_factory):
   wd = str(tmp_path_factory.mktemp("lora"))
   algo = RLOO(experiment.build(lora_smoke(), wd))
   state = algo.init_state(policy_init.create_params(algo.exp, seed=3))
-  batch = next(algo.batches())
+  batch = next(loop.prompt_batches(algo.exp))
   return algo, state, batch
 
 

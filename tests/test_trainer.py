@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config
-from rloo_jax import algorithms, experiment, models, rollout, sampling
-from rloo_jax.algorithms import base
+from rloo_jax import algorithms, experiment, loop, models, rollout, sampling
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
@@ -84,7 +83,7 @@ def test_checkpoint_round_trip_and_resume_is_a_no_op(smoke_run):
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(summary["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The data position saved with the last checkpoint: the prompt iterator after 2 batches.
-  data = base.prompt_batches(exp)
+  data = loop.prompt_batches(exp)
   assert data.get_state()["step"] == 0
   next(data), next(data)
   assert meta["data"] == data.get_state()

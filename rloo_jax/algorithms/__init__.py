@@ -59,7 +59,8 @@ def validate(config, *, devices=None, rewards: Optional[RewardSet] = None,
   """Every check on the config, in one place, run once before anything is built, read or
   written (the algorithm and its section, the config's own consistency, the mesh, the reward
   names): a config that cannot train must not become the one a workdir was started with. Each
-  failure is one ValueError naming the setting and its fix. Later stages trust the result.
+  failure is one error (a ValueError; FileNotFoundError for a missing checkpoint) naming the
+  setting and its fix. Later stages trust the result.
 
   `rewards`: the reward set the caller trains on instead of config.rewards. with_rewards=False:
   config.rewards is left unresolved (the memory plan needs no rewards)."""

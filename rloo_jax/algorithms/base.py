@@ -8,12 +8,10 @@ default that does nothing.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
-
-import jax
+from typing import Any, Protocol
 
 from rloo_jax import experiment as experiment_lib
-from rloo_jax.data import pipeline
+from rloo_jax import loop
 
 
 class Batches(Protocol):
@@ -73,17 +71,6 @@ class Algorithm(Protocol):
     """More summary.json fields."""
 
 
-def prompt_batches(exp: experiment_lib.Experiment, *, seed: Optional[int] = None):
-  """The training prompts, `config.rloo.num_prompts` a batch, this process's rows of each."""
-  c = exp.config
-  return pipeline.prompt_batches(exp.task.train, exp.tokenizer,
-                                 global_batch_size=c.rloo.num_prompts,
-                                 max_prompt_len=c.data.max_prompt_len,
-                                 seed=c.seed if seed is None else seed, overlong=c.data.overlong,
-                                 process_index=jax.process_index(),
-                                 process_count=jax.process_count())
-
-
 class AlgorithmBase:
   """The protocol's defaults: a run of config.train.num_iterations iterations on the training
   prompts, evaluated every config.train.eval_every, checkpointing its whole state."""
@@ -113,7 +100,7 @@ class AlgorithmBase:
     del state
 
   def batches(self) -> Batches:
-    return prompt_batches(self.exp)
+    return loop.prompt_batches(self.exp)
 
   def eval_params(self, state) -> tuple[Any, Any]:
     return state.params, state.ref_params
