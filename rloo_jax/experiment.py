@@ -1,7 +1,6 @@
-"""The experiment: the config validated, the task prepared, the model, mesh, optimizer, reward
-set and sampling method resolved once, and the RL train state with its shardings.
-
-Every check that can fail on the config runs in `build`, before anything compiles.
+"""The experiment: the task prepared, the model, mesh, optimizer, reward set and sampling method
+resolved once, and the RL train state with its shardings. The config's checks live here and run
+once, from `rloo_jax.algorithms.validate`, before anything is built; `build` trusts them.
 """
 
 from __future__ import annotations
@@ -201,6 +200,16 @@ def validate_config(config) -> None:
                             f"{'' if local == init else f' (in {local})'}; point it at a "
                             "Hugging Face checkpoint directory (config.json + "
                             "model.safetensors, as save_pretrained writes it) or hub id")
+  if init:  # the checkpoint's own architecture: a causal LM, long enough for the run
+    with open(os.path.join(local, "config.json")) as f:
+      ckpt = hf.config_from_hf(json.load(f), dtype=config.model.dtype)
+    if ckpt.head != "lm":
+      raise ValueError(f"config.model.init_from={init!r} is a sequence-classification "
+                       "checkpoint (no LM head); the policy needs a causal LM checkpoint")
+    if need > ckpt.max_seq_len:
+      raise ValueError(f"config.data.max_prompt_len + config.rloo.max_new_tokens = {need} "
+                       f"exceeds the context of config.model.init_from={init!r}, "
+                       f"{ckpt.max_seq_len} tokens; shorten one")
   chat.check(config, local)
 
 
@@ -290,9 +299,6 @@ def model_config(config, vocab_size: Callable[[], int]) -> transformer.Transform
   local = hf.resolve_path(m.init_from, what="config.model.init_from")
   with open(os.path.join(local, "config.json")) as f:
     mcfg = hf.config_from_hf(json.load(f), dtype=m.dtype)
-  if mcfg.head != "lm":
-    raise ValueError(f"config.model.init_from={m.init_from!r} is a sequence-classification "
-                     "checkpoint (no LM head); the policy needs a causal LM checkpoint")
   _warn_overridden(m, mcfg)
   return adapters.model_config(config, mcfg.replace(remat=m.get("remat", "none")))
 
@@ -302,10 +308,6 @@ def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
   """The Experiment of a resolved architecture: optimizer, loss, model functions (with FSDP's
   ParamGather) and the train state's shardings. What `build` and `build_abstract` share."""
   graphdef, abstract_params = transformer.abstract(mcfg)
-  if sequence_length(config) > mcfg.max_seq_len:
-    raise ValueError(f"config.data.max_prompt_len + config.rloo.max_new_tokens = "
-                     f"{sequence_length(config)} exceeds the model's context of "
-                     f"{mcfg.max_seq_len} tokens")
   t = config.train
   tx = make_optimizer(config.optim, t.num_iterations * t.num_epochs * t.num_minibatches)
   # FSDP: the model functions gather each layer's weights as the layer scan reaches them.
@@ -325,16 +327,16 @@ def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
   return exp
 
 
-def build(config, workdir: str, task=None, *, devices=None, rewards: Optional[RewardSet] = None,
+def build(config, workdir: str, task=None, *, layout: Optional[sharding_lib.Layout] = None,
+          devices=None, rewards: Optional[RewardSet] = None,
           eval_rewards: Optional[RewardSet] = None) -> Experiment:
-  """Validates the config and the mesh, prepares the task and compiles nothing.
+  """The experiment of a validated config (`algorithms.validate`): prepares the task and
+  compiles nothing.
 
-  `devices` (default: all of jax.devices()) are the devices the config.mesh is laid over.
+  `layout` (default: config.mesh over `devices`, default all of jax.devices()) is the mesh.
   `rewards` / `eval_rewards` replace the reward set of config.rewards (the RLHF pipeline trains
   on a reward model it made itself)."""
-  validate_config(config)
-  layout = sharding_lib.make_layout(config.mesh, devices)
-  validate_layout(config, layout)
+  layout = layout or sharding_lib.make_layout(config.mesh, devices)
   rewards = rewards or RewardSet.from_config(config.rewards, layout)  # RMs on the mesh
   if task is None:
     task = _make_task(config, os.path.join(workdir, "data"))
@@ -347,10 +349,9 @@ def build_abstract(config, devices=None, num_layers: Optional[int] = None) -> Ex
   """The static Experiment with no task, rewards or weights (its `task` and reward sets are
   None): what the memory planner (`rloo_jax.plan`) compiles the training programs from. The
   architecture is a preset's, init_from's config.json, or config.model sized by the task's
-  tokenizer (`tasks.vocab_size`); `num_layers` replaces its depth (scaling studies)."""
-  validate_config(config)
+  tokenizer (`tasks.vocab_size`); `num_layers` replaces its depth (scaling studies). The
+  config is validated (`algorithms.validate`)."""
   layout = sharding_lib.make_layout(config.mesh, devices)
-  validate_layout(config, layout)
 
   def vocab_size() -> int:
     size = tasks.vocab_size(config)

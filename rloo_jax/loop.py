@@ -1,22 +1,15 @@
 """The one outer loop every algorithm runs (RLOO and its estimators, PPO, DPO, the RLHF
-pipeline's RL stage): data, the starting policy, resume, iterations, metrics, the evaluation
-cadence, checkpoints, the progress bar, the summary, and every guard that keeps work from being
-lost (docs/RELIABILITY.md). Side effects live here and only here; an algorithm
-(`rloo_jax.algorithms`) brings its state and one iteration:
+pipeline's RL stage): the training prompts, the starting policy, resume, iterations, metrics,
+the evaluation cadence, checkpoints, the progress bar, the summary, and every guard that keeps
+work from being lost (docs/RELIABILITY.md). Side effects live here and only here; an algorithm brings its state, its
+batches and one iteration through the protocol `rloo_jax.algorithms.base.Algorithm`, every
+member of which the loop calls (exp, name, label, num_iterations, eval_every, abstract_state,
+init_state, resume_state, checkpoint_state, prepare, batches, iteration, eval_params, log_line,
+summary_extra).
 
-    algo.exp                          the Experiment (config, task, model, mesh, rewards)
-    algo.name, algo.label             'rloo' / 'RLOO': summary.json's algorithm and the table
-    algo.num_iterations               iterations of a full run
-    algo.abstract_state()             the Orbax restore target (shardings included)
-    algo.init_state(params)           the state at iteration 0 from the starting policy
-    algo.prepare(state)               optional: work that needs the state (DPO's pairs)
-    algo.batches()                    optional: a checkpointable iterator (default: prompts)
-    algo.iteration(state, batch)      -> (state, metrics with update_steps, nonfinite_steps)
-    algo.log_line(step, metrics)      one line for the log when there is no progress bar
-    algo.summary_extra()              optional: more summary.json fields
-
-Before anything runs, an accelerator job of the RLOO family is planned (`rloo_jax.memory.check`,
-config.train.check_memory) and refused when it would not fit in device memory.
+The config reaching the loop was validated once, before anything was built
+(`rloo_jax.algorithms.validate`), and an accelerator job's memory was planned before the loop
+starts (`rloo_jax.memory.check`, the step before `loop.run` in `algorithms.run`).
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rloo_jax import adapters, evaluation, memory, policy_init, workdir as workdir_lib
+from rloo_jax import evaluation, policy_init, workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import pipeline
 from rloo_jax.metrics import MetricWriter
@@ -44,7 +37,8 @@ class UnscorableError(RuntimeError):
 
 
 def prompt_batches(exp, *, seed: Optional[int] = None):
-  """The training prompts, `config.rloo.num_prompts` a batch, this process's rows of each."""
+  """The training prompts, `config.rloo.num_prompts` a batch, this process's rows of each: the
+  batches of an algorithm that brings none of its own (`AlgorithmBase.batches`)."""
   c = exp.config
   return pipeline.prompt_batches(exp.task.train, exp.tokenizer,
                                  global_batch_size=c.rloo.num_prompts,
@@ -59,17 +53,6 @@ def _progress(total: int, initial: int, enabled: bool, desc: str):
     return None
   from tqdm import tqdm  # a display nicety, imported only when shown
   return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
-
-
-def policy(state):
-  return getattr(state, "policy_params", state.params)
-
-
-def reference(state):
-  """The reference as the policy's model functions run it (the evaluator compares the two)."""
-  if getattr(state, "lora", False):
-    return adapters.reference_as_policy(state)
-  return getattr(state, "ref_params", None)
 
 
 @jax.jit
@@ -115,20 +98,19 @@ class _Preemption:
 
 def run(algo, workdir: str, *, log: Callable[[str], None] = print, initial_params=None,
         evaluator: Optional[evaluation.Evaluator] = None, keep_checkpoints: Optional[int] = None,
-        eval_every: Optional[int] = None, check_config: bool = True) -> dict:
+        eval_every: Optional[int] = None) -> dict:
   """Trains `algo` in `workdir` (resuming from its newest readable checkpoint) and returns the
   summary, also written to <workdir>/summary.json (by process 0), plus `state`, `last_metrics`
   and `preempted` (True when SIGTERM/SIGINT stopped the run after a synchronous save).
 
-  initial_params: the starting policy (default: `policy_init.initial_params`, i.e.
-  config.model.init_from or the cached SFT stage). evaluator: the held-out evaluation (default:
-  the task's test split, `Evaluator.from_config`). check_config: compare the config with the
-  one the workdir was started with (`workdir.check_config`; `algorithms.run` does it before
-  building anything and passes False)."""
+  The caller compared the config with the one the workdir was started with
+  (`workdir.check_config`, before building anything: `algorithms.run`, the RLHF pipeline); the
+  loop holds the workdir's lock while it runs. initial_params: the starting policy (default:
+  `policy_init.initial_params`, i.e. config.model.init_from or the cached SFT stage).
+  evaluator: the held-out evaluation (default: the task's test split,
+  `Evaluator.from_config`)."""
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  if check_config:
-    workdir_lib.check_config(workdir, algo.exp.config, log=log)
   with workdir_lib.Lock(workdir, log=log):
     return _run(algo, workdir, log=log, initial_params=initial_params, evaluator=evaluator,
                 keep_checkpoints=keep_checkpoints, eval_every=eval_every)
@@ -138,33 +120,27 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
   exp = algo.exp
   c = exp.config
   t = c.train
-  # config.train.check_memory: on an accelerator a job that cannot fit is refused here, before
-  # the SFT stage and the first iteration compile anything.
-  memory.check(algo, log=log)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
                       keep=t.keep_checkpoints if keep_checkpoints is None else keep_checkpoints)
   writer = None
   try:
     evaluator = evaluator or evaluation.Evaluator.from_config(exp)
     if eval_every is None:
-      eval_every = getattr(algo, "eval_every", t.eval_every)
+      eval_every = algo.eval_every
     total = algo.num_iterations
     restored = ckpt.restore(algo.abstract_state()) if ckpt.latest_step() is not None else None
     if restored is not None:
       step, state, meta = restored
       before = meta.get("before")
-      if hasattr(algo, "resume_state"):  # LoRA: the base, which checkpoints leave out
-        state = algo.resume_state(state, initial_params)
+      state = algo.resume_state(state, initial_params)  # LoRA: the base checkpoints leave out
       log(f"[{algo.name}] resumed from iteration {step} in {ckpt.directory}")
     else:
       params = initial_params if initial_params is not None else policy_init.initial_params(
           exp, log=log)
       state, meta, before = algo.init_state(params), None, None
-    if hasattr(algo, "prepare"):
-      algo.prepare(state)
-    data = algo.batches() if hasattr(algo, "batches") else prompt_batches(exp)
-    for what, n, of in (("training", getattr(data, "num_dropped", 0),
-                         getattr(data, "num_records", 0)),
+    algo.prepare(state)
+    data = algo.batches()
+    for what, n, of in (("training", data.num_dropped, data.num_records),
                         ("held-out", *evaluator.num_dropped())):
       if n:
         log(f"[data] {n} of {of} {what} prompts are longer than config.data.max_prompt_len="
@@ -179,7 +155,7 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
                           final_step=total, wandb_project=wandb_project,
                           wandb_config=workdir_lib.flat_config(c) if wandb_project else None)
     if before is None:
-      before = evaluator(policy(state), reference(state))
+      before = evaluator(*algo.eval_params(state))
       log(f"[eval] initial policy: {json.dumps(before)}")
       writer.write(0, before, prefix="eval/")
 
@@ -203,7 +179,7 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
         elif step % t.log_every == 0:
           log(algo.log_line(step, metrics))
         if eval_every and step % eval_every == 0 and step != total:
-          writer.write(step, evaluator(policy(state), reference(state)), prefix="eval/")
+          writer.write(step, evaluator(*algo.eval_params(state)), prefix="eval/")
         stop = preemption.requested()
         if step % t.checkpoint_every == 0 or step == total or stop:
           _save(ckpt, step, algo, state, {"data": data.get_state(), "before": before},
@@ -221,7 +197,7 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     if preempted:
       return dict(preempted=True, iterations=int(state.step), state=state,
                   last_metrics=metrics)
-    after = evaluator(policy(state), reference(state))
+    after = evaluator(*algo.eval_params(state))
     writer.write(int(state.step), after, prefix="eval/")
   finally:
     # An exception inside the loop still waits for the save in flight (no temp directory is
@@ -233,8 +209,7 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
              "iterations": int(state.step), "seed": c.seed,
              "eval_prompts": evaluator.num_prompts, "reward": evaluator.rewards.first,
              "initial_policy": "initial policy" if c.model.init_from else "SFT"}
-  if hasattr(algo, "summary_extra"):
-    summary.update(algo.summary_extra())
+  summary.update(algo.summary_extra())
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
@@ -251,9 +226,7 @@ def _save(ckpt: Checkpointer, step: int, algo, state, meta: dict, *, ckpt_wait: 
         f"the train state at iteration {step} holds non-finite values, so it was not saved; "
         f"the newest finite checkpoint is {ckpt.latest_step()} in {ckpt.directory}. Lower "
         "config.optim.learning_rate (or config.optim.max_grad_norm) and resume.")
-  if hasattr(algo, "checkpoint_state"):
-    state = algo.checkpoint_state(state)
-  ckpt.save(step, state, meta, force=True, wait=ckpt_wait)
+  ckpt.save(step, algo.checkpoint_state(state), meta, force=True, wait=ckpt_wait)
 
 
 def _guard(m: dict, nonfinite_run: int, unscorable_run: int, step: int, c, exp, ckpt):

@@ -54,11 +54,12 @@ def main(argv):
   # order keeps it so).
   from rloo_jax import algorithms, experiment, memory  # pylint: disable=import-outside-toplevel
   try:
-    _, config = algorithms.resolve(_CONFIG.value)
-    if config.get("algorithm", "rloo") != "rloo":
-      raise ValueError(f"config.algorithm={config.algorithm!r}: the memory plan covers the RLOO "
+    # The run's checks, without resolving config.rewards: the plan needs no reward.
+    checked = algorithms.validate(_CONFIG.value, with_rewards=False)
+    if checked.name != "rloo":
+      raise ValueError(f"config.algorithm={checked.name!r}: the memory plan covers the RLOO "
                        "programs only (config.algorithm='rloo')")
-    exp = experiment.build_abstract(config, num_layers=_LAYERS.value)
+    exp = experiment.build_abstract(checked.config, num_layers=_LAYERS.value)
     report = memory.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=_MEMORY.value,
                          accelerator=bool(_DEVICES.value) and not _AS_COMPILED.value,
                          speedups=_SPEEDUPS.value)

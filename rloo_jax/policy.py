@@ -240,9 +240,8 @@ def _load_workdir(workdir: str, step: Optional[int]) -> Policy:
     raise ValueError(f"checkpoint {step} in {ckpt_dir} is unreadable (moved to "
                      f"checkpoints_corrupt/); the newest readable one before it is step {got}")
   exp = algo.exp
-  if hasattr(algo, "resume_state"):  # LoRA: the base that checkpoints leave out
-    state = algo.resume_state(state)
-  return Policy(exp.fns, getattr(state, "policy_params", state.params), exp.tokenizer,
+  state = algo.resume_state(state)  # LoRA: the base that checkpoints leave out
+  return Policy(exp.fns, algo.eval_params(state)[0], exp.tokenizer,
                 max_new_tokens=config.rloo.max_new_tokens,
                 max_prompt_len=config.data.max_prompt_len,
                 batch_size=config.train.eval_batch_size, sampler_mode=config.rloo.sampler_mode,

@@ -72,9 +72,10 @@ def test_gsm8k_notebook_executes_offline(tmp_path, monkeypatch):
   assert "'r': 16" in outputs and "'lora_alpha': 16" in outputs
 
 
-def test_gsm8k_colab_config():
+def test_gsm8k_colab_config(tmp_path):
   """The notebook's Colab job: its shapes, and a config the trainer accepts (the checkpoint is a
-  hub id, so this checks the config with the tiny fixture in its place: no network)."""
+  hub id, so this checks the config with the tiny fixture's config.json in its place, given
+  Qwen2.5-0.5B's context: no network)."""
   c = load_config("colab,lora=16", name="gsm8k")
   assert c.model.init_from == "Qwen/Qwen2.5-0.5B-Instruct" and c.model.lora.rank == 16
   assert (c.rloo.num_prompts, c.rloo.k, c.data.max_prompt_len, c.rloo.max_new_tokens) == (
@@ -86,7 +87,12 @@ def test_gsm8k_colab_config():
   # The other variants keep veRL's k=5.
   assert load_config("single", name="gsm8k").rloo.k == load_config(None, name="gsm8k").rloo.k == 5
   # The fixture has no chat template: Qwen's is checked where the hub is reachable.
-  c.model.init_from, c.data.chat_template = load_config("smoke", name="gsm8k").model.init_from, ""
+  fixture = load_config("smoke", name="gsm8k").model.init_from
+  with open(os.path.join(fixture, "config.json")) as f:
+    hf_config = dict(json.load(f), max_position_embeddings=32768)
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(hf_config, f)
+  c.model.init_from, c.data.chat_template = str(tmp_path), ""
   algorithms.validate(c)
   c.train.microbatch_size = 6  # a check that can fail: 16 prompts a minibatch are not 6s
   with pytest.raises(ValueError, match="microbatch_size"):

@@ -6,13 +6,19 @@
 
     from rloo_jax import algorithms
     summary = algorithms.run(config, workdir)
+
+One run is four steps, each trusting the one before: `validate` (every check on the config,
+once, before anything is read, written or compiled), `experiment.build`, the memory preflight
+(`memory.check`), `loop.run`. Each algorithm is an `base.AlgorithmBase`, which implements the
+protocol the loop drives (`base.Algorithm`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple, Optional
 
-from rloo_jax import experiment, loop, sharding
+from rloo_jax import experiment, loop, memory, sharding
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms import dpo, ppo
 from rloo_jax.algorithms.rloo import RLOO
@@ -40,33 +46,60 @@ def resolve(config):
   return name, config
 
 
-def make(config, workdir: str, **build_kw):
-  """The algorithm object of `config.algorithm` (default 'rloo'), its experiment built."""
+class Checked(NamedTuple):
+  """A config that passed `validate`, with what the checks resolved: what `build` takes."""
+  name: str  # config.algorithm
+  config: Any  # with the algorithm section's defaults
+  layout: sharding.Layout  # the mesh the run is laid over
+  rewards: Optional[RewardSet]  # config.rewards resolved (None: not asked for)
+
+
+def validate(config, *, devices=None, rewards: Optional[RewardSet] = None,
+             with_rewards: bool = True) -> Checked:
+  """Every check on the config, in one place, run once before anything is built, read or
+  written (the algorithm and its section, the config's own consistency, the mesh, the reward
+  names): a config that cannot train must not become the one a workdir was started with. Each
+  failure is one error (a ValueError; FileNotFoundError for a missing checkpoint) naming the
+  setting and its fix. Later stages trust the result.
+
+  `rewards`: the reward set the caller trains on instead of config.rewards. with_rewards=False:
+  config.rewards is left unresolved (the memory plan needs no rewards)."""
   name, config = resolve(config)
-  return ALGORITHMS[name](experiment.build(config, workdir, **build_kw))
-
-
-def validate(config, *, devices=None, rewards=None, **unused_build_kw) -> None:
-  """The checks `make` runs before it prepares data or compiles (the algorithm's name and
-  section, the config, its mesh, the reward names), run without touching any workdir: a config
-  that cannot train must not become the one a workdir was started with."""
-  _, config = resolve(config)
   experiment.validate_config(config)
   layout = sharding.make_layout(config.mesh, devices)
   experiment.validate_layout(config, layout)
-  if rewards is None:
-    # The build's layout: a Hugging Face reward model loaded here is the one build reuses.
-    RewardSet.from_config(config.rewards, layout)
+  if rewards is None and with_rewards:
+    # On the build's layout: a Hugging Face reward model loaded here is the one build uses.
+    rewards = RewardSet.from_config(config.rewards, layout)
+  return Checked(name, config, layout, rewards)
 
 
-def run(config, workdir: str, *, log=print, **build_kw) -> dict:
-  """Builds the configured algorithm and trains it in `workdir` (resuming); the summary.
+def build(checked: Checked, workdir: str, *, task=None, eval_rewards=None):
+  """The algorithm object of a validated config, its experiment built."""
+  exp = experiment.build(checked.config, workdir, task, layout=checked.layout,
+                         rewards=checked.rewards, eval_rewards=eval_rewards)
+  return ALGORITHMS[checked.name](exp)
 
-  Before anything is built, read or written, the config is compared with the one the workdir
-  was started with, and the workdir is locked against a second live run."""
-  validate(config, **build_kw)
+
+def make(config, workdir: str, *, devices=None, rewards: Optional[RewardSet] = None, **build_kw):
+  """The algorithm object of `config.algorithm` (default 'rloo'): validated, then built."""
+  return build(validate(config, devices=devices, rewards=rewards), workdir, **build_kw)
+
+
+def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[RewardSet] = None,
+        **build_kw) -> dict:
+  """Trains the configured algorithm in `workdir` (resuming); the summary.
+
+  validate -> (the workdir's config compared, the workdir locked) -> build -> memory preflight
+  -> loop. Nothing is built, read or written before the config passed every check and matched
+  the one the workdir was started with."""
+  checked = validate(config, devices=devices, rewards=rewards)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   workdir_lib.check_config(workdir, config, log=log)
   with workdir_lib.Lock(workdir, log=log):
-    return loop.run(make(config, workdir, **build_kw), workdir, log=log, check_config=False)
+    algo = build(checked, workdir, **build_kw)
+    # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
+    # before the SFT stage and the first iteration compile anything.
+    memory.check(algo, log=log)
+    return loop.run(algo, workdir, log=log)

@@ -36,6 +36,7 @@ from rloo_jax.data import pipeline
 from rloo_jax.models import transformer
 from rloo_jax.optim import apply_if_finite, make_optimizer, with_learning_rate
 from rloo_jax import preference_pairs
+from rloo_jax.algorithms.base import AlgorithmBase
 
 DPO_DEFAULTS = dict(
     beta=0.1,
@@ -221,8 +222,11 @@ def reference_logprobs(fns, ref_params, rows: dict, batch_size: int, chunk_size:
 class PairBatches:
   """Pair minibatches in shuffled passes; checkpointable like the prompt iterators."""
 
+  num_dropped = 0  # every pair is kept
+
   def __init__(self, num_pairs: int, batch_size: int, seed: int):
     self.n, self.bs, self.seed = num_pairs, min(batch_size, num_pairs), seed
+    self.num_records = num_pairs
     self.epoch, self.pos = 0, 0
 
   def _order(self):
@@ -242,26 +246,29 @@ class PairBatches:
     self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 
 
-class DPO:
+class DPO(AlgorithmBase):
   """DPO as an algorithm of the outer loop: one iteration is one step on a pair batch."""
 
   name = "dpo"
   label = "DPO"
 
   def __init__(self, exp):
-    self.exp = exp
+    super().__init__(exp)
     d = exp.config.dpo
     self.tx = make_optimizer(with_learning_rate(exp.config.optim, d.learning_rate), d.steps)
     self.step_fn = jax.jit(functools.partial(
         train_step, fns=exp.fns, tx=self.tx, beta=float(d.beta),
         chunk_size=int(exp.config.train.logprob_chunk_size)), donate_argnums=0)
-    self.eval_every = int(d.eval_every)
     self.rows = self.ref_logp = None
     self.num_pairs = 0
 
   @property
   def num_iterations(self) -> int:
     return int(self.exp.config.dpo.steps)
+
+  @property
+  def eval_every(self) -> int:
+    return int(self.exp.config.dpo.eval_every)
 
   def init_state(self, params) -> DPOState:
     return DPOState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, params),

@@ -36,6 +36,7 @@ import numpy as np
 from rloo_jax import config_utils, loss, rollout
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms import ppo_math
+from rloo_jax.algorithms.base import AlgorithmBase
 from rloo_jax.algorithms.rloo import (rollout_metrics, rollout_rows, timed_updates,
                                      trim_rollout)
 from rloo_jax.models import transformer
@@ -153,14 +154,14 @@ def train_step(state: PPOState, rows: PPORows, *, fns, value_fns, tx, value_tx, 
                                                  vguard["nonfinite_steps"]))
 
 
-class PPO:
+class PPO(AlgorithmBase):
   """PPO as an algorithm of the outer loop (`rloo_jax.loop`)."""
 
   name = "ppo"
   label = "PPO"
 
   def __init__(self, exp):
-    self.exp = exp
+    super().__init__(exp)
     c, p = exp.config, exp.config.ppo
     self.k = int(c.rloo.k)
     self.value_config = exp.model_config.replace(head="scalar")
@@ -184,10 +185,6 @@ class PPO:
     self.rows_fn = jax.jit(functools.partial(rollout.make_rows, k=self.k, shared_prefix=False),
                            out_shardings=rows_sh)
     self.take_fn = jax.jit(lambda rows, idx: rows.take(idx, self.k), out_shardings=rows_sh)
-
-  @property
-  def num_iterations(self) -> int:
-    return int(self.exp.config.train.num_iterations)
 
   def init_critic(self, policy_params, seed: int):
     if self.exp.config.ppo.critic_init == "random":

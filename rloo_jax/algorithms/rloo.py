@@ -15,6 +15,7 @@ import numpy as np
 
 from rloo_jax import adapters, policy_init, rollout, update
 from rloo_jax import experiment as experiment_lib
+from rloo_jax.algorithms.base import AlgorithmBase
 
 
 def mean_step_metrics(step_metrics) -> dict:
@@ -84,14 +85,14 @@ def rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite: int, parts: 
   return m
 
 
-class RLOO:
+class RLOO(AlgorithmBase):
   """The algorithm object the loop drives: state, jitted programs and one iteration."""
 
   name = "rloo"
   label = "RLOO"
 
   def __init__(self, exp: experiment_lib.Experiment):
-    self.exp = exp
+    super().__init__(exp)
     c = exp.config
     layout, state_sh = exp.layout, exp.state_shardings
     rows_sh, rep = layout.batch_sharding, layout.replicated
@@ -126,10 +127,6 @@ class RLOO:
     return self.advantage_fn(self.reference_fn(ref_params, rows), adv_state, rows, rewards_bk,
                              usable_bk)
 
-  @property
-  def num_iterations(self) -> int:
-    return int(self.exp.config.train.num_iterations)
-
   def abstract_state(self):
     """The restore target: a checkpoint's form of the state (`checkpoint_state`)."""
     return adapters.abstract_checkpoint(self.exp, experiment_lib.abstract_state(self.exp))
@@ -148,6 +145,13 @@ class RLOO:
 
   def init_state(self, params):
     return experiment_lib.init_state(self.exp, params)
+
+  def eval_params(self, state):
+    """With LoRA the policy is base + adapters, and the reference the base as the policy's
+    model functions run it."""
+    if state.lora:
+      return state.policy_params, adapters.reference_as_policy(state)
+    return state.params, state.ref_params
 
   def iteration(self, state, batch: dict):
     """rollout -> rewards -> reference -> advantages -> epochs x minibatches: (state, metrics)."""

@@ -9,7 +9,8 @@ the real shardings (no data, no weights), and what it needs per device.
 Sizes are GiB (2^30 bytes) per device. A program's peak is what it holds at once (`programs`);
 the plan's peak is the largest. When it does not fit, `advice` names the settings to turn,
 the largest consumer first. With config.train.check_memory, an accelerator run plans itself at
-start-up (`check`, from the loop) and refuses a job that would run out of memory.
+start-up (`check`, the preflight `algorithms.run` runs before the loop) and refuses a job that
+would run out of memory.
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ def check(algo, *, log=print, backend: Optional[str] = None,
     return None
   if (backend or jax.default_backend()) == "cpu":
     return None
-  if getattr(algo, "name", "") != "rloo":
+  if algo.name != "rloo":  # the plan covers the RLOO programs
     log(f"[plan] config.train.check_memory: the memory plan covers the RLOO programs only; "
         f"{algo.name} is not checked")
     return None

@@ -29,7 +29,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import experiment, loop, policy_init
+from rloo_jax import algorithms, experiment, loop, memory, policy_init
+from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.metrics import read_jsonl
@@ -47,7 +48,9 @@ def validate(config) -> None:
   if jax.process_count() > 1:
     raise ValueError("the RLHF pipeline runs in one process (its stages pass host data between "
                      "them); run it without jax.distributed, on one or more local devices")
-  experiment.validate_config(config)
+  # The run's own checks (the pipeline brings its own reward sets, so config.rewards is not
+  # resolved); every build below trusts them.
+  algorithms.validate(config, with_rewards=False)
   registry.resolve(r.gold_reward)  # names the module / attribute if the gold reward is wrong
   if r.samples_per_prompt < 2:
     raise ValueError(f"config.rlhf.samples_per_prompt = {r.samples_per_prompt}: a preference pair "
@@ -197,8 +200,11 @@ def run(config, workdir: str, *, log=print) -> dict:
       rewards=RewardSet([scorer, gold_fn], [1.0, 0.0], ["proxy", "gold"]),
       eval_rewards=RewardSet([gold_fn, scorer], [1.0, 0.0], ["gold", "proxy"]))
   rl_dir = os.path.join(workdir, "rloo")
+  workdir_lib.check_config(rl_dir, rl_config, log=log)
+  rl_algo = RLOO(rl_exp)
+  memory.check(rl_algo, log=log)  # config.train.check_memory, before the loop compiles
   # A copy: the policy's buffers are donated by the train step, the SFT params are reused.
-  result = loop.run(RLOO(rl_exp), rl_dir, log=log, keep_checkpoints=2,
+  result = loop.run(rl_algo, rl_dir, log=log, keep_checkpoints=2,
                     initial_params=jax.tree.map(jnp.copy, sft_params))
   timings["rloo_s"] = time.time() - t0
   timings["this_run_s"] = time.time() - t_start
