@@ -116,6 +116,7 @@ def _model_checks(config) -> Optional[transformer.TransformerConfig]:
                      f"{m.init_from!r} both set the architecture; set one of "
                      f"config.model.preset / config.model.init_from (the other to '')")
   _check_choice("config.model.remat", m.get("remat", "none"), model_config_lib.REMAT_POLICIES)
+  presets.run_options(m)  # remat_names and attention: one-line errors before any compile
   _check_choice("config.model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES)
   adapters.check_config(config)
   # Raises naming the closest preset, or the model family a preset needs and this build lacks.
@@ -294,7 +295,7 @@ def model_config(config, vocab_size: Callable[[], int]) -> transformer.Transform
     raise ValueError(f"config.model.init_from={m.init_from!r} is a sequence-classification "
                      "checkpoint (no LM head); the policy needs a causal LM checkpoint")
   _warn_overridden(m, mcfg)
-  return adapters.model_config(config, mcfg.replace(remat=m.get("remat", "none")))
+  return adapters.model_config(config, mcfg.replace(**presets.run_options(m)))
 
 
 def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
