@@ -129,7 +129,7 @@ def _validate(**flat):
     ({"model.preset": "qwen2.5-0.5b", "model.init_from": "/ckpt"},
      r"both set the architecture; set one of config\.model\.preset / config\.model\.init_from"),
     ({"model.remat": "some"},
-     r"unknown config\.model\.remat 'some'; choose one of \('none', 'full', 'dots'\)"),
+     r"unknown config\.model\.remat 'some'; choose one of \('none', 'full', 'dots', 'names'\)"),
     ({"model.ref_dtype": "fp8"},
      r"unknown config\.model\.ref_dtype 'fp8'; choose one of \('', 'bfloat16', 'float32'"),
     ({"train.microbatch_size": -1}, r"config\.train\.microbatch_size = -1 must be >= 0"),

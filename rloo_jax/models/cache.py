@@ -46,12 +46,6 @@ class DecodeCache:
   prefix_positions_bp: jax.Array | None = None
 
   @property
-  def num_bytes(self) -> int:
-    """Bytes of the whole cache (all rows): what the memory plan counts for a rollout."""
-    arrays = (self.prefix_k_lbhdp, self.prefix_v_lbhpd, self.k_lbkhdt, self.v_lbkhtd)
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays))
-
-  @property
   def per_layer(self) -> bool:
     return isinstance(self.k_lbkhdt, tuple)
 

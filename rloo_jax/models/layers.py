@@ -14,8 +14,8 @@ from rloo_jax.models.config import TransformerConfig, dtype_of
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
-  # Draw flat, then reshape: XLA's compile time for rank-3 threefry draws is several times that of
-  # rank-1 ones (seconds per tensor on a small CPU), and the values are just as random.
+  # Draw flat, then reshape: rank-3 threefry draws compile several times slower than rank-1
+  # ones, and the values are just as random.
   def flat_init(key, shape, dtype):
     return init(key, (math.prod(shape),), dtype).reshape(shape)
 
@@ -96,10 +96,9 @@ def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: i
   `head_dim`: the rotated dims (all of a head's, or GPT-NeoX's first rotary_dim); `scaling`:
   `TransformerConfig.rope_scaling` (see `inv_freq`).
 
-  Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array.
-  Computed from the positions directly, XLA fused cos and sin into every consumer (q and k of
-  every layer) and recomputed them per element, i.e. per head: a visible share of a CPU decode
-  step and of the update. (XLA evaluates the table only at the gathered rows.)
+  Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array:
+  computed from the positions directly, cos and sin were fused into every consumer (q and k of
+  every layer) and recomputed per head. (XLA evaluates the table only at the gathered rows.)
   """
   angles_sf = (jnp.arange(max_seq_len, dtype=jnp.float32)[:, None]
                * inv_freq(head_dim, theta, scaling))
@@ -123,8 +122,8 @@ def _rope(x_bshd: jax.Array, rotary) -> jax.Array:
 def _dense(x_bse: jax.Array, kernel_ef: jax.Array, preferred_element_type=None) -> jax.Array:
   """x @ kernel as one 2-D matmul over the flattened rows, [B*S, E] x [E, F] -> [B, S, F].
 
-  Why not einsum('bse,ef->bsf'): its weight gradient contracts over two axes (b and s), which
-  XLA:CPU does not hand to its fast GEMM kernel.
+  Why not einsum('bse,ef->bsf'): its weight gradient then contracts over two axes (b and s),
+  which a compiler may not hand to its plain GEMM kernel.
   """
   b, s, e = x_bse.shape
   y = jnp.matmul(x_bse.reshape(b * s, e), kernel_ef, preferred_element_type=preferred_element_type)
