@@ -161,6 +161,7 @@ def validate_config(config) -> None:
   _check_choice("config.kl.reduction", config.kl.reduction, ("sum", "mean"))
   _check_choice("config.rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask"))
   sampler_args.validate_decode_layout(r)
+  _check_choice("config.rloo.sampler_mode", r.sampler_mode, sampler_args.MODES)
   n = r.num_prompts * r.k
   if n % t.num_minibatches:
     raise ValueError(f"the rollout batch (config.rloo.num_prompts * config.rloo.k = {n}) is not "
