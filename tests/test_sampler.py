@@ -9,7 +9,6 @@ The last tests use a tiny real Transformer.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
