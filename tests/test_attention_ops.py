@@ -185,8 +185,9 @@ def _named_residuals(config, capsys):
   weights = jax.tree.map(lambda x: x[0], stacked)
   x = jnp.ones((1, 5, 16))
   positions = jnp.arange(5)[None]
-  rotary = model._rotary(positions)[0]  # pylint: disable=protected-access
-  spec = model._spec(attention_ops.Causal(jnp.ones((1, 5), bool), positions), None)  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  rotary = model._rotary(positions)[0]
+  spec = model._spec(attention_ops.Causal(jnp.ones((1, 5), bool), positions), None)
   body = lambda w, x: nnx.merge(block_def, w)(x, rotary, spec)[0].sum()
   print_saved_residuals(jax.checkpoint(body, policy=transformer.remat_policy(config)), weights, x)
   return set(re.findall(r"named '(\w+)'", capsys.readouterr().out))

@@ -76,8 +76,9 @@ def model(request):
   config = CONFIGS[request.param]
   graphdef, params = random_params(config, seed=1)
   fns = model_fns(graphdef)
+  init_cache = jax.jit(fns.init_cache, static_argnums=(2, 3))
   jitted = dict(forward=jax.jit(fns.forward), prefill=jax.jit(fns.prefill),
-                decode=jax.jit(fns.decode), init_cache=jax.jit(fns.init_cache, static_argnums=(2, 3)))
+                decode=jax.jit(fns.decode), init_cache=init_cache)
   return config, params, jitted
 
 

@@ -89,6 +89,7 @@ def attend(q, k, v, spec: AttentionSpec):
 
 
 def check_implementation(name: str) -> str:
+  """`name` if it is an implementation; else the one-line error naming config.model.attention."""
   if name not in IMPLEMENTATIONS:
     raise ValueError(f'unknown config.model.attention {name!r}; choose one of '
                      f'{tuple(IMPLEMENTATIONS)}')
@@ -124,7 +125,8 @@ def _causal(q_bshgd, k_bthd, v_bthd, spec: AttentionSpec, mask_bt, positions_bt=
 
 def _prompt_group(q_bshgd, k_bshd, v_bshd, spec: AttentionSpec):
   layout = spec.layout
-  prompt_mask_bp, mask_bmt, positions_bs = layout.prompt_mask_bp, layout.mask_bmt, layout.positions_bs
+  prompt_mask_bp, mask_bmt, positions_bs = (layout.prompt_mask_bp, layout.mask_bmt,
+                                            layout.positions_bs)
   b, p = prompt_mask_bp.shape
   _, _, h, g, d = q_bshgd.shape
   m, t = mask_bmt.shape[1:]
