@@ -268,8 +268,8 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
   c.rewards.weights = [1.0]
   c.mesh.update(data=1, fsdp=-1)
   # The decode gathers each layer once a rollout, not at every token (`memory.speedups`, whose
-  # compile of it fits every model here); LoRA runs are left to 'auto', unplanned that way.
-  c.rloo.decode_layers = "auto" if arg.lora else "unstacked"
+  # compile of it fits every model here); LoRA runs scan, unplanned that way.
+  c.rloo.decode_layers = "scanned" if arg.lora else "unstacked"
   if arg.smoke:  # end to end on CPU in seconds
     if arg.model == "pythia-6.9b":
       set_model(c, os.path.join(FIXTURES, "hf", "gpt_neox"))
