@@ -101,8 +101,11 @@ def base_config() -> ml_collections.ConfigDict:
       # family/hidden_size/... above are then ignored; init_from and a preset exclude each other.
       preset="",
       # Recomputation of each layer in the backward (rloo_jax.models.config.REMAT_POLICIES):
-      # 'full' keeps only each layer's input for the backward and recomputes the rest.
-      remat="full",
+      # 'full' keeps only each layer's input for the backward and recomputes the rest; 'names'
+      # keeps the comma-separated remat_names (of rloo_jax.models.config.CHECKPOINT_NAMES).
+      remat="full", remat_names="",
+      # The attention kernel (rloo_jax.models.attention_ops.IMPLEMENTATIONS); 'xla': einsums.
+      attention="xla",
       # The frozen reference's storage dtype. '' = the activation dtype above: the reference only
       # runs forward, where its weights are cast to that dtype anyway (so nothing changes and a
       # bfloat16 run stores it in half the bytes); 'bfloat16' also halves it under float32
@@ -131,18 +134,11 @@ def base_config() -> ml_collections.ConfigDict:
       trim_bucket=32,
       # Prompts per sampler call (0 = the whole batch at once): smaller bounds the KV cache.
       rollout_chunk_prompts=0,
-      # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'unstacked' splits
-      # them into one buffer per layer for the rollout, gathered and in the activation dtype (a
-      # copy of the policy's layers, held while it decodes) with KV buffers of their own, so no
-      # step copies (or, FSDP, gathers) a layer, as the layer scan does ('scanned'); 'auto'
-      # unstacks unless FSDP-sharded (the whole model gathered may not fit: the plan names
-      # 'unstacked' when it does) or LoRA (the base would be held twice).
-      decode_layers="auto",
-      # The unrolled decode's matmuls (rloo_jax.sampler_args.decode_weights_left):
-      # 'weights_left' lays every kernel out once a rollout as an [out, in] matrix multiplying
-      # the step's rows from the left (XLA:CPU's faster form); 'plain' as stored; 'auto' the
-      # first on CPU devices when the decode is unrolled.
-      decode_matmul="auto"))
+      # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'scanned' (and
+      # 'auto') scans the stacked layers, under FSDP gathering each at every token; 'unstacked'
+      # gathers every layer once a rollout and holds the whole model gathered while decoding
+      # (the memory plan names it for an FSDP job when that fits).
+      decode_layers="auto"))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))
   c.loss = ml_collections.ConfigDict(dict(
@@ -197,7 +193,7 @@ def base_config() -> ml_collections.ConfigDict:
 # config.model settings that change how the same model is computed or stored, not what it
 # computes: left out of the fingerprints of cached SFT policies and preference pairs.
 # LoRA trains adapters on the same SFT start, so it shares that cache.
-_LAYOUT_ONLY_MODEL_KEYS = ("remat", "ref_dtype", "lora")
+_LAYOUT_ONLY_MODEL_KEYS = ("remat", "remat_names", "attention", "ref_dtype", "lora")
 
 
 def model_fingerprint(config) -> dict:
@@ -272,8 +268,8 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
   c.rewards.weights = [1.0]
   c.mesh.update(data=1, fsdp=-1)
   # The decode gathers each layer once a rollout, not at every token (`memory.speedups`, whose
-  # compile of it fits every model here); LoRA runs are left to 'auto', unplanned that way.
-  c.rloo.decode_layers = "auto" if arg.lora else "unstacked"
+  # compile of it fits every model here); LoRA runs scan, unplanned that way.
+  c.rloo.decode_layers = "scanned" if arg.lora else "unstacked"
   if arg.smoke:  # end to end on CPU in seconds
     if arg.model == "pythia-6.9b":
       set_model(c, os.path.join(FIXTURES, "hf", "gpt_neox"))

@@ -115,6 +115,7 @@ def _model_checks(config) -> Optional[transformer.TransformerConfig]:
                      f"{m.init_from!r} both set the architecture; set one of "
                      f"config.model.preset / config.model.init_from (the other to '')")
   _check_choice("config.model.remat", m.get("remat", "none"), model_config_lib.REMAT_POLICIES)
+  presets.run_options(m)  # remat_names and attention: one-line errors before any compile
   _check_choice("config.model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES)
   adapters.check_config(config)
   # Raises naming the closest preset, or the model family a preset needs and this build lacks.
@@ -159,6 +160,7 @@ def validate_config(config) -> None:
   _check_choice("config.kl.reduction", config.kl.reduction, ("sum", "mean"))
   _check_choice("config.rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask"))
   sampler_args.validate_decode_layout(r)
+  _check_choice("config.rloo.sampler_mode", r.sampler_mode, sampler_args.MODES)
   n = r.num_prompts * r.k
   if n % t.num_minibatches:
     raise ValueError(f"the rollout batch (config.rloo.num_prompts * config.rloo.k = {n}) is not "
@@ -300,7 +302,7 @@ def model_config(config, vocab_size: Callable[[], int]) -> transformer.Transform
   with open(os.path.join(local, "config.json")) as f:
     mcfg = hf.config_from_hf(json.load(f), dtype=m.dtype)
   _warn_overridden(m, mcfg)
-  return adapters.model_config(config, mcfg.replace(remat=m.get("remat", "none")))
+  return adapters.model_config(config, mcfg.replace(**presets.run_options(m)))
 
 
 def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,

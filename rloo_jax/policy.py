@@ -99,11 +99,9 @@ class Policy:
     # token), and one without pad pads with 0 (padding is masked everywhere).
     self._stops = rollout.stop_ids(tokenizer)
     self._pad = 0 if tokenizer.pad_id is None else int(tokenizer.pad_id)
-    # The decode layout the run trained with (config.rloo.decode_layers, decode_matmul); an HF
-    # checkpoint's, one device and no adapters, decodes as 'auto' does there.
-    self._decode = (dict(unstack_layers=True,
-                         weights_left=sampler_args.weights_left_on(jax.default_backend()))
-                    if experiment is None else sampler_args.decode_options(experiment))
+    # The decode layout the run trained with (config.rloo.decode_layers); an HF checkpoint's
+    # scans, as 'auto' does.
+    self._decode = ({} if experiment is None else sampler_args.decode_options(experiment))
 
   def __repr__(self) -> str:
     c = self.model_config

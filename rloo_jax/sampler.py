@@ -4,15 +4,12 @@
                  method=sampling.TopP(0.9), eos_id=eos, pad_id=pad)
 
 `fns` is the model's `ModelFns` (docs/ARCHITECTURE.md): the sampler only calls `fns.prefill`,
-`fns.init_cache`, `fns.decode` and `fns.forward`, so it is tested with a fake deterministic one.
+`fns.init_cache` and `fns.decode`, so it is tested with a fake deterministic one.
 
-Modes (same tokens for the same rng in all three, see `sampling.stream_keys`):
+Modes (same tokens for the same rng in both, see `sampling.stream_keys`):
   'shared'    prefill each prompt once; `init_cache(..., num_streams=k)` lets the k streams of a
-              prompt attend to that one prefix (kept once per prompt; a prompt of a few tokens,
-              where a second attention product costs more than the copy, is copied into each
-              stream's buffer: `transformer.COPY_PREFIX_MAX_LEN`).
+              prompt attend to that one prefix, kept once per prompt.
   'unshared'  prompts tiled to B*k rows and prefilled k times, one stream per row.
-  'recompute' no cache: `fns.forward` over the whole [B*k, P+T] buffer at every step (a baseline).
 
 Runs as two jitted programs: `start` (prefill + the first token) and `decode_loop`
 (a `lax.while_loop` over `SamplingState`, donated, so the cache is updated in place and never
@@ -43,14 +40,6 @@ class SampleOutput:
 
 
 @struct.dataclass
-class RecomputeBuffer:
-  """The 'recompute' mode's model state: prompt + completion rows, n = b * k + j."""
-  tokens_ns: jax.Array     # int32 [B*K, P+T]
-  positions_ns: jax.Array  # int32 [B*K, P+T]
-  mask_ns: jax.Array       # bool [B*K, P+T]
-
-
-@struct.dataclass
 class SamplingState:
   step: jax.Array                 # int32 []: tokens sampled so far (the next column to write).
   prompt_lengths_bk: jax.Array    # int32 [B, K]: token t of stream (b, j) has position len_b + t.
@@ -61,7 +50,7 @@ class SamplingState:
   policy_logprobs_bkt: jax.Array  # float32 [B, K, T]
   mask_bkt: jax.Array             # bool [B, K, T]
   lengths_bk: jax.Array           # int32 [B, K]
-  cache: Any                      # the model's DecodeCache, or a RecomputeBuffer.
+  cache: Any                      # the model's DecodeCache.
   uniforms_tbk2: jax.Array        # float32 [T, B, K, 2]: every step's uniforms (`sampling.draw`).
 
   def output(self) -> SampleOutput:
@@ -99,12 +88,6 @@ def _record(state: SamplingState, logits_bkv, *, method, eos_id, pad_id) -> Samp
 # Model calls per mode
 
 
-def _last_prompt_logits(logits_xpv, lengths_x):
-  """The logits at position len - 1: the distribution of the first completion token."""
-  idx = (lengths_x - 1)[:, None, None]
-  return jnp.take_along_axis(logits_xpv, idx, axis=1)[:, 0]
-
-
 def left_pad_index(lengths_b, p: int):
   """[B, P] source column of each left-padded column: right-padded rows rolled by P - len."""
   shift_b = p - lengths_b
@@ -136,22 +119,9 @@ def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mod
   tokens_np = jnp.repeat(prompt_tokens_bp, k, axis=0)  # row n = b * k + j
   lengths_n = jnp.repeat(lengths_b, k, axis=0)
   positions_np, mask_np = _prompt_inputs(tokens_np, lengths_n)
-  if mode == 'unshared':
-    first_nv, prefix = fns.prefill(params, tokens_np, positions_np, mask_np)
-    return (first_nv.reshape(num_prompts, k, -1),
-            fns.init_cache(prefix, mask_np, 1, max_new_tokens))
-
-  # 'recompute': the completion columns are appended to the prompt buffer, masked until written.
-  num_rows = tokens_np.shape[0]
-  pad_nt = jnp.zeros((num_rows, max_new_tokens), tokens_np.dtype)
-  buffer = RecomputeBuffer(
-      tokens_ns=jnp.concatenate([tokens_np, pad_nt], axis=1),
-      positions_ns=jnp.concatenate(
-          [positions_np, lengths_n[:, None] + jnp.arange(max_new_tokens, dtype=jnp.int32)], axis=1),
-      mask_ns=jnp.concatenate([mask_np, jnp.zeros(pad_nt.shape, bool)], axis=1))
-  logits_nsv = fns.forward(params, buffer.tokens_ns, buffer.positions_ns, buffer.mask_ns)
-  first_nv = _last_prompt_logits(logits_nsv, lengths_n)
-  return first_nv.reshape(num_prompts, k, -1), buffer
+  first_nv, prefix = fns.prefill(params, tokens_np, positions_np, mask_np)
+  return (first_nv.reshape(num_prompts, k, -1),
+          fns.init_cache(prefix, mask_np, 1, max_new_tokens))
 
 
 def _decode(fns, params, state: SamplingState, *, mode, layers=None):
@@ -162,21 +132,9 @@ def _decode(fns, params, state: SamplingState, *, mode, layers=None):
   split = {} if layers is None else {'layers': layers}
   if mode == 'shared':
     return fns.decode(params, state.last_tokens_bk, positions_bk, state.cache, **split)
-  if mode == 'unshared':
-    logits_n1v, cache = fns.decode(params, state.last_tokens_bk.reshape(-1, 1),
-                                   positions_bk.reshape(-1, 1), state.cache, **split)
-    return logits_n1v.reshape(num_prompts, k, -1), cache
-  buffer = state.cache
-  col = buffer.tokens_ns.shape[1] - state.tokens_bkt.shape[2] + state.step - 1
-  buffer = buffer.replace(
-      tokens_ns=jax.lax.dynamic_update_index_in_dim(
-          buffer.tokens_ns, state.last_tokens_bk.reshape(-1).astype(buffer.tokens_ns.dtype), col,
-          axis=1),
-      mask_ns=jax.lax.dynamic_update_index_in_dim(
-          buffer.mask_ns, jnp.ones((num_prompts * k,), bool), col, axis=1))
-  logits_nsv = fns.forward(params, buffer.tokens_ns, buffer.positions_ns, buffer.mask_ns)
-  logits_nv = jax.lax.dynamic_index_in_dim(logits_nsv, col, axis=1, keepdims=False)
-  return logits_nv.reshape(num_prompts, k, -1), buffer
+  logits_n1v, cache = fns.decode(params, state.last_tokens_bk.reshape(-1, 1),
+                                 positions_bk.reshape(-1, 1), state.cache, **split)
+  return logits_n1v.reshape(num_prompts, k, -1), cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,7 +144,7 @@ def _decode(fns, params, state: SamplingState, *, mode, layers=None):
 
 # Cache fields -> the axis of their prompt (or prompt x stream) rows: 1 for the stacked layers.
 _CACHE_ROW_AXES = dict(prefix_k_lbhdp=1, prefix_v_lbhpd=1, prefix_mask_bp=0, k_lbkhdt=1,
-                       v_lbkhtd=1, prefix_positions_bp=0, tokens_ns=0, positions_ns=0, mask_ns=0)
+                       v_lbkhtd=1, prefix_positions_bp=0)
 
 
 def _shard_rows(x, axis, batch_sharding):
@@ -241,7 +199,7 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
   num_prompts = prompt_tokens_bp.shape[0]
   first_bkv, cache = _prefill(
       fns, params, prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens,
-      mode=mode, per_layer=_per_layer(fns, mode, unstack_layers))
+      mode=mode, per_layer=_per_layer(fns, unstack_layers))
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
   state = SamplingState(
       step=jnp.zeros((), jnp.int32),
@@ -261,28 +219,24 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
   return _shard_state(state, batch_sharding)
 
 
-def _per_layer(fns, mode, unstack_layers) -> bool:
+def _per_layer(fns, unstack_layers) -> bool:
   """Whether the decode runs unrolled over per-layer weights and caches."""
-  return bool(unstack_layers) and mode != 'recompute' and bool(getattr(fns, 'decode_weights',
-                                                                     None))
+  return bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
 
 
 # The state is donated so the while_loop updates the cache in the caller's buffers, not a copy.
 @functools.partial(jax.jit, static_argnames=('fns', 'method', 'mode', 'batch_sharding',
-                                             'unstack_layers', 'weights_left'),
+                                             'unstack_layers'),
                    donate_argnames=('state',))
 def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
-                mode, batch_sharding=None, unstack_layers=False,
-                weights_left=False) -> SamplingState:
+                mode, batch_sharding=None, unstack_layers=False) -> SamplingState:
   max_new_tokens = state.tokens_bkt.shape[2]
-  # What every token would otherwise repeat, done once per rollout: the layers split into
-  # buffers of their own and gathered (unstack_layers), the weights cast to the activation
-  # dtype, with weights_left laid out as [out, in] matrices (`models.decode_weights`).
+  # What every token would otherwise repeat, done once per rollout: the weights cast to the
+  # activation dtype, and with unstack_layers split into per-layer buffers, gathered
+  # (`models.decode_weights`).
   layers = None
-  if mode != 'recompute' and getattr(fns, 'decode_weights', None):
-    per_layer = _per_layer(fns, mode, unstack_layers)
-    left = {'weights_left': True} if weights_left and per_layer else {}
-    params, layers = fns.decode_weights(params, per_layer, **left)
+  if getattr(fns, 'decode_weights', None):
+    params, layers = fns.decode_weights(params, _per_layer(fns, unstack_layers))
 
   def cond(state):
     return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)
@@ -303,7 +257,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
            method: sampling.Method, eos_id: int | Sequence[int], pad_id: int,
            mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
-           unstack_layers: bool = False, weights_left: bool = False) -> SampleOutput:
+           unstack_layers: bool = False) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -319,7 +273,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     method: a rloo_jax.sampling method (static).
     eos_id: the end token, or several (a stream stops at the first of any of them).
     pad_id: the token written after the end.
-    mode: 'shared' | 'unshared' | 'recompute' (see the module docstring).
+    mode: 'shared' | 'unshared' (see the module docstring).
     max_seq_len: the model context; taken from `fns.max_seq_len` or `fns.config.max_seq_len` when
       not given. The longest prompt plus max_new_tokens must fit in it.
     batch_sharding: optional NamedSharding splitting dim 0 over mesh axes (static): every
@@ -332,11 +286,6 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       gathers) every layer's weights and KV at every token. The tokens are the same
       (`sampler_args.decode_unstacked` picks it from config.rloo.decode_layers;
       `models.decode_weights`).
-    weights_left: with unstack_layers, every matmul kernel laid out once as an [out, in]
-      matrix that multiplies the step's rows from the left (`layers.dense_left`): XLA:CPU's
-      faster form. The tokens are the same up to float rounding (`sampler_args.decode_options`
-      picks it from config.rloo.decode_matmul). Ignored without unstack_layers or in
-      'recompute' mode.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -356,6 +305,5 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
                 batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
   state = decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
-                      batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers),
-                      weights_left=bool(weights_left))
+                      batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
   return state.output()

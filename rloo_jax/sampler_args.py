@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ('shared', 'unshared', 'recompute')
+MODES = ('shared', 'unshared')
 
 
 def model_max_seq_len(fns):
@@ -101,15 +101,13 @@ def validate(prompt_tokens_bp, prompt_lengths_b, *, k, max_new_tokens, method, e
   return k, max_new_tokens, eos_id, pad_id
 
 
-DECODE_LAYERS = ('auto', 'unstacked', 'scanned')
-DECODE_MATMULS = ('auto', 'weights_left', 'plain')
+DECODE_LAYERS = ('auto', 'scanned', 'unstacked')
 
 
-def _choice(name: str, rloo_config, choices) -> str:
-  """config.rloo.<name> (default 'auto'), refused unless one of `choices`."""
-  value = rloo_config.get(name, 'auto')
-  if value not in choices:
-    raise ValueError(f'unknown config.rloo.{name} {value!r}; choose one of {choices}')
+def _decode_layers(rloo_config) -> str:
+  value = rloo_config.get('decode_layers', 'auto')
+  if value not in DECODE_LAYERS:
+    raise ValueError(f'unknown config.rloo.decode_layers {value!r}; choose one of {DECODE_LAYERS}')
   return value
 
 
@@ -128,52 +126,17 @@ def layer_bytes_per_device(exp) -> float:
 
 def decode_unstacked(exp) -> bool:
   """config.rloo.decode_layers resolved: whether the decode loop runs on per-layer copies of the
-  weights and KV buffers (`sampler.sample`'s unstack_layers). 'auto': yes, faster at every
-  layer size measured (docs/PERFORMANCE.md, 'The decode loop on per-layer weights'), unless
-  the layers are FSDP-sharded (the rollout would hold the whole model gathered, which a run
-  sharded to fit may not have room for: the memory plan compiles it and names 'unstacked' when
-  it fits, `memory.speedups`) or the policy is LoRA (its frozen base would be held twice)."""
-  c = exp.config
-  mode = _choice('decode_layers', c.rloo, DECODE_LAYERS)
-  if mode != 'auto':
-    return mode == 'unstacked'
-  return exp.layout.shape['fsdp'] == 1 and not exp.model_config.lora_rank
+  weights and KV buffers (`sampler.sample`'s unstack_layers). 'auto' is 'scanned'. 'unstacked'
+  is the FSDP opt-in: every layer gathered once a rollout instead of at every token, for the
+  whole model held gathered while decoding (the memory plan names it when that fits)."""
+  return _decode_layers(exp.config.rloo) == 'unstacked'
 
 
 def validate_decode_layout(rloo_config) -> None:
-  """config.rloo.decode_layers and decode_matmul: known values, and no weights-left layout of a
-  decode forced to scan (the config alone says so; `decode_weights_left` catches 'auto')."""
-  layers = _choice('decode_layers', rloo_config, DECODE_LAYERS)
-  matmul = _choice('decode_matmul', rloo_config, DECODE_MATMULS)
-  if matmul == 'weights_left' and layers == 'scanned':
-    raise ValueError("config.rloo.decode_matmul='weights_left' lays out the unrolled decode's "
-                     "weights; it cannot run with config.rloo.decode_layers='scanned'")
-
-
-def weights_left_on(platform: str) -> bool:
-  """'auto''s choice of the weights-left decode on `platform`: on CPU only, where XLA's GEMM
-  runs a decode step's matmuls faster that way (docs/PERFORMANCE.md, "The decode's matmuls
-  with the weights on the left"). Not measured on GPU or TPU, where it would cost a second
-  copy of an untied head for no known gain."""
-  return platform == 'cpu'
-
-
-def decode_weights_left(exp) -> bool:
-  """config.rloo.decode_matmul resolved: whether the unrolled decode multiplies by its weights
-  laid out once as [out, in] matrices, from the left (`sampler.sample`'s weights_left). It
-  needs the unrolled decode (`decode_unstacked`); 'auto' takes it there on CPU devices."""
-  mode = _choice('decode_matmul', exp.config.rloo, DECODE_MATMULS)
-  unstacked = decode_unstacked(exp)
-  if mode == 'weights_left' and not unstacked:
-    raise ValueError("config.rloo.decode_matmul='weights_left' lays out the unrolled decode's "
-                     "weights, but config.rloo.decode_layers resolves to 'scanned' here (FSDP "
-                     "or LoRA under 'auto'); set config.rloo.decode_layers='unstacked' or "
-                     "decode_matmul='auto'")
-  if mode != 'auto':
-    return mode == 'weights_left'
-  return unstacked and weights_left_on(exp.layout.mesh.devices.flat[0].platform)
+  """config.rloo.decode_layers: a known value."""
+  _decode_layers(rloo_config)
 
 
 def decode_options(exp) -> dict:
-  """`sampler.sample`'s decode layout arguments (unstack_layers, weights_left) for `exp`."""
-  return dict(unstack_layers=decode_unstacked(exp), weights_left=decode_weights_left(exp))
+  """`sampler.sample`'s decode layout arguments for `exp`."""
+  return dict(unstack_layers=decode_unstacked(exp))

@@ -76,8 +76,9 @@ def model(request):
   config = CONFIGS[request.param]
   graphdef, params = random_params(config, seed=1)
   fns = model_fns(graphdef)
+  init_cache = jax.jit(fns.init_cache, static_argnums=(2, 3))
   jitted = dict(forward=jax.jit(fns.forward), prefill=jax.jit(fns.prefill),
-                decode=jax.jit(fns.decode), init_cache=jax.jit(fns.init_cache, static_argnums=(2, 3, 4)))
+                decode=jax.jit(fns.decode), init_cache=init_cache)
   return config, params, jitted
 
 
@@ -166,10 +167,9 @@ def test_grouped_forward_equals_tiled_rows(model):
     fns.grouped(params, ptok, ppos, pmask, ctok[:5], cpos[:5], cmask[:5])
 
 
-@pytest.mark.parametrize('copy_prefix_max_len', [P - 1, P], ids=['shared', 'copied'])
-def test_shared_cached_decode_matches_full_recomputation(model, copy_prefix_max_len):
-  """K streams decoded on one prefix equal a full forward over each tiled prompt + completion,
-  with the prefix shared by the streams (longer than copy_prefix_max_len) or copied into each."""
+def test_shared_cached_decode_matches_full_recomputation(model):
+  """K streams decoded on one prefix, stored once per prompt, equal a full forward over each
+  tiled prompt + completion."""
   config, params, jitted = model
   rng = np.random.default_rng(1)
   tokens, mask, positions, lengths = prompts(rng, config.vocab_size)
@@ -179,27 +179,19 @@ def test_shared_cached_decode_matches_full_recomputation(model, copy_prefix_max_
   _, prefix = jitted['prefill'](params, tokens, positions, mask)
   assert isinstance(prefix, PrefixKV)
   assert prefix.k_lbphd.shape == (config.num_layers, B, P, config.num_kv_heads, config.head_dim)
-  cache = jitted['init_cache'](prefix, mask, K, T, copy_prefix_max_len)
+  cache = jitted['init_cache'](prefix, mask, K, T)
   assert isinstance(cache, DecodeCache)
-  copied = cache.copied_prefix
-  assert copied == (P if copy_prefix_max_len >= P else 0)
   L = config.num_layers
-  assert cache.k_lbkhdt.shape == (L, B, K, config.num_kv_heads, config.head_dim, copied + T)
-  assert cache.v_lbkhtd.shape == (L, B, K, config.num_kv_heads, copied + T, config.head_dim)
+  assert cache.k_lbkhdt.shape == (L, B, K, config.num_kv_heads, config.head_dim, T)
+  assert cache.v_lbkhtd.shape == (L, B, K, config.num_kv_heads, T, config.head_dim)
+  # The prefix is stored once per prompt row, never per stream.
+  assert cache.prefix_k_lbhdp.shape == (L, B, config.num_kv_heads, config.head_dim, P)
+  assert cache.prefix_v_lbhpd.shape == (L, B, config.num_kv_heads, P, config.head_dim)
   decoded = []
   for i in range(T):
     logits_bkv, cache = jitted['decode'](params, new_bkt[..., i], pos_bkt[..., i], cache)
     decoded.append(logits_bkv)
   assert int(cache.index) == T
-  if copied:
-    assert cache.prefix_k_lbhdp is None and cache.prefix_v_lbhpd is None
-    # Each stream's first P slots hold the prompt's keys (prefill layout [L, B, P, H, D]).
-    np.testing.assert_array_equal(
-        cache.k_lbkhdt[:, :, 1, :, :, :P], np.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2)))
-  else:
-    # The prefix is stored once per prompt row, never per stream.
-    assert cache.prefix_k_lbhdp.shape == (L, B, config.num_kv_heads, config.head_dim, P)
-    assert cache.prefix_v_lbhpd.shape == (L, B, config.num_kv_heads, P, config.head_dim)
 
   # One row per stream: the padded prompt followed by its completion, as the trainer scores it.
   tile = lambda x: np.repeat(x, K, axis=0)
@@ -211,22 +203,7 @@ def test_shared_cached_decode_matches_full_recomputation(model, copy_prefix_max_
                              atol=2e-5, rtol=1e-5)
 
 
-def test_shared_prefix_attention_forms_agree(monkeypatch):
-  """On CPU, k > 1 streams use the multiply-and-sum form; other backends the einsum. Same values."""
-  from rloo_jax.models import attention
-  rng = np.random.default_rng(7)
-  b, k, h, g, d, p, t = 2, 3, 2, 2, 8, 5, 4
-  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-  args = (f(b, k, h, g, d), f(b, h, d, p), f(b, h, p, d),
-          jnp.asarray(rng.random((b, p)) > 0.3), f(b, k, h, d, t), f(b, k, h, t, d), 2)
-  cpu = attention._shared_prefix_attention(*args)
-  monkeypatch.setattr(attention.jax, 'default_backend', lambda: 'gpu')
-  other = attention._shared_prefix_attention(*args)
-  np.testing.assert_allclose(cpu, other, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize('copy_prefix_max_len', [0, P], ids=['shared', 'copied'])
-def test_shared_prefix_decode_matches_unshared(copy_prefix_max_len):
+def test_shared_prefix_decode_matches_unshared():
   """Prompt tiled to B*K rows with K=1 (the unshared layout) gives the same logits."""
   config = CONFIGS['llama']
   graphdef, params = random_params(config, seed=2)
@@ -237,12 +214,10 @@ def test_shared_prefix_decode_matches_unshared(copy_prefix_max_len):
   new_bkt = rng.integers(3, config.vocab_size, size=(B, K, T)).astype(np.int32)
   pos_bkt = np.broadcast_to((lengths[:, None] + np.arange(T))[:, None], (B, K, T)).astype(np.int32)
 
-  shared = fns.init_cache(prefill(params, tokens, positions, mask)[1], mask, K, T,
-                          copy_prefix_max_len)
-  assert shared.copied_prefix == copy_prefix_max_len
+  shared = fns.init_cache(prefill(params, tokens, positions, mask)[1], mask, K, T)
   tile = lambda x: np.repeat(x, K, axis=0)
   unshared = fns.init_cache(prefill(params, tile(tokens), tile(positions), tile(mask))[1],
-                            tile(mask), 1, T, copy_prefix_max_len)
+                            tile(mask), 1, T)
   for i in range(T):
     logits_s, shared = decode(params, new_bkt[..., i], pos_bkt[..., i], shared)
     logits_u, unshared = decode(params, new_bkt[..., i].reshape(B * K, 1),

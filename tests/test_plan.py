@@ -80,11 +80,11 @@ def test_state_bytes_split_over_fsdp(fsdp_plan):
   assert r["ref_gb"] == r["params_gb"]  # config.model.ref_dtype '' keeps float32
   # Adam's two moments per parameter, plus a few scalar counters.
   assert 0 <= r["opt_state_gb"] * GIB - 8 * r["num_params"] / 2 < 64
-  # The smoke prompts (16 columns) are copied into each stream's cache: K and V of
-  # [L, B, k, Hkv, D, P + T] float32, split over the batch's 2 devices (plus the prompt mask).
+  # K and V of the prompt once per row, [L, B, Hkv, D, P], and of the streams,
+  # [L, B, k, Hkv, D, T], float32, split over the batch's 2 devices (plus the prompt mask).
   m = c.model
-  kv = 2 * m.num_layers * c.rloo.num_prompts * c.rloo.k * m.num_kv_heads * m.head_dim * (
-      c.data.max_prompt_len + c.rloo.max_new_tokens) * 4 / 2
+  kv = 2 * m.num_layers * c.rloo.num_prompts * m.num_kv_heads * m.head_dim * (
+      c.data.max_prompt_len + c.rloo.k * c.rloo.max_new_tokens) * 4 / 2
   assert r["kv_cache_gb"] * GIB == pytest.approx(kv, rel=0.01)
 
 
@@ -326,7 +326,7 @@ def test_the_faster_settings_stay_within_the_headroom_of_a_tight_device():
   assert not over["fits"] and over["speedups"] == [] and over["advice"]
 
 
-def test_decode_layers_auto_unstacks_on_one_device_unless_lora_and_the_plan_counts_the_copy():
+def test_decode_layers_auto_scans_and_the_plan_counts_the_unstacked_copy():
   c = small_config()
   with c.unlocked():  # layers of 4 MB: their copy stands out of the decode's other buffers
     c.model.update(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
@@ -335,16 +335,10 @@ def test_decode_layers_auto_unstacks_on_one_device_unless_lora_and_the_plan_coun
   size = sampler_args.layer_bytes_per_device(auto)
   # float32 q, k, v, o, the MLP and two norms (plus the final norm's share)
   assert size == pytest.approx(4 * (4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256), rel=1e-3)
-  # 'auto': unstacked on one device with full fine-tuning, never with LoRA (nor FSDP:
-  # test_fsdp_gathers_one_layer_at_a_time).
-  assert sampler_args.decode_unstacked(auto) is True
-  with c.unlocked():
-    c.model.lora.rank = 4
-    c.rloo.decode_layers = "auto"
-  assert sampler_args.decode_unstacked(experiment.build_abstract(c)) is False
+  # 'auto' is the layer scan everywhere; 'unstacked' only when asked for.
+  assert sampler_args.decode_unstacked(auto) is False
   c = c.copy_and_resolve_references()  # the experiments keep their config objects
   with c.unlocked():
-    c.model.lora.rank = 0
     c.rloo.decode_layers = "unstacked"
   exp = experiment.build_abstract(c)
   c = c.copy_and_resolve_references()

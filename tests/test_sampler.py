@@ -9,7 +9,6 @@ The last tests use a tiny real Transformer.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -20,7 +19,7 @@ import pytest
 from rloo_jax import models, sampler, sampling
 # The fake model returns the real cache structures, so a change to the contract breaks it too.
 from rloo_jax.models import decode_weights
-from rloo_jax.models.cache import COPY_PREFIX_MAX_LEN, PrefixKV, init_cache
+from rloo_jax.models.cache import PrefixKV, init_cache
 
 EOS, PAD = 1, 0
 
@@ -84,9 +83,7 @@ class FakeFns(NamedTuple):
   max_seq_len: int
 
 
-# The fake decode reads the shared cache form (the prefix fields), so never copy the prefix.
-FNS = FakeFns(fake_forward, fake_prefill, functools.partial(init_cache, copy_prefix_max_len=0),
-              fake_decode, max_seq_len=48)
+FNS = FakeFns(fake_forward, fake_prefill, init_cache, fake_decode, max_seq_len=48)
 
 
 def fake_params(vocab=16, dim=8, seed=0, scale=3.0, bias=None):
@@ -181,13 +178,13 @@ def test_a_token_is_the_inverse_cdf_draw_from_its_streams_uniforms(method):
         assert int(want) == int(out.tokens_bkt[b, j, t]), (b, j, t)
 
 
-def test_shared_unshared_recompute_agree():
+def test_shared_and_unshared_agree():
   params = fake_params()
   tokens, lengths = prompts()
   outs = {m: np_out(run(params, tokens, lengths, rng=3, mode=m))
           for m in sampler.MODES}
   ref = outs['shared']
-  for mode in ('unshared', 'recompute'):
+  for mode in ('unshared',):
     np.testing.assert_array_equal(outs[mode].tokens_bkt, ref.tokens_bkt, err_msg=mode)
     np.testing.assert_array_equal(outs[mode].mask_bkt, ref.mask_bkt, err_msg=mode)
     np.testing.assert_array_equal(outs[mode].lengths_bk, ref.lengths_bk, err_msg=mode)
@@ -429,17 +426,12 @@ def _tiny_transformer(family):
 
 # GPT-2's learned absolute positions catch any off-by-one in the sampler's position bookkeeping
 # (RoPE would hide a constant shift); tests/test_models.py covers the cache of every family.
-@pytest.mark.parametrize('family, other', [('gpt2', 'recompute')])
-@pytest.mark.parametrize('prefix', ['copied', 'kept'])
-def test_real_transformer_cached_equals_uncached(family, other, prefix):
-  """Both forms of the shared cache: the 12-token prompts are copied into each stream's buffer by
-  default (<= COPY_PREFIX_MAX_LEN) or kept once per prompt."""
+@pytest.mark.parametrize('family, other', [('gpt2', 'unshared')])
+def test_real_transformer_cached_equals_uncached(family, other):
+  """The prefix kept once per prompt and read by its streams draws what tiled prompts draw, and
+  its log-probs are one forward's over prompt + completion."""
   fns, params = _tiny_transformer(family)
-  if prefix == 'kept':
-    fns = fns._replace(init_cache=functools.partial(fns.init_cache, copy_prefix_max_len=0))
   tokens, lengths = prompts(lengths=(7, 2, 12), width=12, vocab=48, seed=4)
-  if prefix == 'copied':
-    assert tokens.shape[1] <= COPY_PREFIX_MAX_LEN  # the default copies these
   outs = {m: np_out(run(params, tokens, lengths, rng=2, fns=fns, k=3, t=8, mode=m, eos_id=47,
                         method=sampling.Temperature(1.0)))
           for m in ('shared', other)}
@@ -461,7 +453,7 @@ def test_real_transformer_cached_equals_uncached(family, other, prefix):
 @pytest.mark.parametrize('mode, width', [('shared', 12), ('shared', 20), ('unshared', 12)])
 def test_decode_on_unstacked_layers_equals_the_layer_scan(family, mode, width):
   """`sample(unstack_layers=True)` (per-layer weight buffers, layers unrolled) draws the same
-  tokens with the same log-probs as the scanned stack, copied (12) and kept (20) prefixes."""
+  tokens with the same log-probs as the scanned stack."""
   graphdef, params = models.create(_tiny(family))
   fns = models.model_fns(graphdef)
   tokens, lengths = prompts(lengths=(7, 2, width), width=width, vocab=48, seed=4)
@@ -474,7 +466,8 @@ def test_decode_on_unstacked_layers_equals_the_layer_scan(family, mode, width):
   assert not caches[0].per_layer and caches[1].per_layer
   assert len(caches[1].k_lbkhdt) == 3
   assert caches[1].k_lbkhdt[0].shape == caches[0].k_lbkhdt.shape[1:]
-  assert caches[0].num_bytes == caches[1].num_bytes
+  nbytes = lambda c: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c))  # noqa: E731
+  assert nbytes(caches[0]) == nbytes(caches[1])
   np.testing.assert_array_equal(outs[0].tokens_bkt, outs[1].tokens_bkt)
   np.testing.assert_allclose(outs[0].policy_logprobs_bkt, outs[1].policy_logprobs_bkt,
                              rtol=1e-6, atol=1e-6)
@@ -517,7 +510,7 @@ def test_the_unstacked_decode_reads_its_weights_cast_once_to_the_activation_dtyp
   top, layers = fns.decode_weights(params, True)
   dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in
             jax.tree_util.tree_flatten_with_path(
-                ({k: v for k, v in top.items() if k != 'layers'}, layers.weights[0]))[0]}
+                ({k: v for k, v in top.items() if k != 'layers'}, layers[0]))[0]}
   assert {d for k, d in dtypes.items() if 'norm' in k} == {jnp.dtype(jnp.float32)}
   assert {d for k, d in dtypes.items() if 'norm' not in k} == {jnp.dtype(jnp.bfloat16)}
   # On one device the scanned decode makes no copy: its weights are the stored ones.

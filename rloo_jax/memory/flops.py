@@ -46,10 +46,6 @@ def rollout_flops(m, num_prompts, prompt_len, k, new_tokens, mode: str = "shared
   decode steps feeds one token per stream through trunk and head."""
   trunk, head = matrix_params(m)
   n, t = num_prompts * k, new_tokens
-  if mode == "recompute":
-    # Every step runs the whole [n, P + T] buffer through the model, head included.
-    s = prompt_len + t
-    return t * (2 * (trunk + head) * n * s + n * _attn(m, s, s) / 2)
   prefilled = num_prompts if mode == "shared" else n
   prefill = (2 * trunk * prefilled * prompt_len + 2 * head * prefilled
              + prefilled * _attn(m, prompt_len, prompt_len) / 2)
@@ -81,8 +77,10 @@ def remat_recompute_flops(m, num_prompts, prompt_len, k, new_tokens, shared_pref
   (`loss.chunked_logprobs` checkpoints each chunk) unless `fused_head` (its gradient computed in
   the log-prob pass, `head_loss`; `update.TrainStep.fused_head`), the whole trunk forward with
   remat='full', the attention products with 'dots' (they have batch dimensions, so its policy
-  does not save them)."""
+  does not save them). 'names' is counted as 'full', an upper bound: what it recomputes
+  depends on the names kept."""
   trunk, attention, head = scoring_forward_flops(m, num_prompts, prompt_len, k, new_tokens,
                                                  shared_prefix)
-  body = {"none": 0.0, "dots": attention, "full": trunk + attention}[remat]
+  body = {"none": 0.0, "dots": attention, "full": trunk + attention,
+          "names": trunk + attention}[remat]
   return num_epochs * ((0.0 if fused_head else head) + body)

@@ -233,9 +233,6 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   policy_bytes = sum(parts[p] for p in policy_parts)
   tok, static = x.token_id, _sampler_static(exp)
   unstack = sampler_args.decode_unstacked(exp)
-  # Planned for an accelerator (`options`), the decode is the one an accelerator runs: its
-  # weights as stored, not laid out for XLA:CPU's GEMM.
-  weights_left = sampler_args.decode_weights_left(exp) and not options
   start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
                       unstack_layers=unstack)
   start_args = (state.policy_params, *x.prompts, x.rng, x.stop_ids, tok)
@@ -259,8 +256,7 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   rows_bytes = per_device_bytes(x.rows)
   if "decode" in names:
     compiled, s = _compile(lambda: sampler.decode_loop.lower(
-        exp.fns, state.policy_params, samp, x.stop_ids, tok, **static, unstack_layers=unstack,
-        weights_left=weights_left))
+        exp.fns, state.policy_params, samp, x.stop_ids, tok, **static, unstack_layers=unstack))
     found["decode"] = _measure("decode", compiled, s, persistent - policy_bytes)
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
   score_args = (state.ref_params, state.adv_state, x.rows,

@@ -48,7 +48,7 @@ def _remat(algo, limit: int, accelerator: bool, hoisted: int, shape: dict,
       m, **shape, num_epochs=c.train.num_epochs, remat=r)
   # One step down: 'full' -> 'dots' saves the trunk's forward; 'dots' -> 'none' only the
   # attention products, for their [heads, T, T] probabilities kept (rarely worth it).
-  if now == _REMAT_ORDER[0]:
+  if now not in _REMAT_ORDER[1:]:  # none already, or 'names': no order to step down
     return []
   remat = _REMAT_ORDER[_REMAT_ORDER.index(now) - 1]
   config = c.copy_and_resolve_references()
@@ -107,8 +107,8 @@ def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak:
 def _decode_layers(algo, limit: int, accelerator: bool) -> list:
   exp, c, m = algo.exp, algo.exp.config, algo.exp.model_config
   fsdp = exp.layout.shape["fsdp"]
-  # 'auto' scans exactly when FSDP-sharded without LoRA (`sampler_args.decode_unstacked`).
-  if fsdp == 1 or c.rloo.get("decode_layers", "auto") != "auto" or m.lora_rank:
+  # Only FSDP re-gathers a layer at every token; LoRA would hold its frozen base twice.
+  if fsdp == 1 or sampler_args.decode_unstacked(exp) or m.lora_rank:
     return []
   config = c.copy_and_resolve_references()
   config.rloo.decode_layers = "unstacked"
@@ -121,7 +121,7 @@ def _decode_layers(algo, limit: int, accelerator: bool) -> list:
                * m.num_layers * (fsdp - 1) / fsdp)
   return [dict(setting="--config.rloo.decode_layers=unstacked", peak_gb=peak / GIB,
                gathered_per_token_gb=per_token / GIB,
-               text=(f"--config.rloo.decode_layers=unstacked (now 'auto', scanned under FSDP): "
+               text=(f"--config.rloo.decode_layers=unstacked (now scanned): "
                      f"every layer gathered once a rollout instead of at every token, "
                      f"{per_token / GIB:.3g} GiB of all-gathers a token fewer per device; "
                      f"decode peak {peak / GIB:.3g} GiB"))]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
+from rloo_jax.models import attention_ops
 from rloo_jax.models.attention import Attention
 from rloo_jax.models.config import TransformerConfig
 from rloo_jax.models.layers import MLP, Norm
@@ -11,7 +13,7 @@ from rloo_jax.models.layers import MLP, Norm
 
 class Block(nnx.Module):
   """One decoder layer. Its one body (`__call__`) serves every forward variant; only the
-  attention pattern differs, passed in as `attend`."""
+  attention spec (its layout) and where the new keys/values go differ."""
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     self.parallel_residual = config.parallel_residual
@@ -24,29 +26,32 @@ class Block(nnx.Module):
       self.post_attn_norm = Norm(config, rngs)
       self.post_mlp_norm = Norm(config, rngs)
 
-  def left_kernels(self, dt) -> dict:
-    """Every matmul kernel of the layer as the [out, in] matrix `layers.dense_left` multiplies
-    by (the decode's form; `models.decode_weights`), in dtype `dt`."""
-    return {**self.attn.left_kernels(dt), **self.mlp.left_kernels(dt)}
+  def _mlp(self, x_bse):
+    # Named (`config.CHECKPOINT_NAMES`) so that remat='names' can keep them for the backward.
+    m_bse = self.mlp(checkpoint_name(self.mlp_norm(x_bse), 'mlp_in'))
+    return checkpoint_name(m_bse, 'mlp_out')
 
-  def __call__(self, x_bse, rotary, attend, fused: bool = False, left: dict | None = None):
-    """x + attention + MLP (pre-norm). `attend(q, k, v) -> (o, aux)` applies the variant's
-    attention to this layer's projections; aux (its K/V, an updated cache) is returned.
+  def __call__(self, x_bse, rotary, spec: attention_ops.AttentionSpec, store=None,
+               fused: bool = False):
+    """x + attention + MLP (pre-norm); returns (x, aux). `store(k, v) -> (keys, values, aux)`
+    puts this layer's new keys/values where they belong (the decode's cache slot) and gives
+    what `attend` reads; None: attend reads k, v, and aux is (k, v). fused: q/k/v in one matmul.
 
     Sequential (the MLP reads x + attention), or with config.parallel_residual both branches
     read x: x + attn(norm1(x)) + mlp(norm2(x)). With config.sandwich_norm (Gemma) each branch's
-    output is normed again before it joins the residual. `left`: `left_kernels`' matrices,
-    which the matmuls then multiply by instead of the kernels (fused q/k/v)."""
-    q, k, v = self.attn.qkv(self.attn_norm(x_bse), rotary, fused=fused, left=left)
-    o, aux = attend(q, k, v)
-    a_bse = self.attn.out(o, left=left)
+    output is normed again before it joins the residual."""
+    q, k, v = self.attn.qkv(self.attn_norm(x_bse), rotary, fused=fused)
+    q, k, v = (checkpoint_name(y, n) for y, n in ((q, 'query'), (k, 'key'), (v, 'value')))
+    keys, values, aux = (k, v, (k, v)) if store is None else store(k, v)
+    o = checkpoint_name(attention_ops.attend(q, keys, values, spec), 'attention')
+    a_bse = self.attn.out(o)
     if self.sandwich_norm:
       a_bse = self.post_attn_norm(a_bse)
     if self.parallel_residual:
       # Summed in transformers' order (mlp + attn + x), for float parity.
-      return self.mlp(self.mlp_norm(x_bse), left=left) + a_bse + x_bse, aux
+      return self._mlp(x_bse) + a_bse + x_bse, aux
     x_bse = x_bse + a_bse
-    m_bse = self.mlp(self.mlp_norm(x_bse), left=left)
+    m_bse = self._mlp(x_bse)
     if self.sandwich_norm:
       m_bse = self.post_mlp_norm(m_bse)
     return x_bse + m_bse, aux

@@ -21,53 +21,29 @@ class PrefixKV:
   positions_bp: jax.Array | None = None
 
 
-# Prompts up to this many tokens are copied into each stream's cache by `init_cache` (see
-# `DecodeCache`); longer ones stay shared. Measured with experiments/bench_sampler.py
-# (docs/ARCHITECTURE.md): copying is faster for short prompts, sharing for long ones.
-COPY_PREFIX_MAX_LEN = 16
-
-
 @flax.struct.dataclass
 class DecodeCache:
-  """The prompt's keys/values (computed once per prompt row) plus each stream's own.
-
-  Two forms, chosen by `init_cache` from the prompt length:
-  - shared (copied_prefix == 0): one prefix cache per row that its K streams all read, never
-    tiled, next to per-stream buffers of T slots. Each decode step then contracts against two
-    blocks, which pays for long prompts: their memory traffic is paid once per row.
-  - copied (copied_prefix == P): the prefix is written into the first P slots of every stream's
-    buffer (P + T slots; the prefix fields are None). One score product and one value product
-    per layer and step instead of two each plus a concatenation: faster for short prompts, where
-    the per-operation cost dominates (measured by experiments/bench_sampler.py; see
-    docs/PERFORMANCE.md).
+  """The prompt's keys/values, computed once per prompt row and read by all its K streams (never
+  tiled), next to each stream's own buffer of T slots.
 
   Every layer's cache is one stacked array (leading axis L), read and written by the scanned layer
   body (`Transformer.decode`): the stream buffers ride in the scan's carry, so each step writes
   one slot per layer in place. Or, for the decode unrolled over per-layer weights
   (`init_cache(per_layer=True)`), each of the four arrays is a tuple of L buffers without that
-  axis: a layer then reads its own buffer, where reading layer l of a stack copies it out
-  (XLA:CPU, and any backend whose matmuls need a buffer of their own) at every token. Keys keep
-  head_dim before the sequence axis (`_hdp` / `_hdt`: the score product q.k contracts D against a
-  row-major [D, T] matrix), values the sequence axis before head_dim (probs.v contracts T against
-  [T, D]), so no step transposes a cache. `index` counts generated tokens in both forms; stream
-  slot `copied_prefix + index` is next.
+  axis, which a layer reads without copying it out of a stack. Keys keep head_dim before the
+  sequence axis (`_hdp` / `_hdt`: the score product q.k contracts D against a row-major [D, T]
+  matrix), values the sequence axis before head_dim (probs.v contracts T against [T, D]), so no
+  step transposes a cache. `index` counts generated tokens: stream slot `index` is next.
   """
 
-  prefix_k_lbhdp: Any  # [L, B, Hkv, D, P] (or L x [B, Hkv, D, P]); None when copied
-  prefix_v_lbhpd: Any  # [L, B, Hkv, P, D] (or L x [B, Hkv, P, D]); None when copied
+  prefix_k_lbhdp: Any  # [L, B, Hkv, D, P] (or L x [B, Hkv, D, P])
+  prefix_v_lbhpd: Any  # [L, B, Hkv, P, D] (or L x [B, Hkv, P, D])
   prefix_mask_bp: jax.Array  # [B, P] bool
-  k_lbkhdt: Any  # [L, B, K, Hkv, D, copied_prefix + T] (or L x [B, K, Hkv, D, ...])
-  v_lbkhtd: Any  # [L, B, K, Hkv, copied_prefix + T, D] (or L x [B, K, Hkv, ..., D])
+  k_lbkhdt: Any  # [L, B, K, Hkv, D, T] (or L x [B, K, Hkv, D, T])
+  v_lbkhtd: Any  # [L, B, K, Hkv, T, D] (or L x [B, K, Hkv, T, D])
   index: jax.Array
   # The prompt's positions, which a sliding window reads (None: the prefill recorded none).
   prefix_positions_bp: jax.Array | None = None
-  copied_prefix: int = flax.struct.field(pytree_node=False, default=0)
-
-  @property
-  def num_bytes(self) -> int:
-    """Bytes of the whole cache (all rows): what the memory plan counts for a rollout."""
-    arrays = (self.prefix_k_lbhdp, self.prefix_v_lbhpd, self.k_lbkhdt, self.v_lbkhtd)
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays))
 
   @property
   def per_layer(self) -> bool:
@@ -95,42 +71,22 @@ def write_slot(kv, l, k_bkhd, v_bkhd, slot):
 
 
 def init_cache(prefix: PrefixKV, mask_bp: jax.Array, num_streams: int,
-               max_new_tokens: int, copy_prefix_max_len: int | None = None,
-               per_layer: bool = False) -> DecodeCache:
-  """The decode cache of `prefix` (transposed once here into the decode layouts) with empty
-  stream slots: shared, one prefix per prompt row, or for prompts of at most
-  `copy_prefix_max_len` tokens (default COPY_PREFIX_MAX_LEN) copied into the front of each of
-  the `num_streams` buffers (see `DecodeCache`). Stream slots are valid up to index.
+               max_new_tokens: int, per_layer: bool = False) -> DecodeCache:
+  """The decode cache of `prefix` (transposed once here into the decode layouts), one prefix
+  per prompt row, with `num_streams` empty stream buffers; stream slots are valid up to index.
   per_layer: every array split into a tuple of per-layer buffers (see `DecodeCache`)."""
-  cache = _init_cache(prefix, mask_bp, num_streams, max_new_tokens, copy_prefix_max_len)
+  l, b, _, h, d = prefix.k_lbphd.shape
+  dt, k = prefix.k_lbphd.dtype, num_streams
+  cache = DecodeCache(
+      prefix_k_lbhdp=jnp.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2)),
+      prefix_v_lbhpd=jnp.transpose(prefix.v_lbphd, (0, 1, 3, 2, 4)),
+      prefix_mask_bp=jnp.asarray(mask_bp, bool),
+      k_lbkhdt=jnp.zeros((l, b, k, h, d, max_new_tokens), dt),
+      v_lbkhtd=jnp.zeros((l, b, k, h, max_new_tokens, d), dt),
+      index=jnp.zeros((), jnp.int32), prefix_positions_bp=prefix.positions_bp)
   if not per_layer:
     return cache
-  split = lambda x: None if x is None else tuple(x[l] for l in range(x.shape[0]))  # noqa: E731
+  split = lambda x: tuple(x[l] for l in range(x.shape[0]))  # noqa: E731
   return cache.replace(prefix_k_lbhdp=split(cache.prefix_k_lbhdp),
                        prefix_v_lbhpd=split(cache.prefix_v_lbhpd),
                        k_lbkhdt=split(cache.k_lbkhdt), v_lbkhtd=split(cache.v_lbkhtd))
-
-
-def _init_cache(prefix, mask_bp, num_streams, max_new_tokens, copy_prefix_max_len):
-  l, b, p, h, d = prefix.k_lbphd.shape
-  dt = prefix.k_lbphd.dtype
-  limit = COPY_PREFIX_MAX_LEN if copy_prefix_max_len is None else copy_prefix_max_len
-  k_lbhdp = jnp.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2))
-  v_lbhpd = jnp.transpose(prefix.v_lbphd, (0, 1, 3, 2, 4))
-  mask_bp = jnp.asarray(mask_bp, bool)
-  index = jnp.zeros((), jnp.int32)
-  k = num_streams
-  if p <= limit:
-    streams = lambda x: jnp.broadcast_to(x[:, :, None], (l, b, k, *x.shape[2:]))
-    return DecodeCache(
-        prefix_k_lbhdp=None, prefix_v_lbhpd=None, prefix_mask_bp=mask_bp,
-        k_lbkhdt=jnp.concatenate([streams(k_lbhdp), jnp.zeros((l, b, k, h, d, max_new_tokens), dt)],
-                                 axis=-1),
-        v_lbkhtd=jnp.concatenate([streams(v_lbhpd), jnp.zeros((l, b, k, h, max_new_tokens, d), dt)],
-                                 axis=-2),
-        index=index, prefix_positions_bp=prefix.positions_bp, copied_prefix=p)
-  return DecodeCache(
-      prefix_k_lbhdp=k_lbhdp, prefix_v_lbhpd=v_lbhpd, prefix_mask_bp=mask_bp,
-      k_lbkhdt=jnp.zeros((l, b, k, h, d, max_new_tokens), dt),
-      v_lbkhtd=jnp.zeros((l, b, k, h, max_new_tokens, d), dt),
-      index=index, prefix_positions_bp=prefix.positions_bp)

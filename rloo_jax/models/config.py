@@ -7,6 +7,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from rloo_jax.models import attention_ops
+
 FAMILIES = ('llama', 'qwen2', 'qwen3', 'gpt2', 'gpt_neox', 'gemma2', 'gemma3')
 # transformers' layer_types names.
 LAYER_TYPES = ('full_attention', 'sliding_attention')
@@ -15,8 +17,13 @@ ROPE_TYPES = ('default', 'linear', 'llama3')
 HEADS = ('lm', 'scalar')
 # Rematerialisation of the scanned layer body (`transformer.remat_policy`): 'none' keeps every
 # intermediate for the backward, 'full' keeps only each layer's input and recomputes the rest,
-# 'dots' keeps the matmul outputs (no batch dims) and recomputes the elementwise work.
-REMAT_POLICIES = ('none', 'full', 'dots')
+# 'dots' keeps the matmul outputs (no batch dims) and recomputes the elementwise work, 'names'
+# keeps the layer's intermediates named in `remat_names` (of CHECKPOINT_NAMES) and recomputes
+# the rest.
+REMAT_POLICIES = ('none', 'full', 'dots', 'names')
+# The layer body's `checkpoint_name`s (`block.Block`): q, k, v after RoPE, the attention output
+# before its projection, the MLP's normed input and its output.
+CHECKPOINT_NAMES = ('query', 'key', 'value', 'attention', 'mlp_in', 'mlp_out')
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -24,6 +31,22 @@ def gemma_layer_types(num_layers: int, every: int) -> tuple:
   """Gemma's `layer_types`: layer i is global when (i + 1) % every == 0, else it slides (Gemma 2
   alternates, every = 2; Gemma 3 has a global layer every 6)."""
   return tuple(LAYER_TYPES[int((i + 1) % every != 0)] for i in range(num_layers))
+
+
+def check_remat_names(remat: str, names) -> tuple:
+  """`names` (a tuple, or a comma-separated string) checked against `remat`; returns the tuple."""
+  names = tuple(n.strip() for n in names.split(',') if n.strip()) if isinstance(names, str) \
+      else tuple(names)
+  unknown = sorted(set(names) - set(CHECKPOINT_NAMES))
+  if unknown:
+    raise ValueError(f'config.model.remat_names: unknown {unknown}; choose from {CHECKPOINT_NAMES}')
+  if remat == 'names' and not names:
+    raise ValueError("config.model.remat='names' saves the intermediates config.model.remat_names "
+                     f"lists, and it is empty; list some of {CHECKPOINT_NAMES} (or remat='full')")
+  if names and remat != 'names':
+    raise ValueError(f"config.model.remat_names is read only with remat='names' (now "
+                     f"{remat!r}); set config.model.remat='names' or remat_names=''")
+  return names
 
 
 def dtype_of(name: str):
@@ -73,6 +96,8 @@ class TransformerConfig:
   param_dtype: str = 'float32'
   head: str = 'lm'
   remat: str = 'none'
+  remat_names: tuple = ()
+  attention: str = 'xla'  # an `attention_ops.IMPLEMENTATIONS` key
   rotary_pct: float = 1.0
   parallel_residual: bool = False
   rope_type: str = 'default'
@@ -93,7 +118,7 @@ class TransformerConfig:
 
   def __post_init__(self):
     # A config read back from JSON (a saved reward model's) has a list: keep it hashable.
-    for name in ('layer_types', 'lora_targets'):
+    for name in ('layer_types', 'lora_targets', 'remat_names'):
       object.__setattr__(self, name, tuple(getattr(self, name)))
     if self.family not in FAMILIES:
       raise ValueError(f'family={self.family!r}; supported: {FAMILIES}')
@@ -101,6 +126,8 @@ class TransformerConfig:
       raise ValueError(f'head={self.head!r}; supported: {HEADS}')
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'remat={self.remat!r}; supported: {REMAT_POLICIES} (config.model.remat)')
+    check_remat_names(self.remat, self.remat_names)
+    attention_ops.check_implementation(self.attention)
     for name in ('dtype', 'param_dtype'):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f'{name}={getattr(self, name)!r}; supported: {tuple(_DTYPES)}')

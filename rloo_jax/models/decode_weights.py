@@ -11,40 +11,20 @@ weights; three things multiply that read at every token unless they are paid onc
 - Float32 master weights under bfloat16 activations are converted at every use. They are cast
   to the activation dtype once: the decode's reads, and any gather, then move half the bytes.
   Scanned on one device the cast is left to each use: the copy would cost half the float32
-  weights, and a run that scans to save memory (`config.rloo.decode_layers='scanned'`) keeps
-  that saving.
+  weights, a saving the default scanned decode keeps.
 
 Every weight the model casts to the activation dtype before using it is cast here, so the
 decode computes with the values it did (a backend that rounds at each cast gives the same bits;
 XLA:CPU, which keeps float32 where it may, rounds the weights here instead); norm parameters,
 which the norms apply in float32 (Gemma's 1 + w, LayerNorm), are left as stored.
-
-With `weights_left` (unstacked only) every matmul kernel is also laid out once as the [out, in]
-matrix that `layers.dense_left` multiplies from the left, q/k/v fused: XLA:CPU runs a decode
-step's matmuls faster that way (`sampler_args.decode_weights_left` picks it on CPU).
-The layer copies then hold these matrices instead of the kernels (the same bytes), and an untied
-head is transposed once (a tied one is already [vocab, hidden]).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from rloo_jax.models.config import TransformerConfig, dtype_of
-
-
-class DecodeLayers(NamedTuple):
-  """The unrolled decode's weights: `weights`, one tree per layer (gathered and cast); with
-  weights_left, `left` holds each layer's `Block.left_kernels` and `head` the head's [vocab,
-  hidden] matrix, else both are None."""
-
-  weights: tuple
-  left: tuple | None = None
-  head: Any = None
 
 
 def _kept(path) -> bool:
@@ -63,19 +43,14 @@ def cast(config: TransformerConfig, tree):
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def prepare(config: TransformerConfig, params, unstacked: bool, weights_left: bool = False, *,
-            gather=None, graphdef=None):
+def prepare(config: TransformerConfig, params, unstacked: bool, *, gather=None):
   """(params, layers) for the decode loop from the stored `params` (gather: the model's
-  `sharding.ParamGather`, or None; graphdef: the model's, which `weights_left` needs).
+  `sharding.ParamGather`, or None).
 
-  unstacked: `layers` is a `DecodeLayers` of per-layer weight trees, gathered and cast (with
-  weights_left also their [out, in] matrices), and `params` has its non-layer weights gathered
-  and cast too; `ModelFns.decode(..., layers=layers)` then gathers nothing more. Otherwise
-  `layers` is None and `params` is the stored tree, cast (shards included) when it is
-  FSDP-sharded, for `ModelFns.decode`'s per-token gather."""
-  if weights_left and not unstacked:
-    raise ValueError('weights_left lays out the unrolled decode\'s weights: it needs '
-                     'unstacked=True')
+  unstacked: `layers` is a tuple of per-layer weight trees, gathered and cast, and `params` has
+  its non-layer weights gathered and cast too; `ModelFns.decode(..., layers=layers)` then
+  gathers nothing more. Otherwise `layers` is None and `params` is the stored tree, cast
+  (shards included) when it is FSDP-sharded, for `ModelFns.decode`'s per-token gather."""
   if not unstacked:
     return (params if gather is None else cast(config, params)), None
   top = cast(config, {k: v for k, v in params.items() if k != 'layers'})
@@ -87,14 +62,4 @@ def prepare(config: TransformerConfig, params, unstacked: bool, weights_left: bo
   for l in range(config.num_layers):
     weights = cast(config, jax.tree.map(lambda w, l=l: w[l], params['layers']))
     layers.append(weights if gather is None else gather.layer(weights))
-  prepared = type(params)(prepared)
-  if not weights_left:
-    return prepared, DecodeLayers(tuple(layers))
-  dt = dtype_of(config.dtype)
-  model = nnx.merge(graphdef, prepared)
-  block = nnx.split(model.layers)[0]
-  left = tuple(nnx.merge(block, w).left_kernels(dt) for w in layers)
-  head = None
-  if config.head != 'scalar':
-    head = (model.embedding[...] if config.tie_embeddings else model.lm_head[...].T).astype(dt)
-  return prepared, DecodeLayers(tuple(layers), left, head)
+  return type(params)(prepared), tuple(layers)

@@ -14,8 +14,8 @@ from rloo_jax.models.config import TransformerConfig, dtype_of
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
-  # Draw flat, then reshape: XLA's compile time for rank-3 threefry draws is several times that of
-  # rank-1 ones (seconds per tensor on a small CPU), and the values are just as random.
+  # Draw flat, then reshape: rank-3 threefry draws compile several times slower than rank-1
+  # ones, and the values are just as random.
   def flat_init(key, shape, dtype):
     return init(key, (math.prod(shape),), dtype).reshape(shape)
 
@@ -96,10 +96,9 @@ def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: i
   `head_dim`: the rotated dims (all of a head's, or GPT-NeoX's first rotary_dim); `scaling`:
   `TransformerConfig.rope_scaling` (see `inv_freq`).
 
-  Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array.
-  Computed from the positions directly, XLA fused cos and sin into every consumer (q and k of
-  every layer) and recomputed them per element, i.e. per head: a visible share of a CPU decode
-  step and of the update. (XLA evaluates the table only at the gathered rows.)
+  Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array:
+  computed from the positions directly, cos and sin were fused into every consumer (q and k of
+  every layer) and recomputed per head. (XLA evaluates the table only at the gathered rows.)
   """
   angles_sf = (jnp.arange(max_seq_len, dtype=jnp.float32)[:, None]
                * inv_freq(head_dim, theta, scaling))
@@ -123,28 +122,12 @@ def _rope(x_bshd: jax.Array, rotary) -> jax.Array:
 def _dense(x_bse: jax.Array, kernel_ef: jax.Array, preferred_element_type=None) -> jax.Array:
   """x @ kernel as one 2-D matmul over the flattened rows, [B*S, E] x [E, F] -> [B, S, F].
 
-  Why not einsum('bse,ef->bsf'): its weight gradient contracts over two axes (b and s), which
-  XLA:CPU does not hand to its fast GEMM kernel.
+  Why not einsum('bse,ef->bsf'): its weight gradient then contracts over two axes (b and s),
+  which a compiler may not hand to its plain GEMM kernel.
   """
   b, s, e = x_bse.shape
   y = jnp.matmul(x_bse.reshape(b * s, e), kernel_ef, preferred_element_type=preferred_element_type)
   return y.reshape(b, s, kernel_ef.shape[-1])
-
-
-def dense_left(x_bse: jax.Array, kernel_fe: jax.Array, preferred_element_type=None) -> jax.Array:
-  """x @ kernel_fe.T, [B, S, E] x [F, E] -> [B, S, F], computed as (kernel_fe @ x.T).T: the
-  decode step's form (`Block.left_kernels` prepares its [out, in] kernels once a rollout).
-
-  Why: XLA:CPU multiplies the few rows of a decode step by a large matrix on the right more
-  slowly than it computes the same product with the matrix on the left (docs/PERFORMANCE.md,
-  "The decode's matmuls with the weights on the left"). The barriers keep XLA from folding the
-  transposes back into the slow form (it rewrites transpose(dot) as a dot of swapped operands).
-  """
-  b, s, e = x_bse.shape
-  barrier = jax.lax.optimization_barrier
-  x_eb = barrier(x_bse.reshape(b * s, e).T)
-  y_fb = barrier(jnp.matmul(kernel_fe, x_eb, preferred_element_type=preferred_element_type))
-  return y_fb.T.reshape(b, s, kernel_fe.shape[0])
 
 
 def _project(x_bse: jax.Array, kernel_ehd: jax.Array) -> jax.Array:
@@ -161,9 +144,7 @@ class MLP(nnx.Module):
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     c = config
     pdt = dtype_of(c.param_dtype)
-    # True for every biased GELU MLP, not only GPT-2's; the name stays because
-    # experiments/variants/swiglu_vjp.py reads it to tell SwiGLU from GELU.
-    self.gpt2 = not c.gated_mlp
+    self.biased = not c.gated_mlp  # a biased GELU MLP (GPT-2, GPT-NeoX), no gate
     self.config = c
     self.approximate = c.is_gpt2
     self.geglu = c.is_gemma
@@ -171,7 +152,7 @@ class MLP(nnx.Module):
     e, f = c.hidden_size, c.intermediate_size
     self.up_kernel = _param(rngs, init, (e, f), ('embed', 'mlp'), pdt)
     self.down_kernel = _param(rngs, init, (f, e), ('mlp', 'embed'), pdt)
-    if self.gpt2:
+    if self.biased:
       self.up_bias = _param(rngs, nnx.initializers.zeros, (f,), ('mlp',), pdt)
       self.down_bias = _param(rngs, nnx.initializers.zeros, (e,), ('embed',), pdt)
     else:
@@ -181,40 +162,31 @@ class MLP(nnx.Module):
       sizes = {'embed': e, 'mlp': f}
       lora.add(self, rngs, c, name, (sizes[i],), (i,), (sizes[o],), (o,))
 
-  def left_kernels(self, dt) -> dict:
-    """The kernels as the [out, in] matrices of `dense_left` (the decode's), in dtype `dt`."""
-    names = ('up', 'down') if self.gpt2 else ('gate', 'up', 'down')
-    return {n: _cast(getattr(self, f'{n}_kernel'), dt).T for n in names}
-
-  def __call__(self, x_bse: jax.Array, left: dict | None = None) -> jax.Array:
-    """`left`: `left_kernels`' matrices, multiplied by `dense_left` instead of the kernels."""
+  def __call__(self, x_bse: jax.Array) -> jax.Array:
     dt = x_bse.dtype
 
     def matmul(name, x):
-      y = (_dense(x, _cast(getattr(self, f'{name}_kernel'), dt)) if left is None else
-           dense_left(x, left[name]))
-      return lora.apply(self, name, x, y)
+      return lora.apply(self, name, x, _dense(x, _cast(getattr(self, f'{name}_kernel'), dt)))
 
     up = matmul('up', x_bse)
-    if self.gpt2:
+    if self.biased:
       h = jax.nn.gelu(up + _cast(self.up_bias, dt), approximate=self.approximate)
     else:
       gate = matmul('gate', x_bse)
       h = (jax.nn.gelu(gate, approximate=True) if self.geglu else jax.nn.silu(gate)) * up
     y = matmul('down', h)
-    if self.gpt2:
+    if self.biased:
       y = y + _cast(self.down_bias, dt)
     return y
 
 
-def apply_head(config: TransformerConfig, head_params, x_bse, left=None):
+def apply_head(config: TransformerConfig, head_params, x_bse):
   """Final norm and head on hidden states: logits [B, S, V] (values [B, S] for head='scalar').
 
   A pure function of the `transformer.HEAD_KEYS` parameters (Params or arrays), so the chunked
   log-probs (`loss.chunked_logprobs`) run it one chunk of positions at a time and differentiate
   only these. The contraction accumulates and returns float32 whatever the dtype;
-  config.final_softcap caps the logits (Gemma 2) in float32 too. `left`: the head as a [V, E]
-  matrix, multiplied by `dense_left` (the decode's, `models.decode_weights`)."""
+  config.final_softcap caps the logits (Gemma 2) in float32 too."""
   norm = head_params['final_norm']
   x = apply_norm(x_bse, norm['scale'], norm['bias'] if 'bias' in norm else None,
                  config.norm_eps, config.is_gemma)
@@ -223,12 +195,9 @@ def apply_head(config: TransformerConfig, head_params, x_bse, left=None):
     v = jnp.einsum('bse,eo->bso', x, _cast(head_params['score_kernel'], x.dtype),
                    preferred_element_type=f32)
     return v[..., 0] + jnp.asarray(head_params['score_bias'][...], f32)[0]
-  if left is not None:
-    logits = dense_left(x, left, preferred_element_type=f32)
-  else:
-    kernel = (_cast(head_params['embedding'], x.dtype).T if config.tie_embeddings else
-              _cast(head_params['lm_head'], x.dtype))
-    logits = _dense(x, kernel, preferred_element_type=f32)
+  kernel = (_cast(head_params['embedding'], x.dtype).T if config.tie_embeddings else
+            _cast(head_params['lm_head'], x.dtype))
+  logits = _dense(x, kernel, preferred_element_type=f32)
   if config.final_softcap:
     logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
   return logits

@@ -32,6 +32,7 @@ from __future__ import annotations
 import difflib
 import types
 
+from rloo_jax.models import attention_ops
 from rloo_jax.models import config as config_lib
 
 _QWEN2 = dict(family='qwen2', norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True)
@@ -164,20 +165,28 @@ _FAMILY_CONSTRUCTORS = {'llama': config_lib.TransformerConfig.llama,
                         'gemma3': config_lib.TransformerConfig.gemma3}
 
 
+def run_options(model_cfg) -> dict:
+  """How `config.model` runs any architecture: remat (and the names it saves) and the
+  attention implementation. .get: run_config files written before these keys still load."""
+  remat = model_cfg.get('remat', 'none')
+  return dict(remat=remat,
+              remat_names=config_lib.check_remat_names(remat, model_cfg.get('remat_names', '')),
+              attention=attention_ops.check_implementation(model_cfg.get('attention', 'xla')))
+
+
 def from_experiment_config(model_cfg, vocab_size: int) -> config_lib.TransformerConfig:
   """The TransformerConfig of an experiment's `config.model` section: the architecture of
   `config.model.preset` when set (`rloo_jax.models.presets`), else the family preset with the
-  section's sizes; the section's dtype / param_dtype / remat either way.
+  section's sizes; the section's dtype / param_dtype / `run_options` either way.
 
   vocab_size: the task tokenizer's. A preset keeps its own (the checkpoint's embedding size, so
   a job planned or trained from a preset has the real model's memory), which must cover it."""
   m = model_cfg
-  # .get: run_config files written before these keys existed still load (as they ran then).
-  remat = m.get('remat', 'none')
+  run = run_options(m)
   preset = m.get('preset', '')
   if preset:
     cfg = get(preset, what='config.model.preset', dtype=m.dtype,
-                      param_dtype=m.param_dtype, remat=remat)
+                      param_dtype=m.param_dtype, **run)
     if cfg.vocab_size < vocab_size:
       raise ValueError(
           f'config.model.preset={preset!r} embeds {cfg.vocab_size} tokens, fewer than the task '
@@ -190,4 +199,4 @@ def from_experiment_config(model_cfg, vocab_size: int) -> config_lib.Transformer
       vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       intermediate_size=m.intermediate_size, max_seq_len=m.max_seq_len, dtype=m.dtype,
-      param_dtype=m.param_dtype, remat=remat)
+      param_dtype=m.param_dtype, **run)

@@ -23,26 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rloo_jax.models.attention import (  # noqa: F401  (re-exported)
-    _MASKED, Attention, Scores, _decode_mask, _full_attention, _grouped_attention,
-    _shared_prefix_attention, _softmax_f32, _stream_attention)
-from rloo_jax.models.block import Block, stacked_blocks  # noqa: F401  (re-exported)
+from rloo_jax.models import attention_ops
+from rloo_jax.models.block import stacked_blocks
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
-    COPY_PREFIX_MAX_LEN, DecodeCache, PrefixKV, init_cache, write_slot)
+    DecodeCache, PrefixKV, init_cache, write_slot)
 from rloo_jax.models.config import (  # noqa: F401  (re-exported)
     _DTYPES, FAMILIES, HEADS, TransformerConfig, dtype_of)
 from rloo_jax.models import decode_weights as decode_weights_lib
 from rloo_jax.models.presets import from_experiment_config  # noqa: F401  (re-exported)
-from rloo_jax.models.layers import (  # noqa: F401  (re-exported)
-    MLP, Norm, _cast, _dense, _param, _project, _rope, _rotary, apply_head, apply_norm)
+from rloo_jax.models.layers import Norm, _param, _rotary, apply_head
 
 
-# `TransformerConfig.remat` -> the jax.checkpoint policy of the scanned layer body.
-REMAT_POLICIES = {
-    'none': None,
-    'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 # The parameters `head` reads (every other top-level entry is the embedding input or the layers).
 HEAD_KEYS = ('final_norm', 'embedding', 'lm_head', 'score_kernel', 'score_bias')
 
@@ -113,23 +104,27 @@ class Transformer(nnx.Module):
     out['final_norm'] = {k: getattr(norm, k) for k in ('scale', 'bias') if hasattr(norm, k)}
     return out
 
-  def _head(self, x_bse, left=None):
-    return apply_head(self.config, self.head_params(), x_bse, left)
+  def _head(self, x_bse):
+    return apply_head(self.config, self.head_params(), x_bse)
 
-  def _scan(self, body, x, positions, carry=None, xs=None, gather=None, layers=None):
-    """Runs `body(block, x, carry, xs_l, rotary, scores) -> (x, carry, y)` over the layers with
+  def _spec(self, layout, window) -> attention_ops.AttentionSpec:
+    c = self.config
+    return attention_ops.AttentionSpec(layout, c.attn_scale, c.attn_softcap,
+                                       window if any(c.sliding_layers) else None, c.attention)
+
+  def _scan(self, body, x, positions, layout, carry=None, xs=None, gather=None, layers=None):
+    """Runs `body(block, x, carry, xs_l, rotary, spec) -> (x, carry, y)` over the layers with
     lax.scan; returns (x, carry, ys stacked on a leading layers axis). `rotary` is the layer's
-    table at `positions` (`_rotary`), `scores` its `attention.Scores` (scale, soft-cap and, with
-    sliding layers, the layer's window), so layers of two kinds share one scanned body.
+    table at `positions` (`_rotary`), `spec` its `attention_ops.AttentionSpec` over `layout`
+    (with sliding layers, the layer's window), so layers of two kinds share one scanned body.
 
     `layers`: per-layer weight trees (`decode_weights`, the decode loop's) run unrolled instead
     (ys None): a scanned layer copies its weights out of the stack at every call."""
     c = self.config
     graphdef, stacked = nnx.split(self.layers)
     if layers is not None:
-      return self._unrolled(graphdef, layers, body, x, positions, carry, xs, gather)
+      return self._unrolled(graphdef, layers, body, x, positions, layout, carry, xs, gather)
     global_rot, local_rot = self._rotary(positions)
-    sliding = any(c.sliding_layers)
     # A full layer's window: no distance reaches it.
     windows_l = jnp.where(jnp.asarray(c.sliding_layers), c.sliding_window,
                           jnp.iinfo(jnp.int32).max).astype(jnp.int32)
@@ -143,40 +138,37 @@ class Transformer(nnx.Module):
       if local_rot is not None:
         local = window < jnp.iinfo(jnp.int32).max
         rotary = tuple(jnp.where(local, a, b) for a, b in zip(local_rot, global_rot))
-      scores = Scores.of(c, window if sliding else None)
-      x, carry, y = body(nnx.merge(graphdef, weights), x, carry, xs_l, rotary, scores)
+      x, carry, y = body(nnx.merge(graphdef, weights), x, carry, xs_l, rotary,
+                         self._spec(layout, window))
       return (x, carry), y
 
-    policy = REMAT_POLICIES[self.config.remat]
-    if self.config.remat != 'none':
+    policy = remat_policy(c)
+    if c.remat != 'none':
       step = jax.checkpoint(step, policy=policy, prevent_cse=False)
     (x, carry), ys = jax.lax.scan(step, (x, carry), (stacked, windows_l, xs))
     return x, carry, ys
 
-  def _unrolled(self, graphdef, layers, body, x, positions, carry, xs, gather):
+  def _unrolled(self, graphdef, layers, body, x, positions, layout, carry, xs, gather):
     c = self.config
     global_rot, local_rot = self._rotary(positions)
-    sliding = any(c.sliding_layers)
     for l, weights in enumerate(layers):
       weights = weights if gather is None else gather.layer(weights)
-      local = sliding and bool(c.sliding_layers[l])
+      local = bool(c.sliding_layers[l])
       rotary = local_rot if (local and local_rot is not None) else global_rot
       window = jnp.int32(c.sliding_window if local else jnp.iinfo(jnp.int32).max)
       x, carry, _ = body(nnx.merge(graphdef, weights), x, carry,
-                         jax.tree.map(lambda v, l=l: v[l], xs), rotary,
-                         Scores.of(c, window if sliding else None))
+                         jax.tree.map(lambda v, l=l: v[l], xs), rotary, self._spec(layout, window))
     return x, carry, None
 
   def _trunk(self, tokens_bs, positions_bs, mask_bs, gather=None, keep_kv=False):
     """Every layer over the full sequence: pre-norm final hidden states, and with keep_kv each
     layer's K/V stacked [L, B, S, Hkv, D]."""
-    def body(block, x, carry, _, rotary, scores):
-      attend = lambda q, k, v: (_full_attention(q, k, v, mask_bs, scores, positions_bs), (k, v))
-      x, kv = block(x, rotary, attend)
+    def body(block, x, carry, _, rotary, spec):
+      x, kv = block(x, rotary, spec)
       return x, carry, kv if keep_kv else None
 
     x, _, kv = self._scan(body, self._embed(tokens_bs, positions_bs), positions_bs,
-                          gather=gather)
+                          attention_ops.Causal(mask_bs, positions_bs), gather=gather)
     return x, kv
 
   def prefill(self, tokens_bp, positions_bp, mask_bp, gather=None):
@@ -228,12 +220,12 @@ class Transformer(nnx.Module):
     tokens = jnp.concatenate([prompt_tokens_bp, token_major(tokens_nt)], axis=1)
     positions = jnp.concatenate([prompt_positions_bp, token_major(positions_nt)], axis=1)
     mask_bmu = mask_nt[:, :u].reshape(b, m, u)
-    def body(block, x, carry, _, rotary, scores):
-      attend = lambda q, k, v: (_grouped_attention(q, k, v, prompt_mask_bp, mask_bmu, p, scores,
-                                                   positions), None)
-      return (*block(x, rotary, attend), None)
+    def body(block, x, carry, _, rotary, spec):
+      return block(x, rotary, spec)[0], carry, None
 
-    x = self._scan(body, self._embed(tokens, positions), positions, gather=gather)[0][:, p - 1:]
+    layout = attention_ops.PromptGroup(prompt_mask_bp, mask_bmu, positions)
+    x = self._scan(body, self._embed(tokens, positions), positions, layout,
+                   gather=gather)[0][:, p - 1:]
     e = x.shape[-1]
     # Token 0 of every completion is predicted from its prompt's last column (now row 0), token
     # i > 0 from completion position i - 1.
@@ -247,45 +239,37 @@ class Transformer(nnx.Module):
     return self._head(self.grouped_hidden(*args, gather=gather))
 
   def decode(self, tokens_bk, positions_bk, cache: DecodeCache, gather=None, layers=None):
-    """One token per stream, written at stream slot cache.copied_prefix + cache.index (callers
-    keep index < max_new_tokens: dynamic_update_slice clamps, so a step past the end would
-    overwrite the last slot). `layers`: `decode_weights.DecodeLayers` (unrolled layers, with
-    their weights-left matrices when it has them). Returns (logits [B,K,V], cache)."""
+    """One token per stream, written at stream slot cache.index (callers keep index <
+    max_new_tokens: dynamic_update_slice clamps, so a step past the end would overwrite the
+    last slot). `layers`: `decode_weights.prepare`'s per-layer weights, run unrolled.
+    Returns (logits [B,K,V], cache)."""
     idx = cache.index.astype(jnp.int32)
-    slot, copied = idx + cache.copied_prefix, cache.copied_prefix
     if cache.per_layer and layers is None:  # its buffers are picked by a static layer number
       raise ValueError('a per-layer decode cache is read by unrolled layers only: pass `layers` '
                        '(ModelFns.decode_weights(params, unstacked=True))')
     layer_ids = (np.arange(self.config.num_layers) if layers is not None else
                  jnp.arange(self.config.num_layers, dtype=jnp.int32))
-    left = None if layers is None else layers.left
-    window_pos = (positions_bk, cache.prefix_positions_bp)
-    xs = (layer_ids, None if copied or cache.per_layer else
-          (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
+    layout = attention_ops.SharedPrefixDecode(cache.prefix_mask_bp, idx, positions_bk,
+                                              cache.prefix_positions_bp)
+    xs = (layer_ids, None if cache.per_layer else (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
 
-    def body(block, x, kv, xs_l, rotary, scores):
+    def body(block, x, kv, xs_l, rotary, spec):
       l, prefix = xs_l
-      if cache.per_layer and not copied:
+      if cache.per_layer:
         prefix = (cache.prefix_k_lbhdp[l], cache.prefix_v_lbhpd[l])
 
-      def attend(q, k, v):  # the stream buffers ride in the carry, written in place
-        (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, slot)
-        if copied:
-          o = _stream_attention(q, cache.prefix_mask_bp, k_l, v_l, idx, copied, scores,
-                                window_pos)
-        else:
-          o = _shared_prefix_attention(q, prefix[0], prefix[1], cache.prefix_mask_bp, k_l, v_l,
-                                       idx, scores, window_pos)
-        return o, (k_all, v_all)
+      def store(k, v):  # the stream buffers ride in the carry, written in place
+        (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, idx)
+        return (prefix[0], k_l), (prefix[1], v_l), (k_all, v_all)
 
-      x, kv = block(x, rotary, attend, fused=True, left=None if left is None else left[l])
+      x, kv = block(x, rotary, spec, store, fused=True)
       return x, kv, None
 
     x, (k_all, v_all), _ = self._scan(body, self._embed(tokens_bk, positions_bk), positions_bk,
-                                      carry=(cache.k_lbkhdt, cache.v_lbkhtd), xs=xs, gather=gather,
-                                      layers=None if layers is None else layers.weights)
+                                      layout, carry=(cache.k_lbkhdt, cache.v_lbkhtd), xs=xs,
+                                      gather=gather, layers=layers)
     new_cache = cache.replace(k_lbkhdt=k_all, v_lbkhtd=v_all, index=idx + 1)
-    return self._head(x, None if layers is None else layers.head), new_cache
+    return self._head(x), new_cache
 
 
 class ModelFns(NamedTuple):
@@ -307,6 +291,15 @@ class ModelFns(NamedTuple):
   head: Callable | None = None
   head_params: Callable | None = None
   decode_weights: Callable | None = None
+
+
+def remat_policy(config: TransformerConfig):
+  """The jax.checkpoint policy of `config.remat` for the scanned layer body (None: 'none')."""
+  policies = jax.checkpoint_policies
+  if config.remat == 'names':
+    return policies.save_only_these_names(*config.remat_names)
+  return {'none': None, 'full': policies.nothing_saveable,
+          'dots': policies.dots_with_no_batch_dims_saveable}[config.remat]
 
 
 def _config_of(graphdef) -> TransformerConfig | None:
@@ -344,8 +337,7 @@ def model_fns(graphdef, gather=None) -> ModelFns:
       return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, layers=layers)
     return model(params).decode(tokens_bk, positions_bk, cache, gather=gather)
 
-  decode_weights = functools.partial(decode_weights_lib.prepare, config, gather=gather,
-                                     graphdef=graphdef)
+  decode_weights = functools.partial(decode_weights_lib.prepare, config, gather=gather)
 
   def grouped(params, *rows):
     return model(params).grouped(*rows, gather=gather)

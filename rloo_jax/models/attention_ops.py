@@ -1,0 +1,202 @@
+"""The one attention entry point: `attend(q, k, v, spec)`, for every layout the model runs.
+
+`spec` (an `AttentionSpec`) carries what the masks need: the layout of the rows (`Causal`, the
+grouped `PromptGroup`, or `SharedPrefixDecode`), the score scale and soft-cap, a sliding window,
+and the implementation (`config.model.attention`, a key of `IMPLEMENTATIONS`). An
+implementation is a function `(q, k, v, spec) -> o`; 'xla' is the einsum one below, the reference
+every other implementation is tested against. One that lacks a layout must raise naming it,
+never fall back silently.
+
+Every layout computes its scores and softmax in float32, whatever the activation dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+# Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
+# finite distribution instead of NaNs that would leak into gradients through a masked mean.
+_MASKED = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal:
+  """Rows attending causally in index order, keys masked where `mask_bt` is False, so padding
+  may sit anywhere in a row. `positions_bt` (queries' and keys' alike) is read only by a
+  sliding window. q [B,S,Hkv,G,D], k and v [B,S,Hkv,D]."""
+
+  mask_bt: jax.Array
+  positions_bt: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptGroup:
+  """Rows laid out per prompt as [prompt (P) | T tokens x M completions], the completions
+  token-major (row P + i*M + j: token i of completion j). The prompt attends causally within
+  itself; each completion to the prompt's keys (computed once, never tiled M times) and causally
+  to its own tokens. `prompt_mask_bp` [B,P], `mask_bmt` [B,M,T] mask keys; `positions_bs`
+  (laid out as the rows) is read only by a sliding window. q [B,S,Hkv,G,D], k and v [B,S,Hkv,D]
+  with S = P + T*M."""
+
+  prompt_mask_bp: jax.Array
+  mask_bmt: jax.Array
+  positions_bs: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefixDecode:
+  """One query per stream, K streams per prompt row, attending to the row's prompt (one prefix
+  cache that its K streams share, masked by `prefix_mask_bp` [B,P]) and to the stream's own
+  slots 0..`index`. q [B,K,Hkv,G,D]; k = (prefix_k [B,Hkv,D,P], stream_k [B,K,Hkv,D,T]),
+  v = (prefix_v [B,Hkv,P,D], stream_v [B,K,Hkv,T,D]). `positions_bk` (the queries') and
+  `prefix_positions_bp` are read only by a sliding window; stream slot j sits index - j
+  positions before its query."""
+
+  prefix_mask_bp: jax.Array
+  index: jax.Array
+  positions_bk: jax.Array | None = None
+  prefix_positions_bp: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """What `attend` needs besides q, k, v. The scores are q.k * `scale`, soft-capped to
+  softcap * tanh(s / softcap) when softcap > 0 (Gemma 2); with a `window` (a traced int32 per
+  layer; None: no layer slides) keys at positions <= query position - window are masked, as
+  transformers' sliding_window_overlay masks them (a global layer gets a window no distance
+  reaches, so every layer runs the same scanned code)."""
+
+  layout: Causal | PromptGroup | SharedPrefixDecode
+  scale: float
+  softcap: float = 0.0
+  window: jax.Array | None = None
+  implementation: str = 'xla'
+
+  def logits(self, scores):
+    scores = scores * self.scale
+    if self.softcap:
+      scores = self.softcap * jnp.tanh(scores / self.softcap)
+    return scores
+
+
+def attend(q, k, v, spec: AttentionSpec):
+  """The attention output, laid out as q ([..., Hkv, G, D]), in v's dtype."""
+  return IMPLEMENTATIONS[spec.implementation](q, k, v, spec)
+
+
+def check_implementation(name: str) -> str:
+  """`name` if it is an implementation; else the one-line error naming config.model.attention."""
+  if name not in IMPLEMENTATIONS:
+    raise ValueError(f'unknown config.model.attention {name!r}; choose one of '
+                     f'{tuple(IMPLEMENTATIONS)}')
+  return name
+
+
+# ----------------------------------------------------------------------------------------------
+# 'xla': einsum scores, a float32 softmax over the masked scores, einsum values. O(S^2) memory
+# in the sequence; the reference for any blockwise or fused kernel added beside it.
+
+
+def _softmax_f32(scores: jax.Array, mask: jax.Array) -> jax.Array:
+  return jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1)
+
+
+def _in_window(q_pos, k_pos, window):
+  """[..., S, T] whether each key (positions k_pos [..., T]) is within the window of each query
+  (q_pos [..., S])."""
+  return (q_pos[..., :, None] - k_pos[..., None, :]) < window
+
+
+def _causal(q_bshgd, k_bthd, v_bthd, spec: AttentionSpec, mask_bt, positions_bt=None):
+  s, t = q_bshgd.shape[1], k_bthd.shape[1]
+  scores = spec.logits(jnp.einsum('bshgd,bthd->bhgst', q_bshgd, k_bthd,
+                                  preferred_element_type=jnp.float32))
+  causal_st = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
+  mask = causal_st[None, None, None] & mask_bt.astype(bool)[:, None, None, None, :]
+  if spec.window is not None:
+    mask = mask & _in_window(positions_bt, positions_bt, spec.window)[:, None, None]
+  probs = _softmax_f32(scores, mask).astype(v_bthd.dtype)
+  return jnp.einsum('bhgst,bthd->bshgd', probs, v_bthd)
+
+
+def _prompt_group(q_bshgd, k_bshd, v_bshd, spec: AttentionSpec):
+  layout = spec.layout
+  prompt_mask_bp, mask_bmt, positions_bs = (layout.prompt_mask_bp, layout.mask_bmt,
+                                            layout.positions_bs)
+  b, p = prompt_mask_bp.shape
+  _, _, h, g, d = q_bshgd.shape
+  m, t = mask_bmt.shape[1:]
+  qp, kp, vp = q_bshgd[:, :p], k_bshd[:, :p], v_bshd[:, :p]
+  pos_p = None if positions_bs is None else positions_bs[:, :p]
+  out_p = _causal(qp, kp, vp, spec, prompt_mask_bp, pos_p)
+  qc = q_bshgd[:, p:].reshape(b, t, m, h, g, d)
+  kc = k_bshd[:, p:].reshape(b, t, m, h, d)
+  vc = v_bshd[:, p:].reshape(b, t, m, h, d)
+  f32 = jnp.float32
+  # Both score blocks of a completion query share one float32 softmax.
+  scores_p = jnp.einsum('btmhgd,bphd->bmhgtp', qc, kp, preferred_element_type=f32)
+  scores_c = jnp.einsum('btmhgd,bsmhd->bmhgts', qc, kc, preferred_element_type=f32)
+  scores = spec.logits(jnp.concatenate([scores_p, scores_c], axis=-1))
+  mask_p = jnp.broadcast_to(prompt_mask_bp.astype(bool)[:, None, None, None, None, :],
+                            (b, m, 1, 1, t, p))
+  causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  mask_c = causal_ts[None, None, None, None] & mask_bmt.astype(bool)[:, :, None, None, None, :]
+  mask = jnp.concatenate([mask_p, mask_c], axis=-1)
+  if spec.window is not None:
+    pos_bmt = positions_bs[:, p:].reshape(b, t, m).transpose(0, 2, 1)
+    near = jnp.concatenate([_in_window(pos_bmt, pos_p[:, None], spec.window),
+                            _in_window(pos_bmt, pos_bmt, spec.window)], axis=-1)
+    mask = mask & near[:, :, None, None]
+  probs = _softmax_f32(scores, mask).astype(v_bshd.dtype)
+  out_c = (jnp.einsum('bmhgtp,bphd->btmhgd', probs[..., :p], vp)
+           + jnp.einsum('bmhgts,bsmhd->btmhgd', probs[..., p:], vc))
+  return jnp.concatenate([out_p, out_c.reshape(b, t * m, h, g, d)], axis=1)
+
+
+def _decode_mask(layout: SharedPrefixDecode, k: int, t: int, window):
+  """[B, K, 1, 1, P + T] keys a decode query sees: the prompt's valid columns, then the
+  stream's own slots 0..index; with a sliding window only those within it."""
+  b, p = layout.prefix_mask_bp.shape
+  index = layout.index
+  mask_p = jnp.broadcast_to(layout.prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
+  mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
+  if window is not None:
+    q_pos_bk, pos_bp = layout.positions_bk, layout.prefix_positions_bp
+    mask_p = mask_p & _in_window(q_pos_bk[..., None], pos_bp[:, None], window)[:, :, 0]
+    mask_t = mask_t & (index - jnp.arange(t) < window)
+  return jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
+
+
+def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec):
+  # The prefix is contracted against all K queries at once instead of being tiled per stream, so
+  # its memory traffic is paid once per row; both score blocks share one float32 softmax.
+  (prefix_k_bhdp, k_bkhdt), (prefix_v_bhpd, v_bkhtd) = k, v
+  f32 = jnp.float32
+  scores_p = jnp.einsum('bkhgd,bhdp->bkhgp', q_bkhgd, prefix_k_bhdp, preferred_element_type=f32)
+  scores_t = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt, preferred_element_type=f32)
+  p, t = scores_p.shape[-1], scores_t.shape[-1]
+  scores = spec.logits(jnp.concatenate([scores_p, scores_t], axis=-1))
+  mask = _decode_mask(spec.layout, q_bkhgd.shape[1], t, spec.window)
+  probs = _softmax_f32(scores, mask).astype(v_bkhtd.dtype)
+  return (jnp.einsum('bkhgp,bhpd->bkhgd', probs[..., :p], prefix_v_bhpd)
+          + jnp.einsum('bkhgt,bkhtd->bkhgd', probs[..., p:], v_bkhtd))
+
+
+def _xla(q, k, v, spec: AttentionSpec):
+  layout = spec.layout
+  if isinstance(layout, Causal):
+    return _causal(q, k, v, spec, layout.mask_bt, layout.positions_bt)
+  if isinstance(layout, PromptGroup):
+    return _prompt_group(q, k, v, spec)
+  if isinstance(layout, SharedPrefixDecode):
+    return _shared_prefix_decode(q, k, v, spec)
+  raise TypeError(f'attention layout {type(layout).__name__} has no xla implementation')
+
+
+# config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash, Pallas splash, a
+# blockwise one) is one more entry here, tested against 'xla' on every layout it supports.
+IMPLEMENTATIONS: dict[str, Callable[[Any, Any, Any, AttentionSpec], jax.Array]] = {'xla': _xla}

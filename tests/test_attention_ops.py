@@ -1,0 +1,213 @@
+"""`attention_ops.attend`: every layout against one dense reference written out here (each query's
+allowed keys listed explicitly), values and gradients, with GQA, soft-caps and sliding windows;
+the implementation checked by name before anything compiles; the remat policies by name."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
+
+from rloo_jax import config_utils, experiment
+from rloo_jax.models import TransformerConfig, attention_ops, create, model_fns, transformer
+from rloo_jax.models.config import CHECKPOINT_NAMES
+
+B, H, G, D = 2, 2, 2, 4
+# (scale, softcap, window): plain, Gemma 2's soft-cap, a window, both.
+SPECS = {'plain': (D ** -0.5, 0.0, None), 'softcap': (0.3, 1.5, None),
+         'window': (D ** -0.5, 0.0, 3), 'softcap_window': (0.7, 2.0, 2)}
+
+
+def _rand(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def _spec(name, layout):
+  scale, softcap, window = SPECS[name]
+  return attention_ops.AttentionSpec(layout, scale, softcap,
+                                     None if window is None else jnp.int32(window))
+
+
+def _dense(q_bshgd, k_bthd, v_bthd, allowed_bst, name):
+  """softmax over each query's allowed keys (float32), written without any layout."""
+  scale, softcap, _ = SPECS[name]
+  s = jnp.einsum('bshgd,bthd->bhgst', q_bshgd, k_bthd) * scale
+  if softcap:
+    s = softcap * jnp.tanh(s / softcap)
+  s = jnp.where(allowed_bst[:, None, None], s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  p = jnp.where(allowed_bst.any(-1)[:, None, None, :, None], p, 0.0)
+  return jnp.einsum('bhgst,bthd->bshgd', p, v_bthd)
+
+
+def _allowed(q_pos_bs, k_pos_bt, key_ok_bst, name):
+  window = SPECS[name][2]
+  near = (q_pos_bs[:, :, None] - k_pos_bt[:, None, :]) < (window or 10 ** 6)
+  return key_ok_bst & near
+
+
+def _check(attend_fn, ref_fn, args, valid):
+  """Values and gradients of attend_fn against ref_fn on the rows `valid` marks."""
+  w = jnp.asarray(np.random.default_rng(9).standard_normal(valid.shape + (H, G, D)), jnp.float32)
+  loss = lambda f: lambda *a: jnp.sum(jnp.where(valid[..., None, None, None], f(*a), 0.0) * w)
+  got, want = attend_fn(*args), ref_fn(*args)
+  np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-5, rtol=1e-5)
+  grads_got = jax.grad(loss(attend_fn), argnums=(0, 1, 2))(*args)
+  grads_want = jax.grad(loss(ref_fn), argnums=(0, 1, 2))(*args)
+  for a, b in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize('name', SPECS)
+def test_causal_rows_with_padding_anywhere(name):
+  rng = np.random.default_rng(0)
+  s = 7
+  mask_bs = jnp.asarray([[0, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 0, 1]], bool)
+  positions_bs = jnp.maximum(jnp.cumsum(mask_bs, axis=1) - 1, 0)
+  spec = _spec(name, attention_ops.Causal(mask_bs, positions_bs))
+  allowed = _allowed(positions_bs, positions_bs,
+                     jnp.tril(jnp.ones((s, s), bool))[None] & mask_bs[:, None, :], name)
+  _check(lambda q, k, v: attention_ops.attend(q, k, v, spec),
+         lambda q, k, v: _dense(q, k, v, allowed, name),
+         (_rand(rng, B, s, H, G, D), _rand(rng, B, s, H, D), _rand(rng, B, s, H, D)),
+         np.asarray(mask_bs))
+
+
+@pytest.mark.parametrize('name', SPECS)
+def test_prompt_group_equals_each_completion_on_its_tiled_prompt(name):
+  """Row P + i*M + j (token i of completion j) attends as it would in the row [prompt |
+  completion j]; the prompt's rows as in the prompt alone."""
+  rng = np.random.default_rng(1)
+  p, m, t = 4, 3, 3
+  prompt_mask_bp = jnp.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], bool)  # left-padded
+  mask_bmt = jnp.asarray(rng.random((B, m, t)) > 0.2).at[:, :, 0].set(True)
+  prompt_pos_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=1) - 1, 0)
+  comp_pos_bmt = jnp.broadcast_to(prompt_pos_bp[:, -1:, None] + 1 + jnp.arange(t), (B, m, t))
+  positions_bs = jnp.concatenate(
+      [prompt_pos_bp, comp_pos_bmt.transpose(0, 2, 1).reshape(B, t * m)], axis=1)
+  spec = _spec(name, attention_ops.PromptGroup(prompt_mask_bp, mask_bmt, positions_bs))
+  # The tiled rows: [prompt | completion j] for every (b, j), gathered from the grouped rows.
+  cols_mt = p + jnp.arange(t)[None] * m + jnp.arange(m)[:, None]
+  index_ms = jnp.concatenate([jnp.broadcast_to(jnp.arange(p), (m, p)), cols_mt], axis=1)
+  tile = lambda x: x[:, index_ms]  # [B, M, P + T, ...]
+  key_ok = jnp.concatenate([jnp.broadcast_to(prompt_mask_bp[:, None], (B, m, p)), mask_bmt], -1)
+  s = p + t
+  flat = lambda x: x.reshape(B * m, *x.shape[2:])
+  pos = flat(tile(positions_bs))
+  allowed = _allowed(pos, pos, jnp.tril(jnp.ones((s, s), bool))[None] & flat(key_ok)[:, None],
+                     name)
+
+  def ref(q, k, v):
+    out = _dense(flat(tile(q)), flat(tile(k)), flat(tile(v)), allowed, name).reshape(
+        B, m, s, H, G, D)
+    # Back to the grouped rows: the prompt from stream 0, completion tokens where they sit.
+    grouped = jnp.zeros_like(q).at[:, :p].set(out[:, 0, :p])
+    return grouped.at[:, cols_mt].set(out[:, :, p:])
+
+  valid = np.concatenate([np.asarray(prompt_mask_bp),
+                          np.asarray(mask_bmt).transpose(0, 2, 1).reshape(B, t * m)], axis=1)
+  rows = p + t * m
+  _check(lambda q, k, v: attention_ops.attend(q, k, v, spec), ref,
+         (_rand(rng, B, rows, H, G, D), _rand(rng, B, rows, H, D), _rand(rng, B, rows, H, D)),
+         valid)
+
+
+@pytest.mark.parametrize('name', SPECS)
+@pytest.mark.parametrize('k', [1, 3])
+def test_shared_prefix_decode_equals_each_stream_on_its_own_keys(name, k):
+  """K = 1 is the unshared cache (prompts tiled); K = 3 streams read one prefix per row."""
+  rng = np.random.default_rng(2)
+  p, t, index = 5, 4, 2
+  prefix_mask_bp = jnp.asarray([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], bool)
+  prefix_pos_bp = jnp.maximum(jnp.cumsum(prefix_mask_bp, axis=1) - 1, 0)
+  positions_bk = jnp.broadcast_to(prefix_pos_bp[:, -1:] + 1 + index, (B, k))
+  spec = _spec(name, attention_ops.SharedPrefixDecode(prefix_mask_bp, jnp.int32(index),
+                                                      positions_bk, prefix_pos_bp))
+  slot_pos_bkt = positions_bk[..., None] - index + jnp.arange(t)
+  key_pos = jnp.concatenate([jnp.broadcast_to(prefix_pos_bp[:, None], (B, k, p)), slot_pos_bkt],
+                            -1).reshape(B * k, p + t)
+  key_ok = jnp.concatenate([jnp.broadcast_to(prefix_mask_bp[:, None], (B, k, p)),
+                            jnp.broadcast_to(jnp.arange(t) <= index, (B, k, t))], -1)
+  allowed = _allowed(positions_bk.reshape(B * k, 1), key_pos, key_ok.reshape(B * k, 1, p + t),
+                     name)
+
+  def ref(q, keys, values):
+    (pk_bhdp, k_bkhdt), (pv_bhpd, v_bkhtd) = keys, values
+    kk = jnp.concatenate([jnp.broadcast_to(pk_bhdp[:, None], (B, k, H, D, p)), k_bkhdt], -1)
+    vv = jnp.concatenate([jnp.broadcast_to(pv_bhpd[:, None], (B, k, H, p, D)), v_bkhtd], -2)
+    out = _dense(q.reshape(B * k, 1, H, G, D), kk.reshape(B * k, H, D, p + t).transpose(0, 3, 1, 2),
+                 vv.reshape(B * k, H, p + t, D).transpose(0, 2, 1, 3), allowed, name)
+    return out.reshape(B, k, H, G, D)
+
+  args = (_rand(rng, B, k, H, G, D), (_rand(rng, B, H, D, p), _rand(rng, B, k, H, D, t)),
+          (_rand(rng, B, H, p, D), _rand(rng, B, k, H, t, D)))
+  _check(lambda q, kk, vv: attention_ops.attend(q, kk, vv, spec), ref, args,
+         np.ones((B, k), bool))
+
+
+def test_an_unknown_implementation_is_refused_before_any_compile():
+  with pytest.raises(ValueError, match=r"^unknown config\.model\.attention 'flash'; choose one "
+                                       r"of \('xla',\)$"):
+    TransformerConfig.llama(attention='flash')
+  c = config_utils.base_config()
+  c.model.attention = 'splash'
+  with pytest.raises(ValueError, match=r"unknown config\.model\.attention 'splash'"):
+    experiment.validate_config(c)
+
+
+def test_bad_remat_names_are_refused_naming_the_key():
+  with pytest.raises(ValueError, match=r"config\.model\.remat_names: unknown \['qkv'\]; choose "):
+    TransformerConfig.llama(remat='names', remat_names=('qkv',))
+  with pytest.raises(ValueError, match=r"remat_names lists, and it is empty"):
+    TransformerConfig.llama(remat='names')
+  with pytest.raises(ValueError, match=r"remat_names is read only with remat='names'"):
+    TransformerConfig.llama(remat='full', remat_names=('query',))
+  c = config_utils.base_config()
+  c.model.update(remat='names', remat_names='query,mlp_outt')
+  with pytest.raises(ValueError, match=r"unknown \['mlp_outt'\]"):
+    experiment.validate_config(c)
+
+
+def _tiny(**kw):
+  return TransformerConfig.llama(vocab_size=48, hidden_size=16, num_layers=2, num_heads=4,
+                                 num_kv_heads=2, head_dim=4, intermediate_size=32, max_seq_len=16,
+                                 **kw)
+
+
+def _named_residuals(config, capsys):
+  """The checkpoint names a layer body saves for its backward under config's remat policy."""
+  graphdef, params = create(config)
+  model = nnx.merge(graphdef, params)
+  block_def, stacked = nnx.split(model.layers)
+  weights = jax.tree.map(lambda x: x[0], stacked)
+  x = jnp.ones((1, 5, 16))
+  positions = jnp.arange(5)[None]
+  # pylint: disable=protected-access
+  rotary = model._rotary(positions)[0]
+  spec = model._spec(attention_ops.Causal(jnp.ones((1, 5), bool), positions), None)
+  body = lambda w, x: nnx.merge(block_def, w)(x, rotary, spec)[0].sum()
+  print_saved_residuals(jax.checkpoint(body, policy=transformer.remat_policy(config)), weights, x)
+  return set(re.findall(r"named '(\w+)'", capsys.readouterr().out))
+
+
+def test_remat_names_saves_what_it_names_and_every_policy_gives_the_same_gradients(capsys):
+  assert _named_residuals(_tiny(remat='full'), capsys) == set()
+  assert _named_residuals(_tiny(remat='names', remat_names=('query',)), capsys) == {'query'}
+  # Every name but mlp_out, which no derivative reads (it only joins the residual sum).
+  assert (_named_residuals(_tiny(remat='names', remat_names=CHECKPOINT_NAMES), capsys)
+          == set(CHECKPOINT_NAMES) - {'mlp_out'})
+  tokens = jnp.asarray([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]])
+  positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  mask = jnp.ones((2, 5), bool)
+  _, params = create(_tiny())
+  grads = {}
+  for remat, names in (('none', ()), ('full', ()), ('dots', ()), ('names', ('attention', 'key'))):
+    fns = model_fns(create(_tiny(remat=remat, remat_names=names))[0])
+    loss = lambda p: jnp.sum(jax.nn.log_softmax(fns.forward(p, tokens, positions, mask))[..., 1])
+    grads[remat] = jax.jit(jax.grad(loss))(params)
+  for remat in ('full', 'dots', 'names'):
+    for a, b in zip(jax.tree.leaves(grads[remat]), jax.tree.leaves(grads['none'])):
+      np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
