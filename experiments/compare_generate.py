@@ -7,7 +7,7 @@ threads (spinning after each parallel region) and its allocations share the core
 with XLA's; at size (c)'s shape that slowed our rollout by about a fifth on a 2-core CPU.
 compare_peers runs its frameworks apart for the same reason.
 
-`--modes ours,peer` (default left,hf: the trainer's decode on one CPU device and HF generate);
+`--modes ours,peer` (default shared,hf: the trainer's default decode and HF generate);
 every other flag goes to bench_sampler.py unchanged. Both sides run with compare_peers'
 `--malloc_hugepages` setting (default 1: malloc madvises transparent huge pages). The hf mode
 needs torch and transformers beside jax: `--python .venv-hf/bin/python` (set up in
@@ -45,7 +45,7 @@ def run_mode(python: str, mode: str, sampler_args: list, env=None) -> dict:
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--modes", default="left,hf", help="ours,peer: two bench_sampler modes")
+  p.add_argument("--modes", default="shared,hf", help="ours,peer: two bench_sampler modes")
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--python", default=sys.executable,
                  help="the interpreter of both sides (one with torch for the hf mode)")

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 import bench_step  # experiments/, beside this file
-from bench_gemm import significant
 
 from rloo_jax import sampler, sampling
 from rloo_jax.config_utils import base_config
@@ -42,7 +41,9 @@ from rloo_jax.models import decode_weights, presets, transformer
 
 
 def _sig(x: float) -> float:
-  return significant(x, 5)
+  """x to 5 significant figures, not fixed decimals: a figure printed on a CPU and on a GPU
+  spans orders of magnitude."""
+  return float(f"{x:.5g}")
 
 
 def timed(fn, repeats):
