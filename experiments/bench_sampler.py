@@ -36,6 +36,8 @@ from rloo_jax import sampler, sampling  # noqa: E402
 from rloo_jax.models import transformer  # noqa: E402
 
 ALL_MODES = ('shared', 'unshared', 'unstacked', 'hf')
+CONFIG_FLAGS = ('prompt_len', 'new_tokens', 'prompts', 'k', 'vocab', 'hidden', 'layers', 'heads',
+                'kv_heads', 'intermediate', 'dtype', 'repeats')
 
 
 def parse_args(argv=None):
@@ -68,23 +70,19 @@ def parse_args(argv=None):
 
 
 def make_method(args):
-  if args.method == 'greedy':
-    return sampling.Greedy()
-  if args.method == 'temperature':
-    return sampling.Temperature(args.temperature)
-  if args.method == 'topk':
-    return sampling.TopK(args.top_k, args.temperature)
-  return sampling.TopP(args.top_p, args.temperature)
+  return {'greedy': lambda: sampling.Greedy(),
+          'temperature': lambda: sampling.Temperature(args.temperature),
+          'topk': lambda: sampling.TopK(args.top_k, args.temperature),
+          'topp': lambda: sampling.TopP(args.top_p, args.temperature)}[args.method]()
 
 
 # ----------------------------------------------------------------------------------------------
 # Hugging Face side
 
 
-def to_hf_llama(config, graphdef, params):
+def to_hf_llama(config, params):
   """Our Llama params as a transformers LlamaForCausalLM: written by the project's own exporter
   (`models.hf_export.save_pretrained`, float32) and loaded back by transformers."""
-  del graphdef
   import tempfile
 
   import torch
@@ -171,7 +169,7 @@ def main(argv=None):
     except ImportError as e:
       hf_note = f'torch/transformers not importable: {e}'
     else:
-      hf_model = to_hf_llama(config, graphdef, params)
+      hf_model = to_hf_llama(config, params)
       with torch.inference_mode():
         hf_logits = hf_model(torch.from_numpy(np.asarray(tokens[:2], np.int64))).logits.float()
       ours = jax.jit(fns.forward)(params, tokens[:2],
@@ -210,14 +208,9 @@ def main(argv=None):
                 hf_generate_over_shared=ratio('hf', 'shared'),
                 hf_generate_over_unstacked=ratio('hf', 'unstacked'))
   result.update({
-      'config': {
-          'prompt_len': args.prompt_len, 'new_tokens': args.new_tokens, 'prompts': args.prompts,
-          'k': args.k, 'vocab': args.vocab, 'hidden': args.hidden, 'layers': args.layers,
-          'heads': args.heads, 'kv_heads': args.kv_heads, 'intermediate': args.intermediate,
-          'num_params': config.num_params, 'dtype': args.dtype, 'method': repr(method),
-          'repeats': args.repeats, 'jax': jax.__version__, 'backend': jax.default_backend(),
-          'cpu_count': os.cpu_count(),
-      },
+      'config': {**{f: getattr(args, f) for f in CONFIG_FLAGS}, 'method': repr(method),
+                 'num_params': config.num_params, 'jax': jax.__version__,
+                 'backend': jax.default_backend(), 'cpu_count': os.cpu_count()},
       'all_times_s': {m: [round(t, 4) for t in ts] for m, ts in times.items()},
       'compile_s': compile_s,
       'mean_completion_len': mean_len,

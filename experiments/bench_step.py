@@ -8,12 +8,10 @@ counted (`rloo_jax.memory.flops`, the memory planner's count): 2 x params per to
 per token trained, attention added, and the prompt counted once per group when it is shared
 (`--shared_prefix 1`, the default, as in the trainer); rematerialisation is not counted.
 
-Besides the timings, the JSON reports what the timed iterations trained on, so a run can be
-checked for sense: the mean reward (the synthetic reward, in [0, 1]), KL, loss and advantage (RLOO's
-leave-one-out advantages sum to zero over each group), and the token counts the trainer's own
-throughput metrics imply: `update_tokens_per_iteration` (prompts * k * (prompt_len + new_tokens)
-rows' tokens, one epoch) and `generated_tokens_per_iteration` (prompts * k * the mean completion
-length).
+The JSON also reports what the timed iterations trained on, to check a run for sense: the mean
+reward (in [0, 1]), KL, loss and advantage (zero over each group), and the token counts the
+trainer's throughput metrics imply (`update_tokens_per_iteration`,
+`generated_tokens_per_iteration`).
 
     python experiments/bench_step.py --hidden 64 --layers 2
     python experiments/bench_step.py --hidden 256 --layers 4

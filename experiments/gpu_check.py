@@ -41,8 +41,7 @@ from rloo_jax.models import decode_weights, presets, transformer
 
 
 def _sig(x: float) -> float:
-  """x to 5 significant figures, not fixed decimals: a figure printed on a CPU and on a GPU
-  spans orders of magnitude."""
+  """x to 5 significant figures (CPU and GPU figures span orders of magnitude)."""
   return float(f"{x:.5g}")
 
 
