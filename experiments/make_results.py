@@ -46,8 +46,8 @@ def read_runs(root: str) -> dict:
     return out
   for path in sorted(glob.glob(os.path.join(root, "*", "seed*", "summary.json"))):
     d = os.path.dirname(path)
-    lines = lambda name: open(os.path.join(d, name)).read().splitlines() if os.path.exists(  # noqa: E731
-        os.path.join(d, name)) else []
+    lines = lambda f: (open(os.path.join(d, f)).read().splitlines()  # noqa: E731
+                       if os.path.exists(os.path.join(d, f)) else [])
     out.setdefault(os.path.basename(os.path.dirname(d)), []).append(dict(
         seed=int(os.path.basename(d)[4:]), summary=json.loads(open(path).read()),
         metrics=[json.loads(l) for l in lines("metrics.jsonl") if l.strip()],
