@@ -5,13 +5,12 @@ and tokens/s for
   shared_s      KV cache, each prompt prefilled once and kept once for its k streams (the
                 sampler's default: the layer scan over the stacked weights and cache)
   unshared_s    KV cache, prompts tiled k times
-  unstacked_s   'shared' with the weights split into per-layer buffers before the decode loop
-                and a KV buffer per layer (`sampler.sample(unstack_layers=True)`,
-                config.rloo.decode_layers='unstacked')
+  unstacked_s   'shared' on per-layer weight and KV buffers split before the decode loop
+                (`sampler.sample(unstack_layers=True)`, config.rloo.decode_layers='unstacked')
   hf_generate_s transformers' LlamaForCausalLM.generate (torch CPU, KV cache) on the same weights
                 and sampling settings; null when torch/transformers are not importable
-plus the configuration and ratios. Modes are timed round-robin in one process, so load from other
-processes hits them alike (compare_generate.py runs each mode in a process of its own).
+plus the configuration and ratios. Modes are timed round-robin in one process, so load hits
+them alike (compare_generate.py runs each in a process of its own).
 
   python experiments/bench_sampler.py --prompt_len=512 --new_tokens=32 --modes=shared,unshared,hf
   python experiments/bench_sampler.py --prompt_len=64 --new_tokens=64 --modes=shared,unstacked

@@ -28,9 +28,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_peers import HUGEPAGES_TUNABLE, malloc_env, round_order, run_side  # noqa: E402
 
-# bench_sampler's JSON key of each mode's median seconds.
-KEYS = {"hf": "hf_generate_s"}
-
 
 def run_mode(python: str, mode: str, sampler_args: list, env=None) -> dict:
   """bench_sampler.py with `--modes=mode` in a new process (`compare_peers.run_side`, no
@@ -65,7 +62,7 @@ def main():
     seconds, config = {}, None
     for mode in order:
       out = run_mode(args.python, mode, sampler_args, env)
-      seconds[mode] = out[KEYS.get(mode, f"{mode}_s")]
+      seconds[mode] = out["hf_generate_s" if mode == "hf" else f"{mode}_s"]  # median seconds
       config = out["config"]
     rounds.append(dict(order=order, seconds=seconds,
                        ratio=round(seconds[modes[1]] / seconds[modes[0]], 3)))

@@ -40,51 +40,48 @@ PHASES = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
 
 def test_bench_step_reports_a_consistent_iteration():
   hidden, layers, heads, vocab, prompts, prompt_len, k, new_tokens = 32, 1, 2, 256, 2, 4, 2, 4
-  results = {}
-  for shared in (1, 0):
-    r = run_json("bench_step.py", "--hidden", hidden, "--layers", layers, "--heads", heads,
-                 "--prompts", prompts, "--prompt_len", prompt_len, "--k", k, "--new_tokens",
-                 new_tokens, "--iterations", 2, "--shared_prefix", shared)
-    results[shared] = r
-    assert set(r) == BENCH_KEYS, set(r) ^ BENCH_KEYS
-    assert r["framework"] == "rloo_jax"
-    # The flags keep their names (compare_trl.py / compare_commits.py pass them).
-    assert r["config"] == dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab,
-                               prompts=prompts, prompt_len=prompt_len, k=k,
-                               new_tokens=new_tokens, iterations=2, dtype="float32",
-                               shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
-                               remat="full", microbatch_size=0, logprob_chunk_size=32,
-                               lora_rank=0, lora_targets="q,k,v,o,gate,up,down",
-                               reward_delay_ms=0.0, fixed_length=0)
-    assert r["trainable_params"] == r["params"]  # full fine-tuning: every parameter trains
-    # The process held at least its float32 params (and a python + jax runtime).
-    assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
-    # A Llama with untied head: embedding + head, 4 attention and 3 MLP matrices, 2 norms a
-    # layer, the final norm.
-    e, f = hidden, 4 * hidden
-    assert r["params"] == 2 * vocab * e + layers * (4 * e * e + 3 * e * f + 2 * e) + e
-    med = r["median"]
-    assert set(med) == set(PHASES)
-    assert all(med[p] > 0 for p in PHASES), med
-    # iteration_s is each iteration's sum of phases, so its median bounds each phase's median.
-    assert med["iteration_s"] >= max(med[p] for p in PHASES[:-1])
-    # What was trained on: the synthetic reward is a fraction, RLOO's leave-one-out
-    # advantages sum to zero over each group, and the loss and KL are finite.
-    assert 1 <= r["mean_completion_length"] <= new_tokens
-    assert 0.0 <= r["mean_reward"] <= 1.0
-    assert finite(r["mean_kl"], r["mean_loss"]) and abs(r["mean_kl"]) < 1.0
-    assert abs(r["mean_advantage"]) < 1e-5
-    # The trainer's throughput metrics count every [prompt | completion] row's tokens once per
-    # epoch, and the generated tokens of every sample.
-    assert r["update_tokens_per_iteration"] == pytest.approx(
-        prompts * k * (prompt_len + new_tokens), rel=1e-3)
-    assert r["generated_tokens_per_iteration"] == pytest.approx(
-        prompts * k * r["mean_completion_length"], rel=1e-3)
-    assert r["model_gflop_per_iteration"] > 0 and r["achieved_gflops"] > 0
-    assert r["update_gflops"] > 0
-    assert r["fraction_of_peak"] * 390.0 == pytest.approx(r["achieved_gflops"], abs=0.05)
-  # Sharing the prompt over its k samples feeds fewer tokens, never more.
-  assert results[1]["model_gflop_per_iteration"] <= results[0]["model_gflop_per_iteration"]
+  # One run, without the shared prefix: compare_peers' test runs this size's default (shared).
+  shared = 0
+  r = run_json("bench_step.py", "--hidden", hidden, "--layers", layers, "--heads", heads,
+               "--prompts", prompts, "--prompt_len", prompt_len, "--k", k, "--new_tokens",
+               new_tokens, "--iterations", 2, "--shared_prefix", shared)
+  assert set(r) == BENCH_KEYS, set(r) ^ BENCH_KEYS
+  assert r["framework"] == "rloo_jax"
+  # The flags keep their names (compare_peers.py passes them).
+  assert r["config"] == dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab,
+                             prompts=prompts, prompt_len=prompt_len, k=k,
+                             new_tokens=new_tokens, iterations=2, dtype="float32",
+                             shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
+                             remat="full", microbatch_size=0, logprob_chunk_size=32,
+                             lora_rank=0, lora_targets="q,k,v,o,gate,up,down",
+                             reward_delay_ms=0.0, fixed_length=0)
+  assert r["trainable_params"] == r["params"]  # full fine-tuning: every parameter trains
+  # The process held at least its float32 params (and a python + jax runtime).
+  assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
+  # A Llama with untied head: embedding + head, 4 attention and 3 MLP matrices, 2 norms a
+  # layer, the final norm.
+  e, f = hidden, 4 * hidden
+  assert r["params"] == 2 * vocab * e + layers * (4 * e * e + 3 * e * f + 2 * e) + e
+  med = r["median"]
+  assert set(med) == set(PHASES)
+  assert all(med[p] > 0 for p in PHASES), med
+  # iteration_s is each iteration's sum of phases, so its median bounds each phase's median.
+  assert med["iteration_s"] >= max(med[p] for p in PHASES[:-1])
+  # What was trained on: the synthetic reward is a fraction, RLOO's leave-one-out
+  # advantages sum to zero over each group, and the loss and KL are finite.
+  assert 1 <= r["mean_completion_length"] <= new_tokens
+  assert 0.0 <= r["mean_reward"] <= 1.0
+  assert finite(r["mean_kl"], r["mean_loss"]) and abs(r["mean_kl"]) < 1.0
+  assert abs(r["mean_advantage"]) < 1e-5
+  # The trainer's throughput metrics count every [prompt | completion] row's tokens once per
+  # epoch, and the generated tokens of every sample.
+  assert r["update_tokens_per_iteration"] == pytest.approx(
+      prompts * k * (prompt_len + new_tokens), rel=1e-3)
+  assert r["generated_tokens_per_iteration"] == pytest.approx(
+      prompts * k * r["mean_completion_length"], rel=1e-3)
+  assert r["model_gflop_per_iteration"] > 0 and r["achieved_gflops"] > 0
+  assert r["update_gflops"] > 0
+  assert r["fraction_of_peak"] * 390.0 == pytest.approx(r["achieved_gflops"], abs=0.05)
 
 
 # ----------------------------------------------------------------------------------------------
