@@ -38,10 +38,6 @@ from rloo_jax.models import transformer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_config():
-  return config_utils.load_config_file(os.path.join(REPO, "configs", "arithmetic.py"))
-
-
 def with_algorithm(config, name: str):
   c = copy.deepcopy(config)
   c.algorithm = name
@@ -195,7 +191,7 @@ def main():
   args = parser.parse_args()
   from absl import logging
   logging.set_verbosity(logging.WARNING)
-  c = load_config()
+  c = config_utils.load_config_file(os.path.join(REPO, "configs", "arithmetic.py"))
   c.rloo.update(k=args.k, num_prompts=args.num_prompts)
   c.train.update(num_iterations=args.iterations + 2, num_epochs=2, progress_bar=False)
   os.makedirs(args.workdir, exist_ok=True)

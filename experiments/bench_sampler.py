@@ -1,41 +1,24 @@
-"""Rollout latency of the sampler: prefix-shared KV cache vs unshared vs recompute vs HF generate.
+"""Rollout latency of the sampler: prefix-shared KV cache vs unshared vs HF generate.
 
-Prints ONE JSON line: seconds per rollout (median over --repeats, after compiling) and tokens/s for
-  shared_s      KV cache, each prompt prefilled once and shared by its k streams
+Prints ONE JSON line: seconds per rollout (median over --repeats, after a compiling warm-up call)
+and tokens/s for
+  shared_s      KV cache, each prompt prefilled once and kept once for its k streams (the
+                sampler's default: the layer scan over the stacked weights and cache)
   unshared_s    KV cache, prompts tiled k times
-  recompute_s   no cache: a full forward over [B*k, P+T] per step
+  unstacked_s   'shared' on per-layer weight and KV buffers split before the decode loop
+                (`sampler.sample(unstack_layers=True)`, config.rloo.decode_layers='unstacked')
   hf_generate_s transformers' LlamaForCausalLM.generate (torch CPU, KV cache) on the same weights
                 and sampling settings; null when torch/transformers are not importable
-plus the configuration and ratios. Modes are timed round-robin in one process, so load from other
-processes hits them alike. Two more modes time the two forms of the shared cache directly (the
-'shared' mode picks one by prompt length, transformer.COPY_PREFIX_MAX_LEN):
-  copied_s      the prompt's K/V copied into the front of every stream's cache
-  kept_s        one prefix cache per prompt that its k streams all read
-and one the layout of the decode loop's weights:
-  unstacked_s   'shared' with the weights split into per-layer buffers before the decode loop
-                and a KV buffer per layer (`sampler.sample(unstack_layers=True)`, what the
-                trainer runs on one device) instead of the layer scan over the stacked weights
-                and cache ('shared', the sampler's default), which slices a copy of each
-                layer's weights and KV out at every token
-  left_s        'unstacked' with every matmul kernel laid out once as an [out, in] matrix that
-                multiplies the step's rows from the left (`sampler.sample(weights_left=True)`,
-                what the trainer runs on one CPU device: config.rloo.decode_matmul='auto')
+plus the configuration and ratios. Modes are timed round-robin in one process, so load hits
+them alike (compare_generate.py runs each in a process of its own).
 
-  python experiments/bench_sampler.py --modes=shared,unstacked --prompt_len=64 --new_tokens=64
-  python experiments/bench_sampler.py --modes=unstacked,left,hf --prompt_len=64 --new_tokens=64
-
-  python experiments/bench_sampler.py --modes=copied,kept --prompt_len=16 --new_tokens=32 --layers=4
-
-  python experiments/bench_sampler.py --prompt_len=512 --new_tokens=32
-  python experiments/bench_sampler.py --prompt_len=64 --new_tokens=64
-  python experiments/bench_sampler.py --modes=shared,unshared --repeats=5   # skip the slow ones
+  python experiments/bench_sampler.py --prompt_len=512 --new_tokens=32 --modes=shared,unshared,hf
+  python experiments/bench_sampler.py --prompt_len=64 --new_tokens=64 --modes=shared,unstacked
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
 import json
 import os
 import statistics
@@ -48,13 +31,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rloo_jax import sampler, sampler_args, sampling  # noqa: E402
+from rloo_jax import sampler, sampling  # noqa: E402
 from rloo_jax.models import transformer  # noqa: E402
 
-ALL_MODES = ('shared', 'unshared', 'recompute', 'hf', 'copied', 'kept', 'unstacked', 'left')
-# Modes that run the sampler's 'shared' mode with the prefix copied into every stream / kept
-# once per prompt, whatever the prompt length.
-PREFIX_FORMS = {'copied': 1 << 30, 'kept': 0}
+ALL_MODES = ('shared', 'unshared', 'unstacked', 'hf')
+CONFIG_FLAGS = ('prompt_len', 'new_tokens', 'prompts', 'k', 'vocab', 'hidden', 'layers', 'heads',
+                'kv_heads', 'intermediate', 'dtype', 'repeats')
 
 
 def parse_args(argv=None):
@@ -87,51 +69,19 @@ def parse_args(argv=None):
 
 
 def make_method(args):
-  if args.method == 'greedy':
-    return sampling.Greedy()
-  if args.method == 'temperature':
-    return sampling.Temperature(args.temperature)
-  if args.method == 'topk':
-    return sampling.TopK(args.top_k, args.temperature)
-  return sampling.TopP(args.top_p, args.temperature)
-
-
-def compile_sampler(fns, params, tokens, lengths, rng, *, mode, unstack_layers=False,
-                    weights_left=False, **kw):
-  """AOT-compiles both sampler programs (fills jit's cache) without running a rollout; returns
-  the decode loop's temporary bytes (XLA's memory analysis: what it holds beside its inputs)."""
-  # As sampler.sample passes them: the stop ids an int32 [S] array, pad an int32 scalar.
-  eos = jnp.asarray(sampler_args.stop_ids(kw['eos_id']), jnp.int32)
-  pad = jnp.int32(kw['pad_id'])
-  # The same static keywords as sampler.sample passes, or jit's cache would miss on the real call.
-  static = dict(method=kw['method'], mode=mode)
-  if 'batch_sharding' in inspect.signature(sampler.sample).parameters:
-    static['batch_sharding'] = None
-  start_static = dict(static)
-  if 'unstack_layers' in inspect.signature(sampler.start).parameters:
-    start_static['unstack_layers'] = unstack_layers
-  sampler.start.lower(fns, params, tokens, lengths, rng, eos, pad, k=kw['k'],
-                      max_new_tokens=kw['max_new_tokens'], **start_static).compile()
-  state = jax.eval_shape(
-      lambda p, t, l, r: sampler.start(fns, p, t, l, r, eos, pad, k=kw['k'],
-                                       max_new_tokens=kw['max_new_tokens'], **start_static),
-      params, tokens, lengths, rng)
-  if 'unstack_layers' in inspect.signature(sampler.sample).parameters:
-    static['unstack_layers'] = unstack_layers
-  if 'weights_left' in inspect.signature(sampler.sample).parameters:
-    static['weights_left'] = weights_left
-  compiled = sampler.decode_loop.lower(fns, params, state, eos, pad, **static).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  return {'greedy': lambda: sampling.Greedy(),
+          'temperature': lambda: sampling.Temperature(args.temperature),
+          'topk': lambda: sampling.TopK(args.top_k, args.temperature),
+          'topp': lambda: sampling.TopP(args.top_p, args.temperature)}[args.method]()
 
 
 # ----------------------------------------------------------------------------------------------
 # Hugging Face side
 
 
-def to_hf_llama(config, graphdef, params):
+def to_hf_llama(config, params):
   """Our Llama params as a transformers LlamaForCausalLM: written by the project's own exporter
   (`models.hf_export.save_pretrained`, float32) and loaded back by transformers."""
-  del graphdef
   import tempfile
 
   import torch
@@ -191,31 +141,23 @@ def main(argv=None):
   method = make_method(args)
   kw = dict(k=args.k, max_new_tokens=args.new_tokens, method=method, eos_id=eos_id, pad_id=pad_id)
 
-  runners, compile_s, mean_len, decode_temp = {}, {}, {}, {}
+  runners, compile_s, mean_len = {}, {}, {}
   for mode in args.modes:
     if mode == 'hf':
       continue
-    mode_fns, sampler_mode, layout = fns, mode, {}
-    if mode in PREFIX_FORMS:
-      mode_fns = fns._replace(init_cache=functools.partial(
-          fns.init_cache, copy_prefix_max_len=PREFIX_FORMS[mode]))
-      sampler_mode = 'shared'
+    sampler_mode, layout = mode, {}
     if mode == 'unstacked':
       sampler_mode, layout = 'shared', {'unstack_layers': True}
-    if mode == 'left':
-      sampler_mode, layout = 'shared', {'unstack_layers': True, 'weights_left': True}
-    t0 = time.perf_counter()
-    decode_temp[mode] = compile_sampler(mode_fns, params, tokens, lengths, jax.random.key(0),
-                                        mode=sampler_mode, **layout, **kw)
-    compile_s[mode] = round(time.perf_counter() - t0, 2)
 
-    def run(mode_fns=mode_fns, sampler_mode=sampler_mode, layout=layout,
-            counter=[0]):  # noqa: B006
+    def run(sampler_mode=sampler_mode, layout=layout, counter=[0]):  # noqa: B006
       counter[0] += 1  # a fresh rng per rollout, as in training
-      out = sampler.sample(mode_fns, params, tokens, lengths, jax.random.key(counter[0]),
+      out = sampler.sample(fns, params, tokens, lengths, jax.random.key(counter[0]),
                            mode=sampler_mode, **layout, **kw)
       jax.block_until_ready(out)
       return out
+    t0 = time.perf_counter()
+    run()  # compiles both programs
+    compile_s[mode] = round(time.perf_counter() - t0, 2)
     runners[mode] = run
 
   hf_note = None
@@ -226,7 +168,7 @@ def main(argv=None):
     except ImportError as e:
       hf_note = f'torch/transformers not importable: {e}'
     else:
-      hf_model = to_hf_llama(config, graphdef, params)
+      hf_model = to_hf_llama(config, params)
       with torch.inference_mode():
         hf_logits = hf_model(torch.from_numpy(np.asarray(tokens[:2], np.int64))).logits.float()
       ours = jax.jit(fns.forward)(params, tokens[:2],
@@ -251,41 +193,23 @@ def main(argv=None):
     return round(statistics.median(times[mode]), 4) if mode in times else None
 
   new_tokens_total = args.prompts * args.k * args.new_tokens
-  result = {
-      'shared_s': med('shared'), 'unshared_s': med('unshared'), 'recompute_s': med('recompute'),
-      'hf_generate_s': med('hf'),
-  }
-  for mode, key in (('shared', 'shared'), ('unshared', 'unshared'), ('recompute', 'recompute'),
+  result = {'shared_s': med('shared'), 'unshared_s': med('unshared'),
+            'unstacked_s': med('unstacked'), 'hf_generate_s': med('hf')}
+  for mode, key in (('shared', 'shared'), ('unshared', 'unshared'), ('unstacked', 'unstacked'),
                     ('hf', 'hf_generate')):
     result[f'{key}_tokens_per_s'] = (round(new_tokens_total / med(mode), 1) if mode in times
                                      else None)
-  result['copied_s'], result['kept_s'] = med('copied'), med('kept')
-  result['copied_over_kept'] = (round(med('copied') / med('kept'), 3)
-                                if 'copied' in times and 'kept' in times else None)
-  result['unstacked_s'] = med('unstacked')
-  result['unstacked_over_shared'] = (round(med('unstacked') / med('shared'), 3)
-                                     if 'shared' in times and 'unstacked' in times else None)
-  result['decode_temp_mib'] = {m: round(b / 2**20, 1) for m, b in decode_temp.items()}
-  result['left_s'] = med('left')
-  result['left_over_unstacked'] = (round(med('left') / med('unstacked'), 3)
-                                   if 'left' in times and 'unstacked' in times else None)
-  result['hf_generate_over_unstacked'] = (round(med('hf') / med('unstacked'), 3)
-                                          if 'hf' in times and 'unstacked' in times else None)
-  result['hf_generate_over_left'] = (round(med('hf') / med('left'), 3)
-                                     if 'hf' in times and 'left' in times else None)
-  s, u, r, h = (med(m) for m in ('shared', 'unshared', 'recompute', 'hf'))
-  result['shared_over_unshared'] = round(s / u, 3) if s and u else None
-  result['shared_over_recompute'] = round(s / r, 3) if s and r else None
-  result['hf_generate_over_shared'] = round(h / s, 3) if s and h else None
+
+  def ratio(a, b):
+    return round(med(a) / med(b), 3) if a in times and b in times else None
+  result.update(shared_over_unshared=ratio('shared', 'unshared'),
+                unstacked_over_shared=ratio('unstacked', 'shared'),
+                hf_generate_over_shared=ratio('hf', 'shared'),
+                hf_generate_over_unstacked=ratio('hf', 'unstacked'))
   result.update({
-      'config': {
-          'prompt_len': args.prompt_len, 'new_tokens': args.new_tokens, 'prompts': args.prompts,
-          'k': args.k, 'vocab': args.vocab, 'hidden': args.hidden, 'layers': args.layers,
-          'heads': args.heads, 'kv_heads': args.kv_heads, 'intermediate': args.intermediate,
-          'num_params': config.num_params, 'dtype': args.dtype, 'method': repr(method),
-          'repeats': args.repeats, 'jax': jax.__version__, 'backend': jax.default_backend(),
-          'cpu_count': os.cpu_count(),
-      },
+      'config': {**{f: getattr(args, f) for f in CONFIG_FLAGS}, 'method': repr(method),
+                 'num_params': config.num_params, 'jax': jax.__version__,
+                 'backend': jax.default_backend(), 'cpu_count': os.cpu_count()},
       'all_times_s': {m: [round(t, 4) for t in ts] for m, ts in times.items()},
       'compile_s': compile_s,
       'mean_completion_len': mean_len,

@@ -8,12 +8,10 @@ counted (`rloo_jax.memory.flops`, the memory planner's count): 2 x params per to
 per token trained, attention added, and the prompt counted once per group when it is shared
 (`--shared_prefix 1`, the default, as in the trainer); rematerialisation is not counted.
 
-Besides the timings, the JSON reports what the timed iterations trained on, so a run can be
-checked for sense: the mean reward (the synthetic reward, in [0, 1]), KL, loss and advantage (RLOO's
-leave-one-out advantages sum to zero over each group), and the token counts the trainer's own
-throughput metrics imply: `update_tokens_per_iteration` (prompts * k * (prompt_len + new_tokens)
-rows' tokens, one epoch) and `generated_tokens_per_iteration` (prompts * k * the mean completion
-length).
+The JSON also reports what the timed iterations trained on, to check a run for sense: the mean
+reward (in [0, 1]), KL, loss and advantage (zero over each group), and the token counts the
+trainer's throughput metrics imply (`update_tokens_per_iteration`,
+`generated_tokens_per_iteration`).
 
     python experiments/bench_step.py --hidden 64 --layers 2
     python experiments/bench_step.py --hidden 256 --layers 4
@@ -40,7 +38,6 @@ from rloo_jax.data import pipeline
 from rloo_jax.models import lora, transformer
 from rloo_jax.memory.flops import model_flops_per_iteration
 
-import compare_peers  # experiments/compare_peers.py: the peers' work sizes
 from workload import add_workload_flags  # experiments/workload.py
 
 
@@ -111,33 +108,6 @@ def model_fields(hidden, layers, heads, prompt_len, new_tokens) -> dict:
   return dict(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
               head_dim=hidden // heads, intermediate_size=4 * hidden,
               max_seq_len=prompt_len + new_tokens)
-
-
-def default_workload(hidden, layers, model=None, work=None, **train):
-  """(RLOO algorithm, initial state, task) of the TRL comparison's workload at its defaults (4
-  heads, vocab 256, 8 prompts of 16 tokens, k = 4, 32 new tokens, one gradient step), with
-  `work` overriding those (a dict of any of heads, vocab, prompts, prompt_len, k, new_tokens:
-  compare_peers.SIZES), `config.train` overrides (and `model`, a dict of `config.model` ones):
-  the set-up the in-process A/B scripts share. The experiment is `algo.exp`;
-  `algo.iteration(state, batch)` runs one RL iteration."""
-  w = dict(compare_peers.WORK)
-  unknown = sorted(set(work or {}) - set(w))
-  if unknown:
-    raise ValueError(f"default_workload: unknown work keys {unknown}; known: {sorted(w)}")
-  w.update(work or {})
-  c = base_config()
-  c.task = "bench"
-  c.model.update(**{**model_fields(hidden, layers, w["heads"], w["prompt_len"], w["new_tokens"]),
-                    **(model or {})})
-  c.data.max_prompt_len = w["prompt_len"]
-  c.rloo.update(k=w["k"], num_prompts=w["prompts"], max_new_tokens=w["new_tokens"])
-  c.kl.beta = 0.05
-  c.train.update(num_epochs=1, num_minibatches=1, **train)
-  c.rewards.fns = [synthetic_reward]
-  c.rewards.weights = [1.0]
-  task = bench_task(w["vocab"], w["prompt_len"])
-  algo, state = build(c, task, tempfile.mkdtemp())
-  return algo, state, task
 
 
 def main():

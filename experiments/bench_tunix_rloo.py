@@ -18,10 +18,9 @@ reject it. Tunix puts the KL into the loss, not the reward: the same passes, the
 Fixed-length completions: the tokenizer has no end token (eos_id -1 matches no id), so every
 completion runs to --new_tokens, as bench_step.py --fixed_length 1 does.
 
-Timing: the reward function runs once per step at the same point of it (after the rollout and the
-reference forward), so the gaps between its calls are whole steps (rollout, reference, reward and
-update). The first gap holds the update's compilation and is dropped with the warm-up. Prints one
-JSON line with the median seconds per step.
+Timing: the reward function runs once per step at the same point of it, so the gaps between its
+calls are whole steps; the first (the update's compilation) is dropped. Prints one JSON line with
+the median seconds per step.
 """
 import argparse
 import json

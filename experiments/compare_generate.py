@@ -7,7 +7,7 @@ threads (spinning after each parallel region) and its allocations share the core
 with XLA's; at size (c)'s shape that slowed our rollout by about a fifth on a 2-core CPU.
 compare_peers runs its frameworks apart for the same reason.
 
-`--modes ours,peer` (default left,hf: the trainer's decode on one CPU device and HF generate);
+`--modes ours,peer` (default shared,hf: the trainer's default decode and HF generate);
 every other flag goes to bench_sampler.py unchanged. Both sides run with compare_peers'
 `--malloc_hugepages` setting (default 1: malloc madvises transparent huge pages). The hf mode
 needs torch and transformers beside jax: `--python .venv-hf/bin/python` (set up in
@@ -28,9 +28,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_peers import HUGEPAGES_TUNABLE, malloc_env, round_order, run_side  # noqa: E402
 
-# bench_sampler's JSON key of each mode's median seconds.
-KEYS = {"hf": "hf_generate_s"}
-
 
 def run_mode(python: str, mode: str, sampler_args: list, env=None) -> dict:
   """bench_sampler.py with `--modes=mode` in a new process (`compare_peers.run_side`, no
@@ -45,7 +42,7 @@ def run_mode(python: str, mode: str, sampler_args: list, env=None) -> dict:
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--modes", default="left,hf", help="ours,peer: two bench_sampler modes")
+  p.add_argument("--modes", default="shared,hf", help="ours,peer: two bench_sampler modes")
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--python", default=sys.executable,
                  help="the interpreter of both sides (one with torch for the hf mode)")
@@ -65,7 +62,7 @@ def main():
     seconds, config = {}, None
     for mode in order:
       out = run_mode(args.python, mode, sampler_args, env)
-      seconds[mode] = out[KEYS.get(mode, f"{mode}_s")]
+      seconds[mode] = out["hf_generate_s" if mode == "hf" else f"{mode}_s"]  # median seconds
       config = out["config"]
     rounds.append(dict(order=order, seconds=seconds,
                        ratio=round(seconds[modes[1]] / seconds[modes[0]], 3)))

@@ -24,11 +24,9 @@ kernel's OOM killer on a shared machine), and that peer is not run again at that
 line per size, then a summary line.
 
 Every side runs with glibc's malloc asking for transparent huge pages (`--malloc_hugepages 1`,
-the default: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, effective where the kernel's THP mode is
-`madvise` or `always`). Without it each fresh multi-MB buffer of a step is faulted in 4 KiB
-page by page: at size (c) 14 million minor faults in a bench_step run, against 0.5 million with
-it (docs/PERFORMANCE.md). Frameworks whose allocators keep their memory, as XLA's and torch's do on
-an accelerator, never pay that; `--malloc_hugepages 0` measures the machine as it comes.
+the default: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, effective under the kernel's THP mode
+`madvise` or `always`), so no side faults in each fresh multi-MB buffer 4 KiB at a time, a cost
+an accelerator's allocators never pay; `--malloc_hugepages 0` measures the machine as it comes.
 
     bash experiments/setup_trl_venv.sh && bash experiments/setup_tunix_venv.sh
     python experiments/compare_peers.py --sizes a,b --rounds 3
@@ -70,29 +68,14 @@ def malloc_env(hugepages: bool) -> dict:
 
 def thp_mode() -> str:
   """The kernel's transparent huge page mode ('always', 'madvise', 'never'), or '' unknown."""
-  try:
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-      text = f.read()
-  except OSError:
-    return ""
+  path = "/sys/kernel/mm/transparent_hugepage/enabled"
+  text = open(path).read() if os.path.exists(path) else ""
   return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
 
 
 SCRIPTS = {"rloo_jax": "bench_step.py", "trl": "bench_trl_rloo.py", "tunix": "bench_tunix_rloo.py"}
 OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError",
              "can't allocate memory", "std::bad_alloc", "Cannot allocate memory")
-
-
-def venv_python(side: str) -> str:
-  """The interpreter of a peer's virtual environment (experiments/setup_<side>_venv.sh)."""
-  return os.path.join(REPO, f".venv-{side}", "bin", "python")
-
-
-def side_args(side: str, trl_threads: int = 2) -> list:
-  """The flags a side's bench script takes beyond `bench_args`: fixed-length completions
-  (Tunix's bench has no end token to begin with) and TRL's torch threads."""
-  return {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
-          "trl": ["--fixed_length", "1", "--threads", str(trl_threads)]}[side]
 
 
 def bench_args(size):
@@ -139,6 +122,9 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
                  malloc=None):
   """One size's line: every round's seconds and ratios, the medians, and the peers' fate."""
   args = bench_args(size)
+  # Fixed-length completions (Tunix's bench has no end token to begin with); TRL's threads.
+  side_args = {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
+               "trl": ["--fixed_length", "1", "--threads", str(trl_threads)]}
   # Torch's OpenMP threads spin while they wait: with another process on one of the 2 cores a
   # 2-thread TRL step at size a took 2.9 s, 0.23 s with OMP_WAIT_POLICY=PASSIVE; on a quiet
   # machine passive waiting doubles it (0.27 s against 0.13-0.16 s). Pick by the load.
@@ -162,8 +148,8 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
         continue
       row["order"].append(side)
       python = sys.executable if side == "rloo_jax" else pythons[side]
-      result, failure = run_side(python, SCRIPTS[side], args + side_args(side, trl_threads),
-                                 mem_limit_gb, envs[side] or None)
+      result, failure = run_side(python, SCRIPTS[side], args + side_args[side], mem_limit_gb,
+                                 envs[side] or None)
       if failure is not None:
         if side == "rloo_jax":
           sys.exit(f"rloo_jax failed at size {name}: {json.dumps(failure)}")
@@ -219,8 +205,8 @@ def main(argv=None):
   p.add_argument("--iterations", type=int, default=0,
                  help="timed iterations per run (0: each size's default, 8 at a/b, 2 at c)")
   p.add_argument("--peers", default="trl,tunix", help="comma separated: trl, tunix (or '')")
-  p.add_argument("--trl_python", default=venv_python("trl"))
-  p.add_argument("--tunix_python", default=venv_python("tunix"))
+  p.add_argument("--trl_python", default=os.path.join(REPO, ".venv-trl", "bin", "python"))
+  p.add_argument("--tunix_python", default=os.path.join(REPO, ".venv-tunix", "bin", "python"))
   p.add_argument("--trl_threads", type=int, default=2, help="torch threads of the TRL side")
   p.add_argument("--trl_omp_wait_policy", default="", choices=("", "PASSIVE", "ACTIVE"),
                  help="OMP_WAIT_POLICY of the TRL side ('': torch's default, spinning); "

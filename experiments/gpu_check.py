@@ -4,22 +4,20 @@ roofline, and the update step's MFU, on a preset's architecture with random weig
 - Decode: `sampler.start` (prefill + first token) then `sampler.decode_loop` timed apart, in the
   run's dtype with the weights stored in it too (a bf16 model; `--param_dtype float32` for a
   training policy's master weights, which the decode casts once), once per `--decode_layers`
-  layout (the layer scan; per-layer weights and KV buffers). The roofline of one decode step is
-  the bytes it must read, the weights (every parameter once) plus the KV cache as the sampler
-  lays it out (each prompt's prefix once, each stream's buffer; `SampleOutput` not counted),
-  over `--hbm_tbps`. Prints `decode_tokens_per_s`, `roofline_tokens_per_s` and their ratio
+  layout (the layer scan; per-layer weights and KV buffers). A decode step's roofline: the bytes
+  it must read (every parameter once, the KV cache as the sampler lays it out) over
+  `--hbm_tbps`. Prints `decode_tokens_per_s`, `roofline_tokens_per_s` and their ratio
   `roofline_over_measured` (issue 21: within 2x).
 - Update: RLOO iterations of bench_step.py's synthetic task at this shape (float32 master
-  weights, bf16 activations, as the configs run), `update_s` their median; MFU = the update's
-  model FLOPs (`memory.flops`: 3 x the scoring forward, rematerialisation not counted) /
-  update_s / `--peak_tflops` (issue 21: >= 40%).
+  weights, bf16 activations), `update_s` their median; MFU = the update's model FLOPs
+  (`memory.flops`, rematerialisation not counted) / update_s / `--peak_tflops` (issue 21: >= 40%).
 
-Defaults: Llama-3.2-1B, 64 prompts x k = 4 x (512 + 256), an H200 (4.8 TB/s, 989 TFLOP/s dense
-bf16). On this repo's CPU machine only as a smoke run (tiny shapes, figures meaningless):
+Defaults: Llama-3.2-1B, 64 prompts x k = 4 x (512 + 256), an H200 (4.8 TB/s, 989 TFLOP/s bf16).
+On a CPU only as a smoke run (tiny shapes, figures meaningless):
 
     python experiments/gpu_check.py                                  # on the GPU
-    python experiments/gpu_check.py --preset pythia-160m --prompts 2 --prompt_len 16 \
-        --new_tokens 8 --iterations 1 --repeats 1 --microbatch_size 0    # CPU smoke
+    python experiments/gpu_check.py --preset pythia-160m --num_layers 1 --prompts 2 \
+        --prompt_len 16 --new_tokens 8 --iterations 1 --repeats 1 --microbatch_size 0  # CPU smoke
 """
 import argparse
 import json
@@ -33,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 import bench_step  # experiments/, beside this file
-from bench_gemm import significant
 
 from rloo_jax import sampler, sampling
 from rloo_jax.config_utils import base_config
@@ -42,7 +39,8 @@ from rloo_jax.models import decode_weights, presets, transformer
 
 
 def _sig(x: float) -> float:
-  return significant(x, 5)
+  """x to 5 significant figures (CPU and GPU figures span orders of magnitude)."""
+  return float(f"{x:.5g}")
 
 
 def timed(fn, repeats):
@@ -59,7 +57,8 @@ def timed(fn, repeats):
 
 def decode_check(args) -> dict:
   m = presets.get(args.preset, dtype=args.dtype, param_dtype=args.param_dtype or args.dtype,
-                  max_seq_len=args.prompt_len + args.new_tokens)
+                  max_seq_len=args.prompt_len + args.new_tokens,
+                  **({"num_layers": args.num_layers} if args.num_layers else {}))
   graphdef, params = transformer.create(m, seed=0)
   fns = transformer.model_fns(graphdef)
   rng = np.random.default_rng(0)
@@ -113,6 +112,11 @@ def update_check(args) -> dict:
   c.task = "bench"
   c.model.update(preset=args.preset, dtype=args.dtype, remat=args.remat,
                  max_seq_len=args.prompt_len + args.new_tokens)
+  if args.num_layers:  # the preset's family and widths at this depth
+    m = presets.get(args.preset, num_layers=args.num_layers)
+    c.model.update(preset="", **{k: getattr(m, k) for k in (
+        "family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+        "intermediate_size")})
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.train.update(num_epochs=1, num_minibatches=1, microbatch_size=args.microbatch_size)
@@ -144,6 +148,7 @@ def main():
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--param_dtype", default="",
                  help="the decode's stored weights ('' = --dtype; float32: a training policy's)")
+  p.add_argument("--num_layers", type=int, default=0, help="0: the preset's depth (smoke runs)")
   p.add_argument("--decode_layers", default="scanned,unstacked",
                  help="decode layouts timed (config.rloo.decode_layers), each its own entry")
   p.add_argument("--prompts", type=int, default=64)

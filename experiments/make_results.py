@@ -46,19 +46,12 @@ def read_runs(root: str) -> dict:
     return out
   for path in sorted(glob.glob(os.path.join(root, "*", "seed*", "summary.json"))):
     d = os.path.dirname(path)
-    name = os.path.basename(os.path.dirname(d))
-    rows = []
-    if os.path.exists(os.path.join(d, "metrics.jsonl")):
-      with open(os.path.join(d, "metrics.jsonl")) as f:
-        rows = [json.loads(l) for l in f if l.strip()]
-    run = {}
-    if os.path.exists(os.path.join(d, "run.json")):
-      with open(os.path.join(d, "run.json")) as f:
-        run = json.load(f)
-    with open(path) as f:
-      summary = json.load(f)
-    out.setdefault(name, []).append(dict(seed=int(os.path.basename(d)[4:]), summary=summary,
-                                         metrics=rows, run=run))
+    lines = lambda f: (open(os.path.join(d, f)).read().splitlines()  # noqa: E731
+                       if os.path.exists(os.path.join(d, f)) else [])
+    out.setdefault(os.path.basename(os.path.dirname(d)), []).append(dict(
+        seed=int(os.path.basename(d)[4:]), summary=json.loads(open(path).read()),
+        metrics=[json.loads(l) for l in lines("metrics.jsonl") if l.strip()],
+        run=json.loads("\n".join(lines("run.json")) or "{}")))
   return out
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The virtual environment of experiments/bench_trl_rloo.py (the TRL side of
-# experiments/compare_trl.py and experiments/compare_peers.py): TRL 1.16.0 and torch 2.13.0 from
+# experiments/compare_peers.py): TRL 1.16.0 and torch 2.13.0 from
 # PyPI (the figures in docs/PERFORMANCE.md were taken with torch 2.13.0+cpu).
 #
 #   bash experiments/setup_trl_venv.sh [VENV_DIR]       # default: .venv-trl at the repo root

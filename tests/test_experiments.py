@@ -1,6 +1,7 @@
-"""The experiments/ scripts run end to end at their smallest settings, and what they print makes
-sense: not only positive timings, but the numbers each script derives (tokens, rewards, losses,
-bias ratios, run lists, per-variant program changes) checked against what they must be."""
+"""The benchmark and peer-comparison scripts of experiments/ run end to end at their smallest
+settings, and what they print makes sense: not only positive timings, but the numbers each script
+derives (tokens, rewards, losses, bias ratios, ratios of rounds) checked against what they must
+be. The user-facing tools (sweep, make_results, gpu_check): test_experiments_tools.py."""
 import json
 import math
 import os
@@ -12,7 +13,6 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = os.path.join(REPO, "experiments")
 sys.path.insert(0, EXPERIMENTS)
-import sweep  # noqa: E402  (experiments/sweep.py)
 
 
 def run_json(script, *args, cwd=REPO):
@@ -40,102 +40,48 @@ PHASES = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
 
 def test_bench_step_reports_a_consistent_iteration():
   hidden, layers, heads, vocab, prompts, prompt_len, k, new_tokens = 32, 1, 2, 256, 2, 4, 2, 4
-  results = {}
-  for shared in (1, 0):
-    r = run_json("bench_step.py", "--hidden", hidden, "--layers", layers, "--heads", heads,
-                 "--prompts", prompts, "--prompt_len", prompt_len, "--k", k, "--new_tokens",
-                 new_tokens, "--iterations", 2, "--shared_prefix", shared)
-    results[shared] = r
-    assert set(r) == BENCH_KEYS, set(r) ^ BENCH_KEYS
-    assert r["framework"] == "rloo_jax"
-    # The flags keep their names (compare_trl.py / compare_commits.py pass them).
-    assert r["config"] == dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab,
-                               prompts=prompts, prompt_len=prompt_len, k=k,
-                               new_tokens=new_tokens, iterations=2, dtype="float32",
-                               shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
-                               remat="full", microbatch_size=0, logprob_chunk_size=32,
-                               lora_rank=0, lora_targets="q,k,v,o,gate,up,down",
-                               reward_delay_ms=0.0, fixed_length=0)
-    assert r["trainable_params"] == r["params"]  # full fine-tuning: every parameter trains
-    # The process held at least its float32 params (and a python + jax runtime).
-    assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
-    # A Llama with untied head: embedding + head, 4 attention and 3 MLP matrices, 2 norms a
-    # layer, the final norm.
-    e, f = hidden, 4 * hidden
-    assert r["params"] == 2 * vocab * e + layers * (4 * e * e + 3 * e * f + 2 * e) + e
-    med = r["median"]
-    assert set(med) == set(PHASES)
-    assert all(med[p] > 0 for p in PHASES), med
-    # iteration_s is each iteration's sum of phases, so its median bounds each phase's median.
-    assert med["iteration_s"] >= max(med[p] for p in PHASES[:-1])
-    # What was trained on: the synthetic reward is a fraction, RLOO's leave-one-out
-    # advantages sum to zero over each group, and the loss and KL are finite.
-    assert 1 <= r["mean_completion_length"] <= new_tokens
-    assert 0.0 <= r["mean_reward"] <= 1.0
-    assert finite(r["mean_kl"], r["mean_loss"]) and abs(r["mean_kl"]) < 1.0
-    assert abs(r["mean_advantage"]) < 1e-5
-    # The trainer's throughput metrics count every [prompt | completion] row's tokens once per
-    # epoch, and the generated tokens of every sample.
-    assert r["update_tokens_per_iteration"] == pytest.approx(
-        prompts * k * (prompt_len + new_tokens), rel=1e-3)
-    assert r["generated_tokens_per_iteration"] == pytest.approx(
-        prompts * k * r["mean_completion_length"], rel=1e-3)
-    assert r["model_gflop_per_iteration"] > 0 and r["achieved_gflops"] > 0
-    assert r["update_gflops"] > 0
-    assert r["fraction_of_peak"] * 390.0 == pytest.approx(r["achieved_gflops"], abs=0.05)
-  # Sharing the prompt over its k samples feeds fewer tokens, never more.
-  assert results[1]["model_gflop_per_iteration"] <= results[0]["model_gflop_per_iteration"]
-
-
-# ----------------------------------------------------------------------------------------------
-# ab_config.py / ab_compiled.py
-
-
-def test_ab_config_interleaves_iterations_of_both_settings():
-  result = run_json("ab_config.py", "--flag", "shared_prefix", "--hidden", 32, "--layers", 1,
-                    "--pairs", 2)
-  assert result["flag"] == "shared_prefix" and result["pairs"] == 2
-  assert result["A"] is False and result["B"] is True
-  for phase in ("rollout_s", "reference_s", "update_s", "iteration_s"):
-    assert result[phase]["A_s"] > 0 and result[phase]["B_s"] > 0
-    assert result[phase]["median_pair_ratio_B_over_A"] > 0
-  # Same weights, prompts and random numbers: the first rollout is the same on both sides, and
-  # shared_prefix only changes how the same loss is computed.
-  a, b = result["first_iteration"]["A"], result["first_iteration"]["B"]
-  assert a["reward_mean"] == b["reward_mean"]
-  assert a["completion_length"] == b["completion_length"]
-  assert finite(a["loss"], b["loss"], a["kl"], b["kl"])
-  # The loss is a small difference of terms of the log-probs' size (the advantages sum to zero
-  # in a group; log-probs near -5.5 at vocab 256), whose float32 rounding is a few 1e-6.
-  assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5)
-  assert a["kl"] == pytest.approx(b["kl"], abs=1e-4)
-
-
-# Which compiled programs each variant must reach (and only those), and how far its gradient may
-# move (float rounding; the unfused projection leaves the scoring programs untouched).
-VARIANTS = {
-    "unfused_decode_qkv.py": ({"rollout"}, 0.0),
-    "head_major_attention.py": ({"forward", "gradient"}, 1e-4),
-    "swiglu_vjp.py": ({"gradient"}, 1e-4),
-    "unrolled_layers.py": ({"rollout", "forward", "gradient"}, 1e-4),
-}
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_ab_compiled_runs_a_variant_and_checks_equal_results(variant):
-  result = run_json("ab_compiled.py", os.path.join(EXPERIMENTS, "variants", variant),
-                    "--hidden", 32, "--layers", 1, "--pairs", 2)
-  changed, max_diff = VARIANTS[variant]
-  assert result["variant"] == variant and result["pairs"] == 2
-  # The variant must not change what is computed: the same tokens, the same gradient.
-  assert result["rollout_tokens_equal"] is True
-  assert 0.0 <= result["gradient_max_rel_diff"] <= max_diff
-  for program in ("rollout", "forward", "gradient"):
-    assert result[program]["A_s"] > 0 and result[program]["B_s"] > 0
-    assert result[program]["median_pair_ratio_B_over_A"] > 0
-  # The variant still reaches the model code it patches, and only the programs that run it.
-  assert {p for p in ("rollout", "forward", "gradient")
-          if result[p]["program_changed"]} == changed
+  # One run, without the shared prefix: compare_peers' test runs this size's default (shared).
+  shared = 0
+  r = run_json("bench_step.py", "--hidden", hidden, "--layers", layers, "--heads", heads,
+               "--prompts", prompts, "--prompt_len", prompt_len, "--k", k, "--new_tokens",
+               new_tokens, "--iterations", 2, "--shared_prefix", shared)
+  assert set(r) == BENCH_KEYS, set(r) ^ BENCH_KEYS
+  assert r["framework"] == "rloo_jax"
+  # The flags keep their names (compare_peers.py passes them).
+  assert r["config"] == dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab,
+                             prompts=prompts, prompt_len=prompt_len, k=k,
+                             new_tokens=new_tokens, iterations=2, dtype="float32",
+                             shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
+                             remat="full", microbatch_size=0, logprob_chunk_size=32,
+                             lora_rank=0, lora_targets="q,k,v,o,gate,up,down",
+                             reward_delay_ms=0.0, fixed_length=0)
+  assert r["trainable_params"] == r["params"]  # full fine-tuning: every parameter trains
+  # The process held at least its float32 params (and a python + jax runtime).
+  assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
+  # A Llama with untied head: embedding + head, 4 attention and 3 MLP matrices, 2 norms a
+  # layer, the final norm.
+  e, f = hidden, 4 * hidden
+  assert r["params"] == 2 * vocab * e + layers * (4 * e * e + 3 * e * f + 2 * e) + e
+  med = r["median"]
+  assert set(med) == set(PHASES)
+  assert all(med[p] > 0 for p in PHASES), med
+  # iteration_s is each iteration's sum of phases, so its median bounds each phase's median.
+  assert med["iteration_s"] >= max(med[p] for p in PHASES[:-1])
+  # What was trained on: the synthetic reward is a fraction, RLOO's leave-one-out
+  # advantages sum to zero over each group, and the loss and KL are finite.
+  assert 1 <= r["mean_completion_length"] <= new_tokens
+  assert 0.0 <= r["mean_reward"] <= 1.0
+  assert finite(r["mean_kl"], r["mean_loss"]) and abs(r["mean_kl"]) < 1.0
+  assert abs(r["mean_advantage"]) < 1e-5
+  # The trainer's throughput metrics count every [prompt | completion] row's tokens once per
+  # epoch, and the generated tokens of every sample.
+  assert r["update_tokens_per_iteration"] == pytest.approx(
+      prompts * k * (prompt_len + new_tokens), rel=1e-3)
+  assert r["generated_tokens_per_iteration"] == pytest.approx(
+      prompts * k * r["mean_completion_length"], rel=1e-3)
+  assert r["model_gflop_per_iteration"] > 0 and r["achieved_gflops"] > 0
+  assert r["update_gflops"] > 0
+  assert r["fraction_of_peak"] * 390.0 == pytest.approx(r["achieved_gflops"], abs=0.05)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,6 +154,12 @@ def test_compare_peers_rounds_ratios_and_peer_failures(tmp_path):
 # variance_k.py / bench_sampler.py
 
 
+# The smallest sampler benchmark: one layer of hidden 32, 2 prompts x k = 2, 4 + 4 tokens.
+TINY_SAMPLER = ("--prompt_len", 4, "--new_tokens", 4, "--prompts", 2, "--k", 2, "--vocab", 64,
+                "--hidden", 32, "--layers", 1, "--heads", 2, "--kv_heads", 2, "--intermediate", 64,
+                "--repeats", 2)
+
+
 def test_variance_k_is_unbiased_and_falls_with_k():
   r = run_json("variance_k.py", "--groups", 20000, "--ks", "2,4")
   assert r["groups"] == 20000 and set(r["k"]) == {"2", "4"}
@@ -227,60 +179,27 @@ def test_variance_k_is_unbiased_and_falls_with_k():
 
 
 def test_bench_sampler_modes_agree():
-  modes = ["shared", "unshared", "recompute", "copied", "kept", "unstacked"]
+  modes = ["shared", "unshared", "unstacked"]
   prompts, k, new_tokens = 2, 2, 4
-  r = run_json("bench_sampler.py", "--prompt_len", 4, "--new_tokens", new_tokens, "--prompts",
-               prompts, "--k", k, "--vocab", 64, "--hidden", 32, "--layers", 1, "--heads", 2,
-               "--kv_heads", 2, "--intermediate", 64, "--repeats", 2, "--modes", ",".join(modes))
+  r = run_json("bench_sampler.py", *TINY_SAMPLER, "--modes", ",".join(modes))
   assert set(r["all_times_s"]) == set(modes) and r["hf_generate_s"] is None
-  for mode, key in (("shared", "shared"), ("unshared", "unshared"), ("recompute", "recompute")):
-    assert r[f"{key}_s"] > 0
-    assert r[f"{key}_tokens_per_s"] == pytest.approx(prompts * k * new_tokens / r[f"{key}_s"],
-                                                     rel=0.01)
+  for mode in modes:
+    assert r[f"{mode}_s"] > 0
+    assert r[f"{mode}_tokens_per_s"] == pytest.approx(prompts * k * new_tokens / r[f"{mode}_s"],
+                                                      rel=0.01)
   # Every mode draws stream (b, j)'s tokens from the same keys: the same completions.
   lengths = r["mean_completion_len"]
   assert set(lengths) == set(modes) and 1 <= lengths["shared"] <= new_tokens
   assert len(set(lengths.values())) == 1, lengths
-  # The programs were compiled ahead of the timed calls: the first timed call is no compile.
+  # The programs were compiled by the warm-up call: no timed call is a compile.
   for mode in modes:
-    assert r["all_times_s"][mode][0] < r["compile_s"][mode], (mode, r["all_times_s"], r["compile_s"])
-  assert r["copied_over_kept"] == pytest.approx(r["copied_s"] / r["kept_s"], rel=0.01)
+    assert max(r["all_times_s"][mode]) < r["compile_s"][mode], (mode, r["all_times_s"],
+                                                                r["compile_s"])
   assert r["unstacked_over_shared"] == pytest.approx(r["unstacked_s"] / r["shared_s"], rel=0.01)
-
-
-TINY_SAMPLER = ("--prompt_len", 4, "--new_tokens", 4, "--prompts", 2, "--k", 2, "--vocab", 64,
-                "--hidden", 32, "--layers", 1, "--heads", 2, "--kv_heads", 2, "--intermediate", 64,
-                "--repeats", 1)
-
-
-# A stand-in peer whose step takes half as long under the huge-page tunable; it logs the
-# tunables of each run.
-FAKE_MALLOC_PEER = """#!/bin/sh
-echo "${GLIBC_TUNABLES:-none}" >> "$0.log"
-case "$GLIBC_TUNABLES" in *hugetlb=1*) s=0.2;; *) s=0.4;; esac
-echo "{\\"median_step_s\\": $s}"
-"""
-
-
-def test_ab_malloc_alternates_the_tunable_and_takes_per_pair_ratios(tmp_path):
-  fake = tmp_path / "fake_python"
-  fake.write_text(FAKE_MALLOC_PEER)
-  fake.chmod(0o755)
-  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-  r = json.loads(subprocess.run(
-      [sys.executable, os.path.join(EXPERIMENTS, "ab_malloc.py"), "--size", "t", "--pairs", "2",
-       "--sides", "trl", "--trl_python", str(fake)],
-      check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout.splitlines()[-1])
-  # Pair 1 runs A (no tunable) then B; pair 2 the other way round.
-  assert (tmp_path / "fake_python.log").read_text().split() == [
-      "none", "glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=1", "none"]
-  assert r["env_B"] == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} and "rloo_jax" not in r
-  t = r["trl"]
-  assert (t["A_s"], t["B_s"], t["median_pair_ratio_B_over_A"]) == (0.4, 0.2, 0.5)
-  assert t["A_runs_s"] == [0.4, 0.4] and t["A_minor_faults"] >= 0
-  bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "ab_malloc.py"), "--sides",
-                        "torch"], capture_output=True, text=True, cwd=REPO)
-  assert bad.returncode == 2 and "--sides 'torch'" in bad.stderr
+  assert r["shared_over_unshared"] == pytest.approx(r["shared_s"] / r["unshared_s"], rel=0.01)
+  bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "bench_sampler.py"),
+                        "--modes", "shared,left"], capture_output=True, text=True, cwd=REPO)
+  assert bad.returncode == 2 and "unknown modes ['left']" in bad.stderr
 
 
 def test_malloc_env_adds_the_huge_page_tunable_to_the_callers_or_nothing(monkeypatch):
@@ -298,17 +217,38 @@ def test_malloc_env_adds_the_huge_page_tunable_to_the_callers_or_nothing(monkeyp
   assert compare_peers.malloc_env(True) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
-def test_compare_generate_alternates_processes_and_takes_the_median_ratio():
-  r = run_json("compare_generate.py", "--modes", "unstacked,shared", "--rounds", 3, *TINY_SAMPLER)
+# A stand-in interpreter for compare_generate's sides: it logs each run's modes and tunables and
+# prints bench_sampler's JSON line, 'shared' taking 0.2 s on its first run and 0.3 s after, every
+# other mode 0.1 s.
+FAKE_SAMPLER = """#!/bin/sh
+echo "$*" "${GLIBC_TUNABLES:-none}" >> "$0.log"
+case "$*" in
+  *--modes=shared*) if [ -e "$0.ran" ]; then s=0.3; else s=0.2; touch "$0.ran"; fi; k=shared_s;;
+  *--modes=hf*) s=0.1; k=hf_generate_s;;
+  *) s=0.1; k=unstacked_s;;
+esac
+echo "{\\"$k\\": $s, \\"config\\": {\\"hidden\\": 32}}"
+"""
+
+
+def test_compare_generate_alternates_processes_and_takes_the_median_ratio(tmp_path):
+  fake = tmp_path / "fake_python"
+  fake.write_text(FAKE_SAMPLER)
+  fake.chmod(0o755)
+  r = run_json("compare_generate.py", "--python", fake, "--modes", "unstacked,shared",
+               "--rounds", 2, "--hidden", 32)
+  runs = (tmp_path / "fake_python.log").read_text().splitlines()
+  # Each mode runs in a process of its own, bench_sampler getting the other flags unchanged,
+  # the order alternating from round to round, every side with malloc's huge-page tunable.
+  assert [line.split()[-2] for line in runs] == ["--modes=unstacked", "--modes=shared",
+                                                  "--modes=shared", "--modes=unstacked"]
+  assert all(line.split()[0].endswith("bench_sampler.py") and "--hidden 32" in line
+             and line.endswith("glibc.malloc.hugetlb=1") for line in runs)
   assert (r["ours"], r["peer"]) == ("unstacked", "shared")
-  assert [x["order"] for x in r["rounds"]] == [["unstacked", "shared"], ["shared", "unstacked"],
-                                               ["unstacked", "shared"]]
-  for x in r["rounds"]:
-    assert x["ratio"] == pytest.approx(x["seconds"]["shared"] / x["seconds"]["unstacked"],
-                                       abs=1e-3)
-  assert r["median_ratio"] == sorted(x["ratio"] for x in r["rounds"])[1]
-  assert r["median_ours_s"] == sorted(x["seconds"]["unstacked"] for x in r["rounds"])[1]
-  assert r["config"]["hidden"] == 32 and r["config"]["new_tokens"] == 4
+  assert [x["order"] for x in r["rounds"]] == [["unstacked", "shared"], ["shared", "unstacked"]]
+  assert [x["ratio"] for x in r["rounds"]] == [2.0, 3.0]  # the peer's seconds over ours
+  assert r["median_ratio"] == 2.5 and r["median_ours_s"] == 0.1 and r["median_peer_s"] == 0.25
+  assert r["config"] == {"hidden": 32}
   assert r["env"]["GLIBC_TUNABLES"].endswith("glibc.malloc.hugetlb=1")
 
 
@@ -319,215 +259,3 @@ def test_compare_generate_names_a_bad_modes_or_rounds_flag():
   out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "compare_generate.py"),
                         "--rounds", "0"], capture_output=True, text=True, cwd=REPO)
   assert out.returncode == 2 and "--rounds must be >= 1, got 0" in out.stderr
-
-
-def test_trace_programs_sums_each_programs_kernels():
-  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "trace_programs.py"),
-                        "--hidden", "32", "--layers", "1", "--runs", "2", "--top", "4",
-                        "--programs", "apply,rollout,reference,gradient"],
-                       check=True, capture_output=True, text=True, cwd=REPO).stdout
-  rows = [r for r in map(json.loads, out.splitlines()) if r]
-  # Run in the scripts' order whatever the flag's: 'apply' donates the state the others read.
-  assert [r["program"] for r in rows] == ["rollout", "reference", "gradient", "apply"]
-  rows = {r["program"]: r for r in rows}
-  for r in rows.values():
-    assert r["wall_s"] > 0 and r["thunks"] > 0 and 0 < r["thunk_s"]
-    # The kernels' summed time over the threads: at most every core busy the whole run.
-    assert r["concurrency"] == pytest.approx(r["thunk_s"] / r["wall_s"], rel=0.01, abs=1e-3)
-    assert r["concurrency"] <= 1.2 * os.cpu_count()
-    assert len(r["top"]) == 4 and sum(t[1] for t in r["top"]) <= 1e3 * r["thunk_s"] * 1.001
-  # The decode loop launches kernels at every one of its 31 steps; a forward pass, a few
-  # hundred at most.
-  assert rows["rollout"]["thunks"] > 31 * 20 > rows["reference"]["thunks"] / 2
-
-
-def test_trace_programs_takes_a_peer_size_and_names_an_unknown_program():
-  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "trace_programs.py"),
-                        "--size", "t", "--programs", "gradient", "--runs", "1", "--top", "2"],
-                       check=True, capture_output=True, text=True, cwd=REPO).stdout
-  row = json.loads(out.splitlines()[-1])
-  assert (row["size"], row["hidden"], row["layers"]) == ("t", 32, 1)
-  bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "trace_programs.py"),
-                        "--programs", "gradient,update"], capture_output=True, text=True,
-                       cwd=REPO)
-  assert bad.returncode == 2 and "unknown programs ['update']" in bad.stderr
-
-
-def test_the_bench_workload_names_an_unknown_work_key():
-  import bench_step  # pylint: disable=import-outside-toplevel
-  with pytest.raises(ValueError, match=r"unknown work keys \['vocab_size'\]; known: \['heads'"):
-    bench_step.default_workload(32, 1, work=dict(vocab_size=64))
-
-
-def test_ab_gradient_runs_both_head_passes_on_one_rollout_and_they_agree():
-  r = run_json("ab_gradient.py", "--size", "t", "--pairs", 2)
-  assert (r["A"], r["B"]) == ("fused_head_grad=False", "fused_head_grad=True")
-  assert r["A_s"] > 0 and r["B_s"] > 0 and r["median_pair_ratio_B_over_A"] > 0
-  assert r["loss"][0] != 0 and r["loss"][1] == pytest.approx(r["loss"][0], rel=1e-5)
-  assert 0 <= r["max_grad_diff_over_max_grad"] < 1e-5
-  t = run_json("ab_gradient.py", "--size", "t", "--pairs", 2, "--trainer", 1)
-  assert t["trainer"] == 1 and (t["A"], t["B"]) == (r["A"], r["B"])
-  for key in ("update_s", "iteration_s"):
-    assert t[key]["A_s"] > 0 and t[key]["B_s"] > 0 and t[key]["median_pair_ratio_B_over_A"] > 0
-  assert t["update_s"]["A_s"] < t["iteration_s"]["A_s"]
-  bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "ab_gradient.py"),
-                        "--pairs", "0"], capture_output=True, text=True, cwd=REPO)
-  assert bad.returncode == 2 and "--pairs must be >= 1, got 0" in bad.stderr
-
-
-def test_gpu_check_figures_follow_from_their_measurements():
-  r = run_json("gpu_check.py", "--preset", "pythia-160m", "--prompts", 2, "--prompt_len", 16,
-               "--new_tokens", 8, "--iterations", 1, "--repeats", 1, "--microbatch_size", 0,
-               cwd=EXPERIMENTS)
-  u = r["update"]
-  assert set(r["decode"]) == {"scanned", "unstacked"}
-  for d in r["decode"].values():
-    assert d["streams"] == 8 and d["decode_steps"] == 7
-    assert d["weight_gb"] * 1e9 == 2 * u["num_params"]  # every parameter once, in bfloat16
-    assert d["decode_tokens_per_s"] == pytest.approx(8 * 7 / d["decode_s"], rel=1e-3)
-    step = (d["weight_gb"] + d["kv_cache_gb"]) * 1e9 / 4.8e12
-    assert d["roofline_step_ms"] == pytest.approx(1e3 * step, rel=1e-3)
-    assert d["roofline_over_measured"] == pytest.approx(
-        d["roofline_tokens_per_s"] / d["decode_tokens_per_s"], rel=1e-2)
-    assert 0 < d["kv_cache_gb"] < d["weight_gb"]
-  # The per-layer KV buffers hold the same bytes as the stacked cache.
-  assert r["decode"]["scanned"]["kv_cache_gb"] == r["decode"]["unstacked"]["kv_cache_gb"]
-  assert u["update_mfu"] == pytest.approx(u["update_flops"] / u["update_s"] / 989e12, rel=0.02,
-                                          abs=1e-4)
-  assert u["update_flops"] > 6 * u["num_params"] * 2 * 4 * 8 * 0.5  # ~6 x params x tokens
-
-
-# ----------------------------------------------------------------------------------------------
-# sweep.py
-
-
-SWEEPS = sorted(os.path.join(REPO, "configs", "sweeps", f)
-                for f in os.listdir(os.path.join(REPO, "configs", "sweeps")) if f.endswith(".py"))
-
-
-@pytest.mark.parametrize("path", SWEEPS, ids=os.path.basename)
-def test_sweep_dry_run_lists_every_run_and_seed(path, tmp_path, capsys):
-  sweep.main(["--sweep", path, "--root", str(tmp_path), "--dry_run", "--seeds", "0,1"])
-  lines = capsys.readouterr().out.strip().splitlines()
-  _, runs = sweep.load_sweep(path)
-  # Seed-major, every run at every seed, with exactly its overrides.
-  assert lines == [f"{r['name']}/seed{s}: {json.dumps({k: v for k, v in r.items() if k != 'name'})}"
-                   for s in (0, 1) for r in runs]
-  assert not os.listdir(tmp_path)  # a dry run writes nothing
-
-
-def test_sweep_config_arg_replaces_the_base_configs_argument(tmp_path):
-  """--config_arg runs a sweep file's rows at another model size: it reaches get_config."""
-  path = os.path.join(REPO, "configs", "sweeps", "table1_tldr.py")
-  with pytest.raises(ValueError, match="unknown config argument 'bogus'"):
-    sweep.main(["--sweep", path, "--root", str(tmp_path), "--dry_run",
-                "--config_arg", "model=pythia-1b,bogus=1"])
-  sweep.main(["--sweep", path, "--root", str(tmp_path), "--dry_run",
-              "--config_arg", "model=pythia-1b"])
-
-
-def test_sweep_rejects_an_unknown_algorithm():
-  base = sweep.load_config("configs/arithmetic.py:smoke")
-  with pytest.raises(ValueError, match="unknown config.algorithm"):
-    sweep.validate_all([sweep.apply_overrides(base, {"algorithm": "a2c"})])
-
-
-TINY_SWEEP = '''
-CONFIG = "configs/arithmetic.py:smoke"
-SEEDS = (0,)
-COMMON = {"train.num_iterations": 1, "train.eval_every": 0, "train.eval_prompts": 8,
-          "train.eval_batch_size": 8, "sft.steps": 4}
-NOISY = {"rewards.fns": ["rloo_jax.rewards.verifiers:arithmetic_exact_match",
-                         "rloo_jax.rewards.noise:standard_normal"], "rewards.weights": [1.0, 1.0]}
-
-
-def get_sweep():
-  return [dict(name="rloo_k2", **{"rloo.k": 2}),
-          dict(name="ppo", algorithm="ppo", **{"rloo.k": 1}),
-          # A 4-step SFT policy never answers right: noise breaks the ties so pairs exist.
-          dict(name="dpo", algorithm="dpo", **NOISY, **{
-              "dpo.steps": 1, "dpo.batch_size": 4, "dpo.num_pair_prompts": 8,
-              "dpo.samples_per_prompt": 2, "dpo.sample_batch_size": 4, "dpo.eval_every": 0})]
-'''
-
-
-def test_sweep_trains_every_algorithm_from_one_sft_policy_and_resumes(tmp_path):
-  path = tmp_path / "tiny_sweep.py"
-  path.write_text(TINY_SWEEP)
-  root = tmp_path / "root"
-  cmd = [sys.executable, os.path.join(EXPERIMENTS, "sweep.py"), f"--sweep={path}",
-         f"--root={root}", "--quiet"]
-  subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
-  summaries = {}
-  for name in ("rloo_k2", "ppo", "dpo"):
-    workdir = root / name / "seed0"
-    summaries[name] = json.loads((workdir / "summary.json").read_text())
-    info = json.loads((workdir / "run.json").read_text())
-    assert summaries[name]["algorithm"] == info["algorithm"] == (
-        "rloo" if name == "rloo_k2" else name)
-    assert summaries[name]["iterations"] == 1 and summaries[name]["initial_policy"] == "SFT"
-    assert info["name"] == name and info["seed"] == 0 and info["wall_s"] > 0
-    for ev in (summaries[name]["before"], summaries[name]["after"]):
-      assert 0.0 <= ev["greedy_reward/arithmetic_exact_match"] <= 1.0
-      assert 1 <= ev["greedy_length"] <= 5
-  assert summaries["dpo"]["num_pairs"] > 0
-  # One SFT policy for every method: the same held-out evaluation before training.
-  before = {n: (s["before"]["greedy_length"], s["before"]["greedy_reward/arithmetic_exact_match"])
-            for n, s in summaries.items()}
-  assert len(set(before.values())) == 1, before
-  # A finished run is skipped on a rerun.
-  out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout
-  assert out.count("done, skipped") == 3, out
-
-
-# ----------------------------------------------------------------------------------------------
-# decode_traffic.py
-
-
-def test_decode_traffic_gathers_bf16_layers_at_every_token_scanned_and_once_unstacked():
-  out = subprocess.run(
-      [sys.executable, os.path.join(EXPERIMENTS, "decode_traffic.py"),
-       "--config=configs/arithmetic.py:smoke", "--devices=8", "--config.mesh.data=1",
-       "--config.mesh.fsdp=8", "--config.rloo.num_prompts=8", "--config.model.dtype=bfloat16"],
-      check=True, capture_output=True, text=True, cwd=REPO).stdout
-  rows = {r["decode_layers"]: r for r in map(json.loads, out.splitlines()) if r}
-  scanned, unstacked = rows["scanned"], rows["unstacked"]
-  assert scanned["param_dtype"] == "float32" and scanned["mesh"]["fsdp"] == 8
-  # Every weight but the (replicated) norms, gathered in bfloat16: 2 bytes a parameter.
-  whole = scanned["gathered_per_token_gb"] * 2 ** 30
-  assert 0.95 * 2 * scanned["num_params"] < whole <= 2 * scanned["num_params"]
-  assert scanned["gathered_dtypes"] == {"per_token": ["bf16"], "per_rollout": []}
-  # Unstacked, the same bytes are gathered once, before the first token, and none per token.
-  assert unstacked["gathered_per_token_gb"] == 0
-  assert unstacked["gathered_per_rollout_gb"] == scanned["gathered_per_token_gb"]
-  assert unstacked["gathered_dtypes"] == {"per_token": [], "per_rollout": ["bf16"]}
-
-
-def test_gpu_check_refuses_an_unknown_decode_layout_before_building_a_model():
-  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "gpu_check.py"),
-                        "--decode_layers", "scanned,unstaked"],
-                       capture_output=True, text=True, cwd=EXPERIMENTS, timeout=120)
-  assert out.returncode == 2
-  assert "--decode_layers 'scanned,unstaked': ['unstaked'] not among scanned, unstacked" in out.stderr
-
-
-# ----------------------------------------------------------------------------------------------
-# bench_draw.py
-
-
-def test_bench_draw_times_the_three_draws_and_derives_its_ratios():
-  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "bench_draw.py"), "--shapes",
-                        "2x2x300,1x2x16", "--rounds", "3"],
-                       check=True, capture_output=True, text=True, cwd=REPO).stdout
-  rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-  assert [r["shape_bkv"] for r in rows] == [[2, 2, 300], [1, 2, 16]]
-  assert [r["grid"] for r in rows] == [[4, 75], [4, 4]]
-  for r in rows:
-    ms = r["ms_per_step"]
-    assert set(ms) == {"inverse_cdf", "gumbel_in_step", "gumbel_pre_drawn"}
-    assert all(v > 0 for v in ms.values())
-    assert r["in_step_over_inverse_cdf"] == pytest.approx(
-        ms["gumbel_in_step"] / ms["inverse_cdf"], abs=0.006)
-  bad = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "bench_draw.py"), "--shapes",
-                        "2x300"], capture_output=True, text=True, cwd=REPO)
-  assert bad.returncode != 0 and "--shapes: '2x300' is not BxKxV" in bad.stderr
