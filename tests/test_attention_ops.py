@@ -211,3 +211,27 @@ def test_remat_names_saves_what_it_names_and_every_policy_gives_the_same_gradien
   for remat in ('full', 'dots', 'names'):
     for a, b in zip(jax.tree.leaves(grads[remat]), jax.tree.leaves(grads['none'])):
       np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize('k', [1, 3])
+def test_bfloat16_shared_prefix_decode_runs_and_rounds_like_float32(k):
+  """bf16 q/k/v (a bf16 rollout) through every product of the decode, on any device: the
+  scores in float32, the output within bf16 rounding of the float32 one."""
+  rng = np.random.default_rng(4)
+  p, t, index = 5, 4, 2
+  prefix_mask_bp = jnp.asarray([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], bool)
+  prefix_pos_bp = jnp.maximum(jnp.cumsum(prefix_mask_bp, axis=1) - 1, 0)
+  positions_bk = jnp.broadcast_to(prefix_pos_bp[:, -1:] + 1 + index, (B, k))
+  spec = _spec('plain', attention_ops.SharedPrefixDecode(prefix_mask_bp, jnp.int32(index),
+                                                         positions_bk, prefix_pos_bp))
+  d = 8  # XLA:CPU runs these products through its dot kernel from about this size
+  q, kk, vv = (_rand(rng, B, k, H, G, d), (_rand(rng, B, H, d, p), _rand(rng, B, k, H, d, t)),
+               (_rand(rng, B, H, p, d), _rand(rng, B, k, H, t, d)))
+  bf16 = lambda x: jax.tree.map(lambda a: a.astype(jnp.bfloat16), x)  # noqa: E731
+  attend = jax.jit(lambda q, kk, vv: attention_ops.attend(q, kk, vv, spec))
+  rounded = bf16((q, kk, vv))
+  want = attend(*jax.tree.map(lambda a: a.astype(jnp.float32), rounded))
+  got = attend(*rounded)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2 ** -7 * float(jnp.abs(want).max()))

@@ -176,7 +176,10 @@ def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec):
   # its memory traffic is paid once per row; both score blocks share one float32 softmax.
   (prefix_k_bhdp, k_bkhdt), (prefix_v_bhpd, v_bkhtd) = k, v
   f32 = jnp.float32
-  scores_p = jnp.einsum('bkhgd,bhdp->bkhgp', q_bkhgd, prefix_k_bhdp, preferred_element_type=f32)
+  # Scored in dot_general's own order (batch b, h first), then moved: XLA:CPU has no
+  # bf16 x bf16 -> f32 kernel for the einsum written straight to [b, k, h, g, p].
+  scores_p = jnp.einsum('bkhgd,bhdp->bhkgp', q_bkhgd, prefix_k_bhdp,
+                        preferred_element_type=f32).transpose(0, 2, 1, 3, 4)
   scores_t = jnp.einsum('bkhgd,bkhdt->bkhgt', q_bkhgd, k_bkhdt, preferred_element_type=f32)
   p, t = scores_p.shape[-1], scores_t.shape[-1]
   scores = spec.logits(jnp.concatenate([scores_p, scores_t], axis=-1))
