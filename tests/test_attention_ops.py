@@ -15,6 +15,9 @@ from rloo_jax import config_utils, experiment
 from rloo_jax.models import TransformerConfig, attention_ops, create, model_fns, transformer
 from rloo_jax.models.config import CHECKPOINT_NAMES
 
+# Float comparisons of two computations: rerun by .ci/run under other CPU flags.
+pytestmark = pytest.mark.numerics
+
 B, H, G, D = 2, 2, 2, 4
 # (scale, softcap, window): plain, Gemma 2's soft-cap, a window, both.
 SPECS = {'plain': (D ** -0.5, 0.0, None), 'softcap': (0.3, 1.5, None),

@@ -44,6 +44,7 @@ def _fused(params, hidden, targets, coef, chunk_size):
                                        chunk_size=chunk_size)[0]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("chunk_size", [1, 3, T, 10])
 def test_value_and_gradients_equal_autodiff_through_chunked_logprobs(chunk_size):
   params, hidden, targets, coef = _inputs()

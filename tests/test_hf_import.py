@@ -17,6 +17,9 @@ from numerics import FIXTURE_TERMS, assert_f32_close
 from rloo_jax import sampler, sampling
 from rloo_jax.models import hf, model_fns
 
+# Float comparisons of two computations: rerun by .ci/run under other CPU flags.
+pytestmark = pytest.mark.numerics
+
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
 # Fixture directories (make_hf_fixtures.FAMILIES); llama3 and mistral load as family 'llama'.
 FAMILIES = ('llama', 'qwen2', 'gpt2', 'gpt_neox', 'llama3', 'qwen3', 'mistral', 'gemma2', 'gemma3')

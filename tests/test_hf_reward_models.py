@@ -17,6 +17,9 @@ from numerics import FIXTURE_TERMS, assert_f32_close
 
 from rloo_jax.models import hf, model_fns
 
+# Float comparisons of two computations: rerun by .ci/run under other CPU flags.
+pytestmark = pytest.mark.numerics
+
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf_rm')
 ARCH = {'llama': 'LlamaForSequenceClassification', 'llama3': 'LlamaForSequenceClassification',
         'mistral': 'MistralForSequenceClassification',

@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 from numerics import FIXTURE_TERMS as RM_TERMS, assert_f32_close
 
+# Float comparisons of two computations: rerun by .ci/run under other CPU flags.
+pytestmark = pytest.mark.numerics
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(TESTS, 'fixtures')
 # make_hf_rm_fixtures.TEXTS (importing it would import transformers' fixture helpers).

@@ -9,6 +9,9 @@ from flax import nnx
 
 from rloo_jax.models import lora, transformer
 
+# Float comparisons of two computations: rerun by .ci/run under other CPU flags.
+pytestmark = pytest.mark.numerics
+
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
             intermediate_size=48, max_seq_len=16)
 

@@ -10,6 +10,9 @@ from numerics import assert_f32_close
 
 from rloo_jax import loss
 
+# Float comparisons of two computations: rerun by .ci/run under other CPU flags.
+pytestmark = pytest.mark.numerics
+
 
 def _logits(seed=0, shape=(3, 5, 7), dtype=jnp.float32):
   return (2.0 * jax.random.normal(jax.random.PRNGKey(seed), shape)).astype(dtype)

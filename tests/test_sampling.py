@@ -11,6 +11,9 @@ from numerics import assert_f32_close
 
 from rloo_jax import sampling
 
+# Float comparisons of two computations: rerun by .ci/run under other CPU flags.
+pytestmark = pytest.mark.numerics
+
 _draw_many = jax.jit(jax.vmap(sampling.inverse_cdf, in_axes=(None, 0)))
 
 
