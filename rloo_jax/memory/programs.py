@@ -152,7 +152,7 @@ def _sampler_static(exp) -> dict:
 # the convert of every stacked layer weight out of the layer scan: a float32 copy of all the
 # weights at once, 2x a bf16 base, which an accelerator (native bf16) never makes. Planned for
 # an accelerator, the programs compile with that pass off (`memory.plan`, which measures the
-# hoists an accelerator does make apart). docs/SCALE.md, "The 70B figure".
+# hoists an accelerator does make apart).
 ACCELERATOR_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
