@@ -190,10 +190,17 @@ def _compile_with(lowered, options=None):
   return compiled, time.perf_counter() - t0
 
 
+def _platform(compiled) -> str:
+  """The platform a compiled program runs on, read from its shardings' devices."""
+  for s in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings)):
+    return next(iter(s.device_set)).platform
+  return "target"
+
+
 def _measure(name, compiled, seconds, resident) -> Measured:
   stats = compiled.memory_analysis()
   if stats is None:
-    raise RuntimeError(f"the {jax.default_backend()} backend reports no memory analysis of the "
+    raise RuntimeError(f"the {_platform(compiled)} backend reports no memory analysis of the "
                        f"{name} program, so it cannot be planned")
   return Measured(name, int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
                   int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes), int(resident),
