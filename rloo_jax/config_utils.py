@@ -237,12 +237,11 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
   SFT stage of its own) optimising a reward model (`rm=`); 512 completions per rollout batch
   (512 / k prompts) in 2 optimizer steps of 256, one epoch, lr 1e-6 constant after a 3% warm-up,
   600 iterations; bf16, fsdp over every device. The update keeps the layers' matmul outputs
-  (remat='dots') and takes each minibatch whole (no microbatches): at Pythia-6.9B / a Llama-7B
-  shape on 8 x 80 GB the update's plan peak is then 30-40 GiB a device, and it runs the trunk
-  forward once fewer than with remat='full' (`python -m rloo_jax.plan` prints what a bigger
-  model should turn back); the decode gathers every layer once a rollout, not at every token
-  (decode_layers='unstacked': the plan's decode peak is then 52-62 GiB a device at 6.9B-7B as
-  XLA:CPU compiles it, its gathered copy in float32). `data`: the task's own config.data fields.
+  (remat='dots') and takes each minibatch whole (no microbatches), so it runs the trunk forward
+  once fewer than with remat='full'; the decode gathers every layer once a rollout, not at every
+  token (decode_layers='unstacked'). Both fit a 6.9B-7B model on 8 x 80 GB in the memory plan
+  (`python -m rloo_jax.plan` prints its peaks, and what a bigger model should turn back).
+  `data`: the task's own config.data fields.
   `smoke`: a tiny random GPT-NeoX checkpoint and reward model from tests/fixtures and the task's
   source-format files there (with `smoke_data` for what those files hold), for CPU."""
   arg = parse_arg(arg, model="pythia-6.9b", k=2, rm="", smoke=False, lora=0, seed=0)

@@ -12,7 +12,7 @@ and from it the hidden states' and the head weights' gradients. Per chunk that i
 two, with the same peak. The same trick as Liger-Kernel's fused linear cross-entropy: a scalar
 output's VJP is its gradient times the output cotangent, so computing the gradient ahead
 composes with any caller. It holds at every scale and matters most where the vocabulary is large
-beside the hidden size (150k-256k vocabularies on 0.5-2B models; docs/PERFORMANCE.md).
+beside the hidden size (150k-256k vocabularies on 0.5-2B models).
 """
 
 from __future__ import annotations

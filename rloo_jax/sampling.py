@@ -146,13 +146,13 @@ def stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:
 # A token is drawn by the inverse CDF in two levels over the vocabulary laid out as a grid
 # [rows, columns] (token = row * columns + column): a column with probability its mass, then a
 # row within that column with probability its share of the column. It needs two uniforms per
-# stream and step, not the V Gumbel variates of `jax.random.categorical`, and no argmax over V
-# (docs/PERFORMANCE.md, "The token draw"). Columns, not rows, are the first level so that a
-# vocabulary sharded over the mesh's `tensor` axis stays sharded: its contiguous shards are row
-# ranges, a column's mass is a sum over rows (partial sums, then an all-reduce of [B, K, columns])
-# and only the chosen column, [B, K, rows], is ever gathered. Both levels' prefix sums are about
-# sqrt(V) long (XLA:CPU runs a cumsum as a reduce-window, quadratic in its length), and the
-# second level resolves float32 relative to its column's mass, not to the whole distribution's.
+# stream and step, not the V Gumbel variates of `jax.random.categorical`, and no argmax over V.
+# Columns, not rows, are the first level so that a vocabulary sharded over the mesh's `tensor`
+# axis stays sharded: its contiguous shards are row ranges, a column's mass is a sum over rows
+# (partial sums, then an all-reduce of [B, K, columns]) and only the chosen column, [B, K, rows],
+# is ever gathered. Both levels' prefix sums are about sqrt(V) long, not V (jax lowers a cumsum
+# to a reduce-window over its whole length), and the second level resolves float32 relative to
+# its column's mass, not to the whole distribution's.
 _MAX_COLUMNS = 2048
 
 
@@ -175,8 +175,8 @@ def _grid(vocab: int) -> tuple[int, int]:
 def uniforms_tbk2(keys_bk, num_steps: int):
   """The rollout's uniforms [T, B, K, 2]: step t of stream (b, j) from fold_in(key_bj, t).
 
-  Drawn before the decode loop (T * B * K * 8 bytes): on CPU jax's threefry is a rolled loop,
-  which drawn inside the loop body would cost a nested loop at every token."""
+  Drawn before the decode loop (T * B * K * 8 bytes), in one batched draw, so the loop body,
+  which runs once per token in sequence, does no hashing."""
   def at(t):
     return jax.vmap(jax.vmap(
         lambda key: jax.random.uniform(jax.random.fold_in(key, t), (2,))))(keys_bk)

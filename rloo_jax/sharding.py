@@ -127,6 +127,12 @@ class Layout:
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())
 
+  @property
+  def platform(self) -> str:
+    """'cpu', 'gpu', 'tpu': what the mesh's devices are, so what its programs compile for. Not
+    `jax.default_backend()`: a host compiling for a TPU topology has default backend 'cpu'."""
+    return self.mesh.devices.flat[0].platform
+
   # -------------------------------------------------------------------------- parameters
 
   def spec(self, names: Sequence[Optional[str]], shape: Sequence[int],

@@ -15,7 +15,7 @@ import pytest
 import jax
 
 from conftest import REPO, load_config
-from rloo_jax import experiment, sampler_args
+from rloo_jax import experiment, sampler_args, sharding
 from rloo_jax import memory as plan
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.models import presets
@@ -167,14 +167,25 @@ def test_a_preset_plans_with_no_weights_and_no_data(preset_algo, tmp_path, monke
   assert f["update"] == 3 * 2 * f["reference"]  # forward + backward, num_epochs = 2
 
 
-def test_check_memory_refuses_a_job_that_does_not_fit(preset_algo):
-  assert plan.check(preset_algo) is None  # on CPU: nothing planned
+def as_platform(monkeypatch, platform):
+  """Every layout's devices report `platform` (this machine's stay CPU devices underneath)."""
+  monkeypatch.setattr(sharding.Layout, "platform", property(lambda self: platform))
+
+
+def test_check_memory_refuses_a_job_that_does_not_fit(preset_algo, monkeypatch):
+  # The mesh's devices decide, not the default backend: a mesh of CPU devices plans nothing
+  # whatever the default backend is, a mesh of GPUs plans on a host whose default is 'cpu'.
+  assert preset_algo.exp.layout.platform == "cpu"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert plan.check(preset_algo) is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  as_platform(monkeypatch, "gpu")
   logged = []
   with pytest.raises(plan.DoesNotFit, match=r"config\.train\.check_memory=False") as e:
-    plan.check(preset_algo, log=logged.append, backend="gpu", bytes_limit=2 ** 20)
+    plan.check(preset_algo, log=logged.append, bytes_limit=2 ** 20)
   assert "--config." in str(e.value) and "GiB per device" in str(e.value)
   assert "DOES NOT FIT" in logged[-1]
-  report = plan.check(preset_algo, log=logged.append, backend="gpu", bytes_limit=80 * GIB)
+  report = plan.check(preset_algo, log=logged.append, bytes_limit=80 * GIB)
   assert report["fits"] is True
 
 
@@ -215,12 +226,14 @@ def test_fsdp_gathers_one_layer_at_a_time():
           < decode["peak_gb"] <= 0.9 * r["device_memory_gb"])
 
 
-def test_an_accelerator_plan_has_no_float32_copy_of_the_bf16_weights():
+def test_an_accelerator_plan_has_no_float32_copy_of_the_bf16_weights(monkeypatch):
   """XLA:CPU computes bf16 in float32 and hoists the convert of every stacked layer weight out
   of the layer scan: as compiled, the scoring pass holds a float32 copy of all the bf16 layers
   (2 bytes x 2 per weight). Planned for an accelerator (what --devices gives) it holds none,
   and what the accelerator's own loop-invariant code motion adds is measured apart (unsharded
-  here: nothing to gather, nothing hoisted)."""
+  here: nothing to gather, nothing hoisted). The mesh's devices decide whether the view applies,
+  not the default backend; a mesh of accelerators compiles as it runs."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   c = small_config(**{"model.dtype": "bfloat16"})
   with c.unlocked():
     c.model.update(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=4, head_dim=64,
@@ -238,6 +251,9 @@ def test_an_accelerator_plan_has_no_float32_copy_of_the_bf16_weights():
   assert acc["peak_gb"] == pytest.approx(acc["temp_gb"] + acc["argument_gb"] - acc["alias_gb"]
                                          + acc["output_gb"] + acc["resident_gb"]
                                          + acc["hoisted_gb"])
+  as_platform(monkeypatch, "tpu")
+  tpu = plan.plan(algo, names=("score",), accelerator=True)
+  assert tpu["accelerator_view"] is False and tpu["programs"]["score"]["hoisted_gb"] == 0
 
 
 def test_an_fsdp_plan_counts_the_hoisted_head_gather():

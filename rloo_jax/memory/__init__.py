@@ -19,8 +19,6 @@ import dataclasses
 import math
 from typing import Optional
 
-import jax
-
 from rloo_jax import experiment, sampler_args
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
@@ -193,13 +191,14 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
          names=programs_lib.NAMES, accelerator: bool = False, speedups: bool = False) -> dict:
   """The memory plan of `algo` (an RLOO algorithm object, built by `experiment.build` or
   `build_abstract`): compiles its programs (`names`, default all) and returns the report.
-  accelerator=True: the (CPU) devices stand for accelerators, which compute bf16 natively
-  (`programs.ACCELERATOR_OPTIONS`); the plan of an N-chip job on simulated devices.
+  accelerator=True: the mesh's CPU devices stand for accelerators, which compute bf16 natively
+  (`programs.ACCELERATOR_OPTIONS`); the plan of an N-chip job on simulated devices. A mesh of
+  accelerators compiles as it runs, so it ignores the flag.
   speedups=True: a job that fits also gets `speedups`, the faster settings its spare memory
   allows, each compiled (`memory.speedups`: a few more compiles of the update and decode)."""
   exp = algo.exp
   c, m = exp.config, exp.model_config
-  accelerator = accelerator and jax.default_backend() == "cpu"
+  accelerator = accelerator and exp.layout.platform == "cpu"
   if accelerator:
     compiled = programs_lib.compile_programs(algo, names,
                                              options=programs_lib.ACCELERATOR_OPTIONS)
@@ -287,30 +286,28 @@ def format_table(r: dict) -> str:
   return "\n".join(lines)
 
 
-def device_memory_bytes(device=None) -> Optional[int]:
-  """The memory XLA may allocate on `device` (default: this process's first), or None when the
-  backend does not say."""
-  device = device or jax.local_devices()[0]
+def device_memory_bytes(device) -> Optional[int]:
+  """The memory XLA may allocate on `device`, or None when its backend does not say."""
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   limit = (stats or {}).get("bytes_limit")
   return int(limit) if limit else None
 
 
-def check(algo, *, log=print, backend: Optional[str] = None,
-          bytes_limit: Optional[int] = None) -> Optional[dict]:
-  """config.train.check_memory: on an accelerator, plans the RLOO job with the device's memory
-  and raises DoesNotFit naming the settings to turn; on CPU (or for PPO / DPO, which the plan
-  does not cover) it does nothing. `backend` / `bytes_limit` default to the running ones."""
+def check(algo, *, log=print, bytes_limit: Optional[int] = None) -> Optional[dict]:
+  """config.train.check_memory: when the job's mesh is of accelerators, plans the RLOO job with
+  their memory (`bytes_limit`: default, what the mesh's first local device reports) and raises
+  DoesNotFit naming the settings to turn; on a mesh of CPU devices (or for PPO / DPO, which the
+  plan does not cover) it does nothing."""
   exp = algo.exp
   if not exp.config.train.get("check_memory", True):
     return None
-  if (backend or jax.default_backend()) == "cpu":
+  if exp.layout.platform == "cpu":
     return None
   if algo.name != "rloo":  # the plan covers the RLOO programs
     log(f"[plan] config.train.check_memory: the memory plan covers the RLOO programs only; "
         f"{algo.name} is not checked")
     return None
-  limit = bytes_limit or device_memory_bytes()
+  limit = bytes_limit or device_memory_bytes(exp.layout.mesh.local_devices[0])
   if limit is None:
     limit = int(DEFAULT_DEVICE_MEMORY_GB * GIB)
     log(f"[plan] the device reports no memory limit; planning for {DEFAULT_DEVICE_MEMORY_GB:g} "

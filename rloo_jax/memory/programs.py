@@ -152,7 +152,7 @@ def _sampler_static(exp) -> dict:
 # the convert of every stacked layer weight out of the layer scan: a float32 copy of all the
 # weights at once, 2x a bf16 base, which an accelerator (native bf16) never makes. Planned for
 # an accelerator, the programs compile with that pass off (`memory.plan`, which measures the
-# hoists an accelerator does make apart). docs/SCALE.md, "The 70B figure".
+# hoists an accelerator does make apart).
 ACCELERATOR_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
@@ -190,10 +190,17 @@ def _compile_with(lowered, options=None):
   return compiled, time.perf_counter() - t0
 
 
+def _platform(compiled) -> str:
+  """The platform a compiled program runs on, read from its shardings' devices."""
+  for s in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings)):
+    return next(iter(s.device_set)).platform
+  return "target"
+
+
 def _measure(name, compiled, seconds, resident) -> Measured:
   stats = compiled.memory_analysis()
   if stats is None:
-    raise RuntimeError(f"the {jax.default_backend()} backend reports no memory analysis of the "
+    raise RuntimeError(f"the {_platform(compiled)} backend reports no memory analysis of the "
                        f"{name} program, so it cannot be planned")
   return Measured(name, int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
                   int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes), int(resident),

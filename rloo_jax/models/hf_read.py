@@ -32,7 +32,7 @@ _DTYPES = {'F64': '<f8', 'F32': '<f4', 'F16': '<f2', 'BF16': ml_dtypes.bfloat16,
 # span of the tensor between the slice's first and last byte.
 _BAND_BYTES = 16 << 20
 # Runs at least this long are read one pread each; shorter ones in bands that are then sliced:
-# a syscall per 768-byte row costs more than copying the whole row (3x, measured).
+# a syscall per short row costs more than copying the band it lies in.
 _RUN_BYTES = 64 << 10
 
 
@@ -233,8 +233,8 @@ H0, D0, H1, D1 = (0, 'h'), (0, 'd'), (1, 'h'), (1, 'd')  # heads / head_dim of r
 def _drop_sent() -> None:
   """Frees the host arrays already copied to devices. jax drops its reference to a device_put's
   host array only at the next transfer or gc pass (its gc callback), so the last block sent
-  stayed alive while the next parameter was read: 0.25x the params of RSS on an unsharded
-  Qwen2.5-1.5B load. A generation-0 pass is cheap: it runs that callback."""
+  would stay alive beside the next parameter as it is read. A generation-0 pass is cheap: it
+  runs that callback."""
   gc.collect(0)
 
 
@@ -267,7 +267,7 @@ def _putters(get: _Tensors, c: TransformerConfig, dtype, shard_of=None):
       if bounds not in first:  # a replica is copied from the first device holding it, not read
         # The device's block is assembled on the host, layer by layer as read, and sent whole:
         # one buffer on the device, one transfer. (Sending each layer and stacking them there
-        # held two, and the freed layer buffers stayed in the heap: 0.13x the params of RSS.)
+        # held two, and the freed layer buffers stayed in the host's heap.)
         host = np.empty([b - a for a, b in bounds], dtype)
         for j, i in enumerate(range(*bounds[0]) if stacked else [0]):
           host[j if stacked else ()] = block(keys[i], bounds[1:] if stacked else bounds)

@@ -14,8 +14,8 @@ from rloo_jax.models.config import TransformerConfig, dtype_of
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
-  # Draw flat, then reshape: rank-3 threefry draws compile several times slower than rank-1
-  # ones, and the values are just as random.
+  # Draw flat, then reshape: the values are just as random, and each seed's initial weights
+  # (every from-scratch run's starting point) are those of this flat draw.
   def flat_init(key, shape, dtype):
     return init(key, (math.prod(shape),), dtype).reshape(shape)
 
@@ -96,9 +96,10 @@ def _rotary(positions_bs: jax.Array, head_dim: int, theta: float, max_seq_len: i
   `head_dim`: the rotated dims (all of a head's, or GPT-NeoX's first rotary_dim); `scaling`:
   `TransformerConfig.rope_scaling` (see `inv_freq`).
 
-  Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array:
-  computed from the positions directly, cos and sin were fused into every consumer (q and k of
-  every layer) and recomputed per head. (XLA evaluates the table only at the gathered rows.)
+  Read from a [max_seq_len, D/2] table with a gather, which XLA materialises as one small array
+  that q and k of every layer read: computed from the positions directly, cos and sin may be
+  fused into each consumer and recomputed there. (XLA evaluates the table only at the gathered
+  rows.)
   """
   angles_sf = (jnp.arange(max_seq_len, dtype=jnp.float32)[:, None]
                * inv_freq(head_dim, theta, scaling))

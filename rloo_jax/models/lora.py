@@ -60,8 +60,8 @@ def parse_targets(value) -> tuple:
 
 
 def _lora_param(rngs, init, shape, axes) -> nnx.LoRAParam:
-  # Drawn flat and reshaped, as layers._param does (rank-3 draws compile slowly on CPU). The
-  # adapters are float32 whatever the base's dtype: they are what the optimizer updates.
+  # Drawn flat and reshaped, as layers._param does, so a seed gives the adapters it always
+  # has. The adapters are float32 whatever the base's dtype: they are what the optimizer updates.
   def flat_init(key, shape, dtype):
     return init(key, (math.prod(shape),), dtype).reshape(shape)
   return nnx.LoRAParam(nnx.with_partitioning(flat_init, axes, eager_sharding=False)(
@@ -84,7 +84,7 @@ def add(module, rngs, config, name: str, in_shape, in_axes, out_shape, out_axes)
 
 
 def _dense(x_bsi, w_io):
-  # One 2-D matmul over the flattened rows, as layers._dense (XLA:CPU's fast GEMM path).
+  # One 2-D matmul over the flattened rows, as layers._dense (its docstring says why).
   b, s, i = x_bsi.shape
   return jnp.matmul(x_bsi.reshape(b * s, i), w_io).reshape(b, s, w_io.shape[-1])
 
