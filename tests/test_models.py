@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import FIXTURE_TERMS, assert_f32_close
 from flax import nnx
 
 from rloo_jax.models import (DecodeCache, PrefixKV, TransformerConfig, abstract, create,
@@ -115,12 +116,12 @@ def test_padding_anywhere(model):
   order = np.argsort(~mask[0], kind='stable')
   moved = jitted['forward'](params, tokens[:, order], positions[:, order], mask[:, order])
   n = mask[0].sum()
-  np.testing.assert_allclose(logits[0, mask[0]], moved[0, :n], atol=1e-5, rtol=1e-5)
+  assert_f32_close(logits[0, mask[0]], moved[0, :n], FIXTURE_TERMS)
   # The prefill's head runs at each row's last valid column only, with the same logits there.
   first, _ = jitted['prefill'](params, tokens, positions, mask)
   last = P - 1 - np.argmax(mask[:, ::-1], axis=1)
   assert first.shape == (B, config.vocab_size) and first.dtype == jnp.float32
-  np.testing.assert_allclose(first, logits[np.arange(B), last], atol=1e-5, rtol=1e-5)
+  assert_f32_close(first, logits[np.arange(B), last], FIXTURE_TERMS)
 
 
 def test_head_slice_equals_slicing_the_full_logits(model):
@@ -159,7 +160,7 @@ def test_grouped_forward_equals_tiled_rows(model):
   grouped = lambda prm: fns.grouped(prm, ptok, ppos, pmask, ctok, cpos, cmask)
   a, b = jax.jit(flat)(params), jax.jit(grouped)(params)
   assert b.shape == (B * K, T, config.vocab_size) and b.dtype == jnp.float32
-  np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
+  assert_f32_close(b, a, FIXTURE_TERMS)
   w = jnp.asarray(rng.standard_normal(a.shape), jnp.float32)
   ga = jax.jit(jax.grad(lambda prm: jnp.sum(flat(prm) * w)))(params)
   gb = jax.jit(jax.grad(lambda prm: jnp.sum(grouped(prm) * w)))(params)
@@ -202,8 +203,7 @@ def test_shared_cached_decode_matches_full_recomputation(model):
       params, np.concatenate([tile(tokens), new_bkt.reshape(B * K, T)], 1),
       np.concatenate([tile(positions), pos_bkt.reshape(B * K, T)], 1),
       np.concatenate([tile(mask), np.ones((B * K, T), bool)], 1))
-  np.testing.assert_allclose(np.stack(decoded, 2).reshape(B * K, T, -1), full[:, P:],
-                             atol=2e-5, rtol=1e-5)
+  assert_f32_close(np.stack(decoded, 2).reshape(B * K, T, -1), full[:, P:], FIXTURE_TERMS)
 
 
 def test_shared_prefix_decode_matches_unshared():
@@ -225,7 +225,7 @@ def test_shared_prefix_decode_matches_unshared():
     logits_s, shared = decode(params, new_bkt[..., i], pos_bkt[..., i], shared)
     logits_u, unshared = decode(params, new_bkt[..., i].reshape(B * K, 1),
                                 pos_bkt[..., i].reshape(B * K, 1), unshared)
-    np.testing.assert_allclose(logits_s.reshape(B * K, -1), logits_u[:, 0], atol=1e-5, rtol=1e-5)
+    assert_f32_close(logits_s.reshape(B * K, -1), logits_u[:, 0], FIXTURE_TERMS)
 
 
 def test_bfloat16_activations_give_float32_logits():
