@@ -6,17 +6,11 @@ The protocol (what the RLOO paper's GPT-4 judge computes, and what `rloo_jax.win
         # P(completion a[i] is better than b[i] as a reply to prompts[i]), in [0, 1];
         # NaN (or None) where the pair cannot be judged (left out of win rates and counted).
 
-`fields` are the records' other data fields (`answer`, `chosen`, `id`, ...), one entry per pair,
-as reward functions get them; a judge ignores the ones it does not use, which is why it must take
-`**fields`.
+`fields` are the records' other fields (`answer`, `chosen`, ...), one entry per pair, as reward
+functions get them. `resolve_judge(spec)` builds one (the `--judge` flag of `rloo_jax.winrate`):
 
-`resolve_judge(spec)` builds one from a spec (the `--judge` flag of `rloo_jax.winrate`):
-
-    reward:<reward spec>         the Bradley-Terry judge of a reward function, P =
-                                 sigmoid(r(prompt, a) - r(prompt, b)), NaN where either score is
-                                 NaN. <reward spec> is anything `rloo_jax.rewards.resolve`
-                                 accepts: 'package.module:function', 'path/to/file.py:function',
-                                 'reward_model:<dir>[?whiten=..&clip=..&batch_size=..]'.
+    reward:<reward spec>         Bradley-Terry on a reward function (any `rewards.resolve` spec):
+                                 P = sigmoid(r(prompt, a) - r(prompt, b)), NaN if either is NaN.
     package.module:function      a judge callable itself (e.g. an LLM judge you write), imported;
     path/to/file.py:function     or loaded from that file.
     a Python callable            used as the judge as it is.

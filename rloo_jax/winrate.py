@@ -7,24 +7,15 @@ held-out reward: the RLOO paper's evaluation (Ahmadian et al. 2024, Table 1).
     python -m rloo_jax.winrate --workdir=/tmp/rloo_arith --step=latest \
         --judge=reward:rloo_jax.rewards.verifiers:arithmetic_exact_match
 
-For each held-out prompt (the task's test split, the first config.train.eval_prompts of it
-unless --num_prompts says otherwise: the prompts the run's held-out reward was measured on) the
-policy writes its greedy completion (`evaluation.Evaluator.greedy_completions`, the texts the
-run's `eval/greedy_reward` scored), and the judge (`rloo_jax.judges`) gives P(policy's completion
-better than the record's reference completion): the field `--reference_field`, 'answer' for
-TL;DR prompts (the reference summary), 'chosen' for Anthropic HH. P > 0.5 is a win, P == 0.5 a
-tie (counted half); a pair the judge cannot judge (NaN), or a record with no reference, is left
-out and counted (`n_unjudged`); prompts over config.data.max_prompt_len are left out of every
-evaluation and counted apart (`n_overlong`).
+For each held-out prompt (the first config.train.eval_prompts of the test split, or
+--num_prompts) the policy's greedy completion is judged (`rloo_jax.judges`) against the record's
+`--reference_field` ('answer' for TL;DR, 'chosen' for HH): P > 0.5 is a win, P == 0.5 a tie
+(counted half); unjudgeable pairs (NaN, no reference) are counted in `n_unjudged`, prompts over
+config.data.max_prompt_len in `n_overlong`.
 
-The checkpoint (--step): 'best' (default) is the kept checkpoint with the highest held-out greedy
-reward the run logged (`eval/greedy_reward` in metrics.jsonl, written every
-config.train.eval_every iterations and at the end); ties go to the earliest kept step. Step 0,
-the initial policy, is logged but never checkpointed, so it is not a candidate. When the best
-logged step's checkpoint was rotated away (config.train.keep_checkpoints), the best among the
-kept checkpoints that have a logged reward is used and the output says so (`note`); a kept
-checkpoint without a logged reward (saved between evaluations) cannot be ranked and is skipped.
-'latest' is the newest checkpoint, an integer that checkpoint.
+--step: 'best' (default) is the kept checkpoint with the highest logged `eval/greedy_reward`
+(ties: the earliest; step 0 is never checkpointed; if the best step was rotated away, the best
+kept one is used and `note` says so), 'latest' the newest, an integer that checkpoint.
 
 Prints a table, then one JSON line (step, its held-out reward, win_rate, wins, ties, losses, n,
 n_unjudged, mean_p, ...). From Python: `winrate.evaluate(workdir, judge, ...)` returns the same

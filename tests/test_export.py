@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tensors import iter_tensors
 from numerics import FIXTURE_TERMS, assert_f32_close
 
 from conftest import REPO
@@ -78,8 +79,8 @@ def test_round_trip_is_exact(exported):
   assert config2 == config
   jax.tree.map(np.testing.assert_array_equal, params2, params)
   # The files themselves, not just our reading of them: each tensor equals the original's.
-  want = dict(hf_export.iter_tensors(src))
-  got = dict(hf_export.iter_tensors(out))
+  want = dict(iter_tensors(src))
+  got = dict(iter_tensors(out))
   assert got.keys() == want.keys()
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+from hf_tensors import iter_tensors
 
 from rloo_jax.data import chat
 from rloo_jax.models import hf, hf_export
@@ -26,7 +27,7 @@ def test_save_model_writes_what_save_pretrained_writes_and_loads_back(tmp_path):
   hf_export.save_pretrained(params, config, str(tmp_path / 'direct'), dtype='float32',
                             tokenizer_dir=src)
   assert sorted(os.path.basename(p) for p in paths) == sorted(os.listdir(tmp_path / 'direct'))
-  got, want = (dict(hf_export.iter_tensors(str(tmp_path / d))) for d in ('api', 'direct'))
+  got, want = (dict(iter_tensors(str(tmp_path / d))) for d in ('api', 'direct'))
   assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
   config2, graphdef2, params2 = hf.load_model(str(tmp_path / 'api'))
   assert config2 == config and graphdef2 == graphdef

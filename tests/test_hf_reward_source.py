@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from hf_tensors import iter_tensors
 from numerics import FIXTURE_TERMS as RM_TERMS, assert_f32_close
 
 # Float comparisons of two computations: rerun by .ci/run under other CPU flags.
@@ -186,7 +187,7 @@ def test_the_experiment_loads_it_on_its_mesh():
 def test_export_writes_the_sequence_classification_checkpoint(family, tmp_path):
   """A fixture loaded as head='scalar' and saved again is transformers' checkpoint: the same
   architecture, num_labels=1, pad_token_id and every tensor, score.weight included."""
-  from rloo_jax.models import hf, hf_export
+  from rloo_jax.models import hf
 
   src = os.path.join(FIXTURES, 'hf_rm', family)
   config, _, params = hf.load_model(src)
@@ -200,7 +201,7 @@ def test_export_writes_the_sequence_classification_checkpoint(family, tmp_path):
   for key in ('architectures', 'model_type', 'num_labels', 'pad_token_id'):
     assert got.get(key) == want.get(key, 1 if key == 'num_labels' else None), key
   assert hf.config_from_hf(got) == hf.config_from_hf(want)
-  mine, theirs = dict(hf_export.iter_tensors(out)), dict(hf_export.iter_tensors(src))
+  mine, theirs = dict(iter_tensors(out)), dict(iter_tensors(src))
   assert sorted(mine) == sorted(theirs) and 'score.weight' in mine
   for name, w in theirs.items():
     np.testing.assert_array_equal(mine[name], w, err_msg=name)
@@ -218,13 +219,13 @@ def test_export_refuses_what_transformers_cannot_pool(tmp_path):
 def test_a_nonzero_score_bias_is_written_and_read_back(tmp_path):
   """transformers' score has no bias (it would drop one); our loader reads score.bias back."""
   import jax.numpy as jnp
-  from rloo_jax.models import hf, hf_export
+  from rloo_jax.models import hf
 
   config, _, params = hf.load_model(os.path.join(FIXTURES, 'hf_rm', 'qwen2'))
   params['score_bias'].set_value(jnp.full((1,), 0.5, jnp.float32))
   out = str(tmp_path / 'rm')
   hf.save_model(out, config, params, dtype='float32', pad_id=0)
-  np.testing.assert_array_equal(dict(hf_export.iter_tensors(out))['score.bias'], [0.5])
+  np.testing.assert_array_equal(dict(iter_tensors(out))['score.bias'], [0.5])
   _, again = hf.load_checkpoint(out)
   np.testing.assert_array_equal(again['score_bias'][...], [0.5])
 

@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from hf_tensors import iter_tensors
 from numerics import FIXTURE_TERMS, assert_f32_close
 from flax import nnx
 
@@ -79,7 +80,7 @@ def test_peft_directory_layout(tmp_path):
   conf = json.load(open(tmp_path / 'adapter_config.json'))
   assert conf['r'] == 4 and conf['lora_alpha'] == 8.0 and conf['peft_type'] == 'LORA'
   assert conf['target_modules'] == ['down_proj', 'q_proj', 'v_proj']
-  tensors = dict(hf_export.iter_tensors(str(tmp_path)))
+  tensors = dict(iter_tensors(str(tmp_path)))
   assert len(tensors) == 2 * 3 * cfg.num_layers
   hd = cfg.num_heads * cfg.head_dim
   pre = 'base_model.model.model.layers.0.'
@@ -133,7 +134,7 @@ def test_export_cli_of_a_lora_run_merges_or_writes_the_adapters(tmp_path):
   base = lora.split(policy.params)[1]
   assert not np.array_equal(np.asarray(params['layers']['attn']['q_kernel'][...]),
                             np.asarray(base['layers']['attn']['q_kernel'][...]))
-  tensors = dict(hf_export.iter_tensors(str(tmp_path / 'peft')))
+  tensors = dict(iter_tensors(str(tmp_path / 'peft')))
   a = np.asarray(policy.params['layers']['attn']['q_lora_a'][...])[0]
   np.testing.assert_array_equal(
       tensors['base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'], a.T)

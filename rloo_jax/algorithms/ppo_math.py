@@ -40,13 +40,10 @@ def gae(rewards_nt, values_nt, mask_nt, *, gamma: float, lam: float):
   return adv, (adv + values) * mask
 
 
-def whiten(x_nt, mask_nt, shift_mean: bool = True):
+def whiten(x_nt, mask_nt):
   mean = loss.masked_mean(x_nt, mask_nt)
   var = loss.masked_mean((x_nt - mean) ** 2, mask_nt)
-  out = (x_nt - mean) * jax.lax.rsqrt(var + 1e-8)
-  if not shift_mean:
-    out = out + mean
-  return jnp.where(mask_nt, out, 0.0)
+  return jnp.where(mask_nt, (x_nt - mean) * jax.lax.rsqrt(var + 1e-8), 0.0)
 
 
 def value_loss(values_nt, old_values_nt, returns_nt, mask_nt, *, clip: float):

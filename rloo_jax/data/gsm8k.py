@@ -10,13 +10,9 @@ features
 
 Score completions with `rloo_jax.rewards.verifiers:gsm8k` (and optionally `:gsm8k_format`).
 
-A missing or non-string field, a line that is not JSON, or an answer without a final number is
-an error naming the file and line: GSM8K has none, so one means the files are not GSM8K's.
-Offline, pass `source_dir` holding `train.jsonl` and `test.jsonl` (e.g. a checkout's
-`grade_school_math/data`); otherwise they are downloaded from the GitHub repository. The Hugging
-Face copy (`openai/gsm8k`, config 'main') holds the same rows as Parquet; its JSONL export
-(`datasets.load_dataset('openai/gsm8k', 'main')['train'].to_json('train.jsonl')`) is a valid
-`source_dir` too.
+A malformed line is an error naming the file and line. Offline, pass `source_dir` holding
+`train.jsonl` and `test.jsonl` (a checkout's `grade_school_math/data`, or the JSONL export of
+the Hugging Face copy `openai/gsm8k`); otherwise they are downloaded from GitHub.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ from rloo_jax.data import gsm8k_answer
 
 BASE_URL = ("https://raw.githubusercontent.com/openai/grade-school-math/master/"
             "grade_school_math/data/")
-HF_DATASET = "openai/gsm8k"  # the same rows; see the module docstring for using it offline
 FILES = {"train": "train.jsonl", "test": "test.jsonl"}
 # A plain question/answer frame: it suits base models, and an instruction-tuned policy gets its
 # chat template from config.data.chat_template in the pipeline rather than from here.

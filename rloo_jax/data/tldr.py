@@ -10,10 +10,9 @@ Two builders, both array_record:
                    rejected, id.
 
 Prompts use the paper's format, `SUBREDDIT: r/<s>\\nTITLE: <t>\\nPOST: <p>\\nTL;DR:`, and responses
-start with one space. Prompts over `max_prompt_tokens` (paper: 448) are dropped and counted per
-split in the dataset's metadata (`rloo_jax.data.builder.stats`). The count depends on the
-tokenizer: pass the policy's (anything with `encode`); the default counts UTF-8 bytes, an upper
-bound on any BPE count, which suits byte-level models trained from scratch.
+start with one space. Prompts over `max_prompt_tokens` (paper: 448) are dropped and counted
+(`rloo_jax.data.builder.stats`), in the given tokenizer's tokens (default: UTF-8 bytes, an upper
+bound on any BPE count).
 
 Offline, pass `source_dir` holding the files under their source names (`train.jsonl`,
 `batch3.json`, ...); otherwise they are downloaded from the public blob store.

@@ -179,22 +179,21 @@ class TransformerConfig:
     kw = dict(family='gpt2', vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
               num_kv_heads=12, head_dim=64, intermediate_size=3072, max_seq_len=1024,
               norm_eps=1e-5, tie_embeddings=True, qkv_bias=True)
-    kw = {**kw, **overrides}
-    # GPT-2 has no GQA; keep kv heads equal to heads unless told otherwise.
-    if 'num_heads' in overrides and 'num_kv_heads' not in overrides:
-      kw['num_kv_heads'] = kw['num_heads']
-    return cls(**kw)
+    return cls._no_gqa(kw, overrides)
 
   @classmethod
   def gpt_neox(cls, **overrides) -> 'TransformerConfig':
     """Pythia's flavour: rotary on a quarter of each head, parallel residual, untied head."""
     kw = dict(family='gpt_neox', norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False,
               qkv_bias=True, rotary_pct=0.25, parallel_residual=True)
-    kw = {**kw, **overrides}
-    # No GQA in GPT-NeoX, as for GPT-2.
+    return cls._no_gqa(kw, overrides)
+
+  @classmethod
+  def _no_gqa(cls, kw, overrides) -> 'TransformerConfig':
+    # GPT-2 and GPT-NeoX have no GQA: kv heads follow the heads unless told otherwise.
     if 'num_heads' in overrides and 'num_kv_heads' not in overrides:
-      kw['num_kv_heads'] = kw['num_heads']
-    return cls(**kw)
+      overrides = {**overrides, 'num_kv_heads': overrides['num_heads']}
+    return cls(**{**kw, **overrides})
 
   @classmethod
   def gemma2(cls, **overrides) -> 'TransformerConfig':

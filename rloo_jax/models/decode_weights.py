@@ -1,22 +1,11 @@
 """The weights a decode loop reads, prepared once per rollout, before its first token.
 
-A decode step feeds a few rows per stream through every layer, so its cost is reading the
-weights; three things multiply that read at every token unless they are paid once up front:
-
-- The layer scan slices each layer out of the stacked arrays into a new buffer (read, write,
-  then the matmuls read the copy). `unstacked`: one buffer per layer, split once.
-- FSDP gathers each layer's shards at every token. `unstacked` gathers every layer once, so
-  the rollout holds the whole model gathered (the memory plan's decode program counts it);
-  scanned, the per-token gather stays (at most one layer held gathered).
-- Float32 master weights under bfloat16 activations are converted at every use. They are cast
-  to the activation dtype once: the decode's reads, and any gather, then move half the bytes.
-  Scanned on one device the cast is left to each use: the copy would cost half the float32
-  weights, a saving the default scanned decode keeps.
-
-Every weight the model casts to the activation dtype before using it is cast here, so the
-decode computes with the values it did (a backend that rounds at each cast gives the same bits;
-XLA:CPU, which keeps float32 where it may, rounds the weights here instead); norm parameters,
-which the norms apply in float32 (Gemma's 1 + w, LayerNorm), are left as stored.
+A decode step's cost is reading the weights, so what would repeat at every token is paid once:
+`unstacked` splits the stacked layers into one buffer per layer (no per-token slice copy) and
+gathers FSDP shards once (the rollout then holds the whole model gathered; the memory plan
+counts it); float32 master weights are cast to the activation dtype once (scanned on one device
+the cast is left to each use, which saves the copy). The weights the model casts before use
+are cast here, so the decode computes with the same values; norm parameters stay as stored.
 """
 
 from __future__ import annotations

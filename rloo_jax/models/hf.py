@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 from rloo_jax.models.hf_config import (  # noqa: F401  (re-exported)
-    CAUSAL_LM, SEQ_CLS, SUPPORTED, architecture, config_from_hf)
-from rloo_jax.models.hf_hub import HUB_PATTERNS, resolve_path  # noqa: F401  (re-exported)
+    SEQ_CLS, architecture, config_from_hf)
+from rloo_jax.models.hf_hub import resolve_path  # noqa: F401  (re-exported)
 from rloo_jax.models.hf_read import _T, _putters, _Tensors
 from rloo_jax.models.hf_tokenizer import HFTokenizer  # noqa: F401  (re-exported)
 from rloo_jax.models.hf_weights import _LOADERS

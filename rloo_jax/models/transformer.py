@@ -28,7 +28,7 @@ from rloo_jax.models.block import stacked_blocks
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
     DecodeCache, PrefixKV, init_cache, write_slot)
 from rloo_jax.models.config import (  # noqa: F401  (re-exported)
-    _DTYPES, FAMILIES, HEADS, TransformerConfig, dtype_of)
+    _DTYPES, TransformerConfig, dtype_of)
 from rloo_jax.models import decode_weights as decode_weights_lib
 from rloo_jax.models.presets import from_experiment_config  # noqa: F401  (re-exported)
 from rloo_jax.models.layers import Norm, _param, _rotary, apply_head

@@ -21,7 +21,7 @@ import numpy as np
 from rloo_jax.rewards import answers
 # The format's parsing lives with the data (the builder normalises references with it).
 from rloo_jax.data.gsm8k_answer import (  # noqa: F401  (re-exported)
-    _FORMAT_LINE, _NUMBER, MARKER, extract_answer, normalize, parse_number, reference_answer)
+    _FORMAT_LINE, extract_answer, normalize, parse_number)
 
 
 def gsm8k(prompts: Sequence[str], completions: Sequence[str], *,

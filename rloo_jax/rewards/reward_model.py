@@ -30,7 +30,6 @@ import numpy as np
 from rloo_jax.data import pipeline
 from rloo_jax.models import transformer
 from rloo_jax.optim import apply_if_finite, make_optimizer
-from rloo_jax.rewards.scorer import FORMAT  # noqa: F401  (re-exported)
 from rloo_jax.rewards.scorer import RewardModelScorer
 from rloo_jax.rewards.scorer import read_meta  # noqa: F401  (re-exported)
 from rloo_jax.rewards.scorer import sequence_scores
