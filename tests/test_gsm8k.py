@@ -12,7 +12,7 @@ import pytest
 
 from conftest import TESTS
 from rloo_jax import data, rewards
-from rloo_jax.data import builder, gsm8k
+from rloo_jax.data import builder, gsm8k, gsm8k_answer
 from rloo_jax.rewards import gsm8k as gsm8k_reward
 from rloo_jax.rewards import verifiers
 
@@ -155,7 +155,7 @@ def test_format_reward():
 
 
 def test_number_normalisation():
-  assert [gsm8k_reward.reference_answer(t) for t in
+  assert [gsm8k_answer.reference_answer(t) for t in
           ["#### 1,200", "#### 72.0", "#### -0.50", "#### $5", "x\n#### 3000", "no"]] == [
               "1200", "72", "-0.5", "5", "3000", None]
   assert gsm8k_reward.parse_number("$1,200.") == 1200
@@ -189,7 +189,7 @@ def test_builder_round_trip(tmp_path):
     for i, row in enumerate(rows):  # file order is kept
       assert source[i] == {
           "prompt": f"Question: {row['question']}\nAnswer:",
-          "answer": gsm8k_reward.reference_answer(row["answer"]), "solution": row["answer"]}
+          "answer": gsm8k_answer.reference_answer(row["answer"]), "solution": row["answer"]}
   train = data.load_split(b, "train")
   assert train[0]["answer"] == "72"
   assert {train[i]["answer"] for i in range(len(train))} >= {"1200", "-9", "12.5", "6.5", "8660"}
