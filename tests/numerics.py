@@ -8,8 +8,8 @@ largest |value| the comparison holds, not applied element by element, and it gro
 length of the longest float32 reduction (random-sign rounding errors add up as its square root).
 
 `SAFETY` covers the worst element of many and errors compounding through a few layers; it was
-checked under XLA:CPU flags that change the reduction order and vector width (README's test
-section names them).
+checked under the XLA:CPU flags that change the reduction order and vector width with which
+.ci/run reruns the `numerics` tests.
 """
 import numpy as np
 
