@@ -71,12 +71,12 @@ def apply_if_finite(tx: optax.GradientTransformation, grads, opt_state, params, 
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-  def step(params, opt_state, grads):
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_opt_state
-
-  # A cond rather than selects between the new and the old state: a select keeps both alive
-  # at once (a second copy of params and moments); the cond updates the donated state in place.
-  params, opt_state = jax.lax.cond(ok, step, lambda p, o, g: (p, o), params, opt_state, grads)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  # A select per leaf, not a cond: each select fuses into its leaf's update, so the donated state
+  # is rewritten in place. The TPU and GPU compilers copy the whole state into a cond's branches
+  # (docs/SCALE.md: the optimizer program's temporaries).
+  keep = lambda new, old: jnp.where(ok, new, old)
+  params, opt_state = jax.tree.map(keep, (new_params, new_opt_state), (params, opt_state))
   metrics = dict(grad_norm=grad_norm, nonfinite_steps=(~ok).astype(jnp.float32))
   return params, opt_state, metrics

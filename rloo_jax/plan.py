@@ -4,6 +4,10 @@ r"""Prints the memory plan of an RLOO job (a table, then one JSON line) without 
     python -m rloo_jax.plan --config=configs/arithmetic.py --config.model.preset=qwen2.5-1.5b \
         --config.model.dtype=bfloat16 --config.mesh.data=1 --config.mesh.fsdp=8 --devices=8
 
+--target=NAME compiles every program with that accelerator's own compiler, deviceless, on this
+host (`memory.targets`: tpu-v5e-8, tpu-v5p-8, tpu-v6e-8, h100-8, h200-8, other chip counts by
+topology; `pip install -e ".[plan]"` brings the compilers): its memory analysis, its cost
+analysis (FLOPs, bytes accessed) and the device's memory. Without an accelerator compiler,
 --devices=N compiles for N simulated CPU devices standing for an N-chip accelerator job: CPU
 temporaries approximate an accelerator's, compiled without the float32 copies of bf16 weights
 only XLA:CPU makes (`memory.programs.ACCELERATOR_OPTIONS`; --as_compiled keeps them); without
@@ -29,8 +33,12 @@ from rloo_jax import cli  # registers the list parser before the config flag is 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "get_config(arg) file (path[:arg])",
                                           lock_config=True)
 flags.mark_flags_as_required(["config"])
-_DEVICES = flags.DEFINE_integer("devices", None, "simulate this many CPU devices")
-_MEMORY = flags.DEFINE_float("device_memory_gb", 80.0, "memory per device, GiB")
+_TARGET = flags.DEFINE_string("target", None, "compile for this accelerator (tpu-v5p-8, h100-8, "
+                               "...) with its own compiler, deviceless")
+_DEVICES = flags.DEFINE_integer("devices", None, "simulate this many CPU devices (an estimate: "
+                                "XLA:CPU's programs corrected for what XLA:CPU alone does)")
+_MEMORY = flags.DEFINE_float("device_memory_gb", None, "memory per device, GiB (default: the "
+                             "target's, else 80)")
 _LAYERS = flags.DEFINE_integer("num_layers", None, "override the architecture's depth")
 _AS_COMPILED = flags.DEFINE_bool(
     "as_compiled", False, "with --devices: the programs as XLA:CPU compiles them, float32 "
@@ -45,6 +53,18 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  from rloo_jax.memory import targets  # pylint: disable=import-outside-toplevel
+  target = devices = None
+  try:
+    if _TARGET.value and _DEVICES.value:
+      raise ValueError("--target and --devices: give one (--target compiles for the "
+                       "accelerator itself, --devices simulates CPU devices)")
+    if _TARGET.value:
+      target = targets.parse(_TARGET.value)
+      devices = targets.devices(target)
+  except ValueError as e:
+    print(f"rloo_jax.plan: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   if _DEVICES.value:
     # Before any device is touched: the device set is fixed once the backend starts, and an
     # accelerator left out of it is never initialised (nor its memory preallocated).
@@ -55,12 +75,13 @@ def main(argv):
   from rloo_jax import algorithms, experiment, memory  # pylint: disable=import-outside-toplevel
   try:
     # The run's checks, without resolving config.rewards: the plan needs no reward.
-    checked = algorithms.validate(_CONFIG.value, with_rewards=False)
+    checked = algorithms.validate(_CONFIG.value, devices=devices, with_rewards=False)
     if checked.name != "rloo":
       raise ValueError(f"config.algorithm={checked.name!r}: the memory plan covers the RLOO "
                        "programs only (config.algorithm='rloo')")
-    exp = experiment.build_abstract(checked.config, num_layers=_LAYERS.value)
-    report = memory.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=_MEMORY.value,
+    exp = experiment.build_abstract(checked.config, devices=devices, num_layers=_LAYERS.value)
+    memory_gb = _MEMORY.value or (target.memory_gb if target else memory.DEFAULT_DEVICE_MEMORY_GB)
+    report = memory.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=memory_gb,
                          accelerator=bool(_DEVICES.value) and not _AS_COMPILED.value,
                          speedups=_SPEEDUPS.value)
   except (ValueError, FileNotFoundError) as e:
@@ -68,6 +89,13 @@ def main(argv):
       raise
     print(f"rloo_jax.plan: error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
+  report["target"] = (dict(name=target.name, platform=target.platform, chips=target.chips)
+                      if target else None)
+  if not target and report["platform"] == "cpu":
+    report["estimate"] = ("XLA:CPU's programs" + (", corrected for what XLA:CPU alone does"
+                                                  if report["accelerator_view"] else "")
+                          + "; --target=<tpu-v5p-8|h100-8|...> compiles with the accelerator's "
+                          "own compiler")
   print(memory.format_table(report))
   print(json.dumps(report), flush=True)
 

@@ -174,7 +174,8 @@ def _with_hoists(algo, names, compiled) -> dict:
   config = exp.config.copy_and_resolve_references()
   for key in ("dtype", "param_dtype", "ref_dtype"):
     config.model[key] = "float32"
-  twin = type(algo)(experiment.build_abstract(config, num_layers=exp.model_config.num_layers))
+  twin = type(algo)(experiment.build_abstract(config, devices=list(exp.layout.mesh.devices.flat),
+                                              num_layers=exp.model_config.num_layers))
   with_pass = programs_lib.compile_programs(twin, names).programs
   without = programs_lib.compile_programs(twin, names,
                                           options=programs_lib.ACCELERATOR_OPTIONS).programs
@@ -225,7 +226,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       programs={n: dict(peak_gb=_gb(p.peak), temp_gb=_gb(p.temp), argument_gb=_gb(p.argument),
                         output_gb=_gb(p.output), alias_gb=_gb(p.alias),
                         resident_gb=_gb(p.resident), hoisted_gb=_gb(p.hoisted),
-                        compile_s=p.compile_s)
+                        compile_s=p.compile_s, flops=p.flops, bytes_accessed=p.bytes_accessed)
                 for n, p in compiled.programs.items()},
       **programs_lib.microbatch(c),
       rollout_chunk_prompts=programs_lib.chunk_prompts(c),
@@ -235,6 +236,9 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       flops={k: int(v) for k, v in f.items()},
       update_steps=int(c.train.num_epochs * c.train.num_minibatches),
       devices=int(exp.layout.mesh.size), mesh=exp.layout.shape,
+      # What compiled the programs: the mesh's devices ('tpu' / 'gpu' from a --target's
+      # compiler, deviceless; 'cpu' for this host or simulated devices).
+      platform=exp.layout.platform, device_kind=exp.layout.mesh.devices.flat[0].device_kind,
       device_memory_gb=float(device_memory_gb), num_layers=int(m.num_layers),
       num_params=int(m.num_params), remat=m.remat, dtype=m.dtype,
       # LoRA: params_gb / opt_state_gb are the adapters', ref_gb the frozen base (held once).
@@ -251,7 +255,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
 def format_table(r: dict) -> str:
   """The report as a readable table (GiB per device)."""
   mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items())
-  lines = [f"memory plan per device (GiB) | {r['devices']} devices, mesh {mesh} | "
+  lines = [f"memory plan per device (GiB) | {r['devices']} x {r.get('device_kind', 'device')}, mesh {mesh} | "
            f"{r['num_layers']} layers, {r['num_params'] / 1e9:.3f}B params, {r['dtype']}, "
            f"remat={r['remat']} | device memory {r['device_memory_gb']:g} GiB",
            f"  params            {r['params_gb']:10.4g}",
@@ -262,11 +266,14 @@ def format_table(r: dict) -> str:
            *([f"  reward model      {r['reward_model_gb']:10.4g}  (hf_reward_model:, resident)"]
              if r.get("reward_model_gb") else []),
            f"  {'program':16}{'peak':>10}{'temp':>10}{'args':>10}{'out':>10}{'alias':>10}"
-           f"{'resident':>10}{'compile_s':>11}"]
+           f"{'resident':>10}{'compile_s':>11}{'TFLOP':>10}{'GB moved':>10}"]
   for name, p in r["programs"].items():
     gb = "".join(f"{p[k]:10.4g}" for k in ("peak_gb", "temp_gb", "argument_gb", "output_gb",
                                              "alias_gb", "resident_gb"))
-    lines.append(f"  {PROGRAM_LABELS[name]:16}{gb}{p['compile_s']:11.1f}")
+    # The compiler's cost analysis per device (GPU compilers give none: '-').
+    cost = "".join(f"{p[k] / d:{w}.4g}" if p.get(k) is not None else f"{'-':>{w}}"
+                   for k, d, w in (("flops", 1e12, 10), ("bytes_accessed", 1e9, 10)))
+    lines.append(f"  {PROGRAM_LABELS[name]:16}{gb}{p['compile_s']:11.1f}{cost}")
   f = r["flops"]
   lines += [f"  microbatch: {r['microbatch_rows']} rows ({r['microbatch_groups']:g} groups), "
             f"{r['microbatches']} per minibatch; {r['update_steps']} update steps an iteration",
@@ -281,6 +288,8 @@ def format_table(r: dict) -> str:
                  "includes the loop-invariant hoists it makes: "
                  + (", ".join(f"{PROGRAM_LABELS[n]} {g:.4g}" for n, g in hoisted.items())
                     or "none"))
+  if r.get("estimate"):
+    lines.append(f"  estimate: {r['estimate']}")
   lines += [f"  advice: {a}" for a in r["advice"]]
   lines += [f"  faster, and fits: {s['text']}" for s in r.get("speedups", ())]
   return "\n".join(lines)

@@ -51,6 +51,9 @@ class Measured:
   resident: int  # persistent state not among its arguments + the rollout arrays alive beside it
   compile_s: float
   hoisted: int = 0  # planned for an accelerator: what its loop-invariant code motion adds
+  # The compiler's cost analysis, per device (None where the backend gives none, as the GPU's).
+  flops: float | None = None
+  bytes_accessed: float | None = None
 
   @property
   def peak(self) -> int:
@@ -202,9 +205,12 @@ def _measure(name, compiled, seconds, resident) -> Measured:
   if stats is None:
     raise RuntimeError(f"the {_platform(compiled)} backend reports no memory analysis of the "
                        f"{name} program, so it cannot be planned")
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict a device
   return Measured(name, int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
                   int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes), int(resident),
-                  round(seconds, 3))
+                  round(seconds, 3), flops=cost.get("flops"),
+                  bytes_accessed=cost.get("bytes accessed"))
 
 
 @dataclasses.dataclass
@@ -303,8 +309,9 @@ def compile_at(algo, config, names=("update",), *, accelerator: bool,
   """{name: Program} of `algo`'s programs `names` under `config` instead of its own (compiled
   again, with ACCELERATOR_OPTIONS when `accelerator`): the same experiment given the new
   config, or with rebuild (a model setting changed, e.g. remat) the experiment built anew."""
-  if rebuild:
-    exp = experiment.build_abstract(config, num_layers=algo.exp.model_config.num_layers)
+  if rebuild:  # on the same devices (a target's, when planned for one)
+    exp = experiment.build_abstract(config, devices=list(algo.exp.layout.mesh.devices.flat),
+                                    num_layers=algo.exp.model_config.num_layers)
   else:
     exp = dataclasses.replace(algo.exp, config=config)
   options = ACCELERATOR_OPTIONS if accelerator else None
