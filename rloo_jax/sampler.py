@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from rloo_jax import sampler_args, sampling
+from rloo_jax.platform import jit_by_platform
 
 MODES = sampler_args.MODES
 
@@ -186,8 +187,8 @@ def _shard_state(state: SamplingState, batch_sharding) -> SamplingState:
 
 # eos_id (int32 [S] stop ids) and pad_id are traced, not static: new end tokens must not
 # recompile the sampler (a different number of them does).
-@functools.partial(jax.jit, static_argnames=('fns', 'k', 'max_new_tokens', 'method', 'mode',
-                                             'batch_sharding', 'unstack_layers'))
+@functools.partial(jit_by_platform, static_argnames=('fns', 'k', 'max_new_tokens', 'method',
+                                                     'mode', 'batch_sharding', 'unstack_layers'))
 def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, *,
           k, max_new_tokens, method, mode, batch_sharding=None,
           unstack_layers=False) -> SamplingState:
@@ -225,8 +226,8 @@ def _per_layer(fns, unstack_layers) -> bool:
 
 
 # The state is donated so the while_loop updates the cache in the caller's buffers, not a copy.
-@functools.partial(jax.jit, static_argnames=('fns', 'method', 'mode', 'batch_sharding',
-                                             'unstack_layers'),
+@functools.partial(jit_by_platform, static_argnames=('fns', 'method', 'mode', 'batch_sharding',
+                                                     'unstack_layers'),
                    donate_argnames=('state',))
 def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
                 mode, batch_sharding=None, unstack_layers=False) -> SamplingState:

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import advantage, head_loss, loss, rollout
+from rloo_jax import advantage, head_loss, loss, platform, rollout
 from rloo_jax.models import lora
 from rloo_jax.optim import apply_if_finite
 
@@ -115,13 +115,6 @@ def apply_gradients(state, grads, value, *, tx):
   return state.replace(params=params, opt_state=opt_state), guard
 
 
-# The GPU compiler's Triton GEMM emitter finds no tiling for some of the backward's matmuls whose
-# token count is no multiple of its tiles (H100: `Couldn't find output tile sizes` on a
-# bf16[10208, 1536] dot of Qwen2.5-1.5B at 64 x 4 x (256 + 256)); cuBLAS takes any shape. Set for
-# the gradient program alone, on GPU meshes alone (tests/test_accelerator_compile.py).
-GPU_GRADIENT_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-
 class TrainStep:
   """One optimizer step on a minibatch, `step(state, rows) -> (state, metrics)`, run as two
   jitted programs: `gradients` (params read, not donated) then `apply_gradients` (the state
@@ -141,17 +134,16 @@ class TrainStep:
     # LoRA: the frozen base is a third, read-only argument of the gradient program.
     self.lora = getattr(state_shardings, "lora", False)
     frozen_sh = (state_shardings.ref_params,) if self.lora else ()
-    gpu = next(iter(replicated.device_set)).platform == "gpu"
-    self.grad_fn = jax.jit(
+    self.grad_fn = platform.jit_by_platform(
         functools.partial(gradients, fns=fns, spec=spec, k=k, chunk_size=chunk_size,
                           microbatches=microbatches, param_shardings=params_sh,
                           rows_sharding=rows_sharding, fused_head=fused_head),
         in_shardings=(params_sh, rows_sharding, *frozen_sh),
-        out_shardings=(params_sh, replicated, replicated),
-        compiler_options=GPU_GRADIENT_OPTIONS if gpu else None)
-    self.apply_fn = jax.jit(functools.partial(apply_gradients, tx=tx),
-                            in_shardings=(state_shardings, params_sh, replicated),
-                            out_shardings=(state_shardings, replicated), donate_argnums=0)
+        out_shardings=(params_sh, replicated, replicated), sharding=replicated)
+    self.apply_fn = platform.jit_by_platform(
+        functools.partial(apply_gradients, tx=tx),
+        in_shardings=(state_shardings, params_sh, replicated),
+        out_shardings=(state_shardings, replicated), donate_argnums=0, sharding=replicated)
 
   def __call__(self, state, rows):
     grads, value, metrics = self.grad_fn(*self._grad_args(state, rows))

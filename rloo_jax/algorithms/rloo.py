@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from rloo_jax import adapters, policy_init, rollout, update
+from rloo_jax import adapters, platform, policy_init, rollout, update
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms.base import AlgorithmBase
 
@@ -106,10 +106,10 @@ class RLOO(AlgorithmBase):
     # The scoring pass as two programs: the reference's log-probs (the heavy one, dispatched as
     # soon as the completions exist, so it runs while the host scores the rewards) and the KL,
     # penalised rewards and advantages (a few [B, k] operations once the rewards are in).
-    self.reference_fn = jax.jit(functools.partial(
+    self.reference_fn = platform.jit_by_platform(functools.partial(
         update.reference_logprobs, fns=exp.base_fns or exp.fns, k=self.k, chunk_size=chunk,
         microbatches=update.microbatches(c, per="rollout"), rows_sharding=rows_sh),
-        in_shardings=(state_sh.ref_params, rows_sh), out_shardings=rows_sh)
+        in_shardings=(state_sh.ref_params, rows_sh), out_shardings=rows_sh, sharding=rows_sh)
     self.advantage_fn = jax.jit(functools.partial(
         update.advantages_of, beta=float(c.kl.beta), kl_estimator=c.kl.estimator,
         kl_reduction=c.kl.reduction, estimator=c.advantage.estimator,

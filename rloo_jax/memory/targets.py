@@ -2,7 +2,7 @@
 (`jax.experimental.topologies`), and hand back devices a mesh is built from. The programs then
 compile, and report their memory and cost, as that accelerator's compiler makes them.
 
-    tpu-v5e-8, tpu-v5p-8, tpu-v6e-8, tpu-v4-8  (any power-of-two chip count the family's slices come in)
+    tpu-v5e-8, tpu-v5p-8, tpu-v6e-8  (4 or more chips, a power of two: the slices of one host up)
     h100-8, h200-8                              (GPUs of one host; h100-16 = two hosts of 8)
 
 The compilers come with `pip install -e ".[plan]"` (libtpu; the CUDA plugin, which compiles
@@ -31,9 +31,8 @@ class Target:
 
 
 # HBM per chip, GiB, and how `get_topology_desc` names the family's slices ('2d': a X x Y grid;
-# '3d': X x Y x Z with v4 / v5p's twisted tori).
-_TPU = {"v4": (32.0, "v4", "3d"), "v5e": (16.0, "v5e", "2d"), "v5p": (95.0, "v5", "3d"),
-        "v6e": (32.0, "v6e", "2d")}
+# '3d': X x Y x Z, v5p's tori).
+_TPU = {"v5e": (16.0, "v5e", "2d"), "v5p": (95.0, "v5", "3d"), "v6e": (32.0, "v6e", "2d")}
 # GPU memory, GiB (as the driver reports it), memory bandwidth in bytes/s, and the name the
 # device reports. XLA preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of it (default 0.75).
 _GPU = {"h100": (79.1, 3_352_320_000_000, "NVIDIA H100 80GB HBM3"),
@@ -43,11 +42,12 @@ NAMES = tuple([f"tpu-{v}-8" for v in _TPU] + [f"{g}-8" for g in _GPU])
 
 
 def parse(name: str) -> Target:
-  """`tpu-<v4|v5e|v5p|v6e>-<chips>` or `<h100|h200>-<gpus>`; ValueError naming the forms."""
-  m = re.fullmatch(r"tpu-(v4|v5e|v5p|v6e)-(\d+)|(h100|h200)-(\d+)", name.strip().lower())
+  """`tpu-<v5e|v5p|v6e>-<chips>` or `<h100|h200>-<gpus>`; ValueError naming the forms."""
+  m = re.fullmatch(r"tpu-(v5e|v5p|v6e)-(\d+)|(h100|h200)-(\d+)", name.strip().lower())
   chips = int(m.group(2) or m.group(4)) if m else 0
-  if not m or chips < 1 or chips & (chips - 1):
-    raise ValueError(f"--target={name!r}: expected tpu-<v4|v5e|v5p|v6e>-<chips> or "
+  # The TPU compiler's smallest deviceless slice is one host's 2 x 2 chips.
+  if not m or chips < (4 if m.group(1) else 1) or chips & (chips - 1):
+    raise ValueError(f"--target={name!r}: expected tpu-<v5e|v5p|v6e>-<chips> (4 or more) or "
                      f"<h100|h200>-<gpus>, a power-of-two count (e.g. {', '.join(NAMES)})")
   if m.group(1):
     return Target(name, "tpu", chips, _TPU[m.group(1)][0], f"TPU {m.group(1)}")
