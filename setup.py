@@ -43,5 +43,8 @@ setup(
         # Live parity checks against transformers and the TRL / HF-generate benchmarks. torch 2.13.0
         # is pinned so pip takes the CPU wheel rather than a multi-GB CUDA build.
         "hf": ["torch==2.13.0", "transformers>=4.50"],
+        # The TPU and GPU compilers, run deviceless by `python -m rloo_jax.plan --target=...`
+        # (libtpu; the CUDA plugin compiles with no GPU or CUDA libraries). Pinned to jax's version.
+        "plan": ["jax[tpu]==0.10.2", "jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2"],
     },
 )

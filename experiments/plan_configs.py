@@ -7,6 +7,12 @@ program at the peak, the reward model's resident GiB, fits) and one JSON line pe
     python experiments/plan_configs.py                 # every row
     python experiments/plan_configs.py --only tldr     # rows whose name starts with it
     python experiments/plan_configs.py --speedups      # and the faster settings that fit
+    python experiments/plan_configs.py --targets=tpu-v5p,h100   # beside each accelerator's compiler
+
+--targets compiles each row again with each accelerator's own compiler (`--target=<family>-<n>`,
+n the row's devices; `pip install -e ".[plan]"`) and prints update grads / update apply / peak
+GiB per device for the CPU estimate and each target side by side. The scale jobs of docs/SCALE.md
+are rows too (`--only scale`).
 """
 import argparse
 import json
@@ -15,6 +21,8 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SCALE = ("configs/arithmetic.py --config.model.dtype=bfloat16 --config.mesh.data=1 "
+          "--config.mesh.fsdp=8")
 # (name, config[:arg], devices, device memory GiB): the hardware of each config's docstring.
 ROWS = (
     ("tldr pythia-1b k=4", "configs/tldr.py:model=pythia-1b,k=4", 8, 80),
@@ -30,13 +38,29 @@ ROWS = (
      1, 80),
     ("gsm8k colab qwen2.5-0.5b lora 16", "configs/gsm8k.py:colab,model=qwen2.5-0.5b,lora=16",
      1, 15),
+    ("scale qwen2.5-1.5b 64x4x(256+256) fsdp=8", _SCALE + " --config.model.preset=qwen2.5-1.5b "
+     "--config.rloo.num_prompts=64 --config.rloo.k=4 --config.data.max_prompt_len=256 "
+     "--config.rloo.max_new_tokens=256", 8, 80),
+    ("scale llama-3-8b 64x4x(512+512) fsdp=8", _SCALE + " --config.model.preset=llama-3-8b "
+     "--config.rloo.num_prompts=64 --config.rloo.k=4 --config.data.max_prompt_len=512 "
+     "--config.rloo.max_new_tokens=512", 8, 72),
+    ("scale llama-3-70b lora 16 k=2 16x(512+512) fsdp=8", _SCALE + " --config.model.preset="
+     "llama-3-70b --config.model.lora.rank=16 --config.rloo.num_prompts=16 --config.rloo.k=2 "
+     "--config.data.max_prompt_len=512 --config.rloo.max_new_tokens=512", 8, 80),
 )
 
 
-def plan(config: str, devices: int, memory_gb: float, speedups: bool = False) -> dict:
-  cmd = [sys.executable, "-m", "rloo_jax.plan", f"--config={config}", f"--devices={devices}",
-         f"--device_memory_gb={memory_gb}", "--speedups" if speedups else "--nospeedups"]
-  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+def plan(config: str, devices: int, memory_gb: float, speedups: bool = False,
+         target: str = "") -> dict:
+  """One `python -m rloo_jax.plan` run: for `target` (a family, e.g. 'h100') its compiler at the
+  row's device count and the device's own memory, else the CPU estimate on `devices`."""
+  config, *overrides = config.split()
+  where = ([f"--target={target}-{devices}"] if target else
+           [f"--devices={devices}", f"--device_memory_gb={memory_gb}"])
+  cmd = [sys.executable, "-m", "rloo_jax.plan", f"--config={config}", *overrides, *where,
+         "--speedups" if speedups else "--nospeedups"]
+  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
   if out.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
   report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -49,8 +73,13 @@ def main():
   p.add_argument("--only", default="", help="run the rows whose name starts with this")
   p.add_argument("--speedups", action="store_true",
                  help="also each row's faster settings that fit (memory.speedups: more compiles)")
+  p.add_argument("--targets", default="",
+                 help="comma-separated accelerator families (tpu-v5e, tpu-v5p, tpu-v6e, h100, "
+                      "h200): each row also compiled by that compiler, side by side")
   args = p.parse_args()
   rows = [r for r in ROWS if r[0].startswith(args.only)]
+  if args.targets:
+    return compare(rows, [t for t in args.targets.split(",") if t])
   print(f"| config | devices | peak GiB / device | at | reward model GiB | fits |"
         + (" faster, and fits |" if args.speedups else ""))
   print("|---|---|---|---|---|---|" + ("---|" if args.speedups else ""))
@@ -66,6 +95,35 @@ def main():
                           reward_model_gb=r.get("reward_model_gb", 0), fits=r["fits"],
                           advice=r["advice"], speedups=r["speedups"],
                           command=r["command"])), flush=True)
+
+
+def _cell(r: dict) -> str:
+  """update grads / update apply / peak, GiB per device (a bold peak does not fit)."""
+  p = r["programs"]
+  grads = p.get("update_gradients", p.get("update", {})).get("peak_gb", float("nan"))
+  apply = p.get("update_apply", {}).get("peak_gb", float("nan"))
+  peak = f"{r['peak_gb_per_device']:.2f}"
+  return f"{grads:.2f} / {apply:.2f} / " + (peak if r["fits"] else f"**{peak}**")
+
+
+def compare(rows, targets):
+  """Each row as the CPU estimate and as each target's compiler makes it."""
+  print("| job | devices | CPU estimate | " + " | ".join(targets) + " |")
+  print("|---|---|---|" + "---|" * len(targets))
+  for name, config, devices, memory in rows:
+    cells = [_cell(plan(config, devices, memory))]
+    reports = {}
+    for t in targets:
+      if t.startswith("tpu") and devices < 4:  # the TPU compiler's smallest slice: 4 chips
+        cells.append("-")
+        continue
+      reports[t] = plan(config, devices, memory, target=t)
+      cells.append(_cell(reports[t]) + f" of {reports[t]['device_memory_gb']:.0f}")
+    print(f"| {name} | {devices} | " + " | ".join(cells) + " |", flush=True)
+    for t, r in reports.items():
+      print(json.dumps(dict(name=name, target=t, peak_gb_per_device=r["peak_gb_per_device"],
+                            fits=r["fits"], programs=r["programs"], command=r["command"])),
+            flush=True)
 
 
 if __name__ == "__main__":
