@@ -380,3 +380,34 @@ def test_decode_layers_auto_scans_and_the_plan_counts_the_unstacked_copy():
     c.rloo.decode_layers = "unrolled"
   with pytest.raises(ValueError, match=r"config\.rloo\.decode_layers 'unrolled'"):
     experiment.validate_config(c)
+
+
+def test_a_target_is_parsed_with_its_memory_and_a_bad_one_names_the_forms(monkeypatch):
+  from rloo_jax.memory import targets  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  h100 = targets.parse("h100-8")
+  assert (h100.platform, h100.chips) == ("gpu", 8)
+  assert h100.memory_gb == pytest.approx(79.1 * 0.75)  # XLA's default preallocation
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+  assert targets.parse("h200-16").memory_gb == pytest.approx(139.8 * 0.9)
+  assert (targets.parse("tpu-v5p-8").platform, targets.parse("tpu-v5p-8").memory_gb) == ("tpu", 95)
+  for bad in ("tpu-v5e-2", "h100-6", "a100-8", "tpu-v7-8"):
+    with pytest.raises(ValueError, match=rf"--target='{bad}': expected tpu-<v5e\|v5p\|v6e>-"):
+      targets.parse(bad)
+
+
+def test_a_missing_compiler_and_two_device_flags_are_one_line_errors(monkeypatch):
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  from rloo_jax.memory import targets  # pylint: disable=import-outside-toplevel
+
+  def missing(*args, **kw):
+    raise RuntimeError("Unable to initialize backend 'tpu': no libtpu")
+  monkeypatch.setattr(topologies, "get_topology_desc", missing)
+  with pytest.raises(ValueError, match=r"--target=tpu-v5e-8: the TPU compiler is not available "
+                                       r"here .*pip install -e \"\.\[plan\]\""):
+    targets.devices(targets.parse("tpu-v5e-8"))
+  out = subprocess.run([sys.executable, "-m", "rloo_jax.plan", "--config=configs/arithmetic.py:smoke",
+                        "--target=h100-8", "--devices=8"], cwd=REPO, capture_output=True, text=True)
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      "rloo_jax.plan: error: --target and --devices: give one")
