@@ -11,6 +11,7 @@ the target is never moved: that is a config or code mismatch, and the error says
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import Any, Optional
@@ -48,6 +49,19 @@ def _registry():
   return reg
 
 
+class CheckpointSaveError(OSError):
+  """A checkpoint could not be written (a full disk, a read-only or vanished directory)."""
+
+
+def _disk_error(e: BaseException) -> Optional[OSError]:
+  """The OSError behind `e` (orbax may wrap it), if any."""
+  while e is not None:
+    if isinstance(e, OSError) and not isinstance(e, CheckpointSaveError):
+      return e
+    e = e.__cause__ or e.__context__
+  return None
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int = 3, save_every: int = 1):
@@ -63,14 +77,32 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: dict, *, force: bool = False,
            wait: bool = False) -> bool:
-    saved = self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
-    if wait:
-      self.manager.wait_until_finished()
+    with self._saving(step):
+      saved = self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+      if wait:
+        self.manager.wait_until_finished()
     return bool(saved)
 
   def wait(self):
-    self.manager.wait_until_finished()
+    with self._saving(None):
+      self.manager.wait_until_finished()
+
+  @contextlib.contextmanager
+  def _saving(self, step: Optional[int]):
+    """An OSError while writing (a full disk: 300 lines of orbax traceback) as one line."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      err = _disk_error(e)
+      if err is None:
+        raise
+      which = f"checkpoint {step}" if step is not None else "a checkpoint"
+      kept = self.all_steps() if os.path.isdir(self.directory) else []
+      raise CheckpointSaveError(
+          f"writing {which} to {self.directory} failed: {err.strerror or err}; free "
+          f"space there or rerun with another --workdir (earlier checkpoints kept: "
+          f"{kept or 'none'})") from e
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()

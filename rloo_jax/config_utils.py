@@ -148,7 +148,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Rewards: weighted sum of any number of functions named by import path.
   c.rewards = ml_collections.ConfigDict(dict(
       fns=["rloo_jax.rewards.verifiers:arithmetic_exact_match"], weights=[1.0],
-      nan_policy="mask"))
+      nan_policy="mask",
+      # Seconds each reward call may take before the run stops naming it; 0 = no deadline (a
+      # function that relies on signals, which only the main thread receives).
+      timeout_s=600.0))
 
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=3e-4, warmup_steps=10, schedule="constant", weight_decay=0.0, b1=0.9,

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import ml_collections
+import numpy as np
 import optax
 
 from rloo_jax import adapters, advantage, loss, rollout, sampler_args, sampling, tasks
@@ -26,7 +27,7 @@ from rloo_jax.data import chat, pipeline
 from rloo_jax.models import config as model_config_lib
 from rloo_jax.models import hf, lora, presets, transformer
 from rloo_jax.optim import make_optimizer
-from rloo_jax.rewards import RewardSet
+from rloo_jax.rewards import RewardReturnError, RewardSet, RewardTimeoutError
 from rloo_jax.adapters import reference_copy  # noqa: F401  (experiment.reference_copy: PPO's)
 
 
@@ -242,10 +243,11 @@ def validate_layout(config, layout: sharding_lib.Layout) -> None:
     check("config.sft.batch_size", config.sft.batch_size, layout)
 
 
-def dry_run_rewards(rewards: RewardSet, task, num_samples: int = 2) -> None:
+def dry_run_rewards(rewards: RewardSet, task, num_samples: int = 2, log=print) -> None:
   """Calls the reward functions once on a few training prompts (their answers, when the task
-  has them, as completions) with the fields a rollout passes, so an exception or a wrong
-  output length shows in seconds, before the SFT stage and any compile."""
+  has them, as completions) with the fields a rollout passes, so an exception, a hang (under
+  config.rewards.timeout_s), a wrong output or no score at all shows in seconds, before the SFT
+  stage and any compile."""
   records = [task.train[i] for i in range(min(num_samples, len(task.train)))]
   if not records:
     return
@@ -253,12 +255,20 @@ def dry_run_rewards(rewards: RewardSet, task, num_samples: int = 2) -> None:
   prompts = [str(r["prompt"]) for r in records]
   completions = [str(a) for a in batch["answer"]]
   fields = rollout.reward_fields(batch, 1)
+  log(f"[rewards] dry run: calling {', '.join(rewards.names)} on {len(prompts)} training prompts "
+      f"(deadline config.rewards.timeout_s={rewards.timeout_s:g} s)")
   for fn, name in zip(rewards.fns, rewards.names):
     try:
-      RewardSet([fn], [1.0], [name])(prompts, completions, fields)
+      _, parts = RewardSet([fn], [1.0], [name], rewards.timeout_s)(prompts, completions, fields)
+    except (RewardTimeoutError, RewardReturnError) as e:
+      raise type(e)(f"{e} (on a dry run with {len(prompts)} training prompts)") from e
     except Exception as e:  # pylint: disable=broad-except
       raise ValueError(f"reward function {name} (config.rewards.fns) failed on a dry run with "
                        f"{len(prompts)} training prompts: {type(e).__name__}: {e}") from e
+    if np.isnan(parts[name]).all():
+      raise ValueError(f"reward function {name} (config.rewards.fns) scored none of "
+                       f"{len(prompts)} training prompts' reference answers on a dry run (all "
+                       "NaN: cannot score); check that it reads the fields this task passes")
 
 
 def _make_task(config, data_dir: str):

@@ -112,8 +112,23 @@ def run(algo, workdir: str, *, log: Callable[[str], None] = print, initial_param
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   with workdir_lib.Lock(workdir, log=log):
-    return _run(algo, workdir, log=log, initial_params=initial_params, evaluator=evaluator,
-                keep_checkpoints=keep_checkpoints, eval_every=eval_every)
+    try:
+      return _run(algo, workdir, log=log, initial_params=initial_params, evaluator=evaluator,
+                  keep_checkpoints=keep_checkpoints, eval_every=eval_every)
+    except (NonFiniteError, UnscorableError):
+      raise  # they name the checkpoint to go back to; resuming would meet the same state
+    except Exception as e:
+      # The CLI's one line says where a rerun of the same command picks up (`train._fail`).
+      e.resume_from = resume_point(os.path.join(workdir, "checkpoints"))
+      raise
+
+
+def resume_point(directory: str) -> str:
+  """Where a rerun resumes: the newest checkpoint step in `directory`, or the start."""
+  steps = [int(d) for d in (os.listdir(directory) if os.path.isdir(directory) else ())
+           if d.isdigit()]
+  return (f"checkpoint {max(steps)} in {directory}" if steps
+          else "the start (no checkpoint was saved)")
 
 
 def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eval_every):

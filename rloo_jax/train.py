@@ -25,6 +25,7 @@ from rloo_jax import algorithms
 from rloo_jax import checkpoint
 from rloo_jax import cli
 from rloo_jax import loop
+from rloo_jax import rewards
 from rloo_jax import sharding
 from rloo_jax import workdir as workdir_lib
 
@@ -65,13 +66,17 @@ def main(argv):
 # Errors that name a setting or a workdir problem and its fix: printed without a traceback
 # (RLOO_JAX_TRACEBACK=1 shows it).
 USER_ERRORS = (ValueError, FileNotFoundError, workdir_lib.WorkdirLockedError,
-               loop.NonFiniteError, loop.UnscorableError, checkpoint.CheckpointMismatchError)
+               loop.NonFiniteError, loop.UnscorableError, checkpoint.CheckpointMismatchError,
+               checkpoint.CheckpointSaveError, rewards.RewardTimeoutError,
+               rewards.RewardReturnError, rewards.RewardFunctionError)
 
 
 def _fail(e: BaseException):
   if os.environ.get("RLOO_JAX_TRACEBACK"):
     raise e
-  print(f"rloo_jax.train: error: {e}", file=sys.stderr, flush=True)
+  where = getattr(e, "resume_from", None)
+  resume = f"; rerun the same command to resume from {where}" if where else ""
+  print(f"rloo_jax.train: error: {e}{resume}", file=sys.stderr, flush=True)
   sys.exit(1)
 
 

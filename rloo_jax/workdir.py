@@ -30,7 +30,8 @@ LOCK_FILE = "run.lock"
 RESUMABLE_KEYS = (
     "train.num_iterations", "train.eval_every", "train.log_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.progress_bar", "train.max_nonfinite_steps",
-    "train.max_unscorable_iterations", "train.wandb_project", "dpo.steps", "dpo.eval_every",
+    "train.max_unscorable_iterations", "train.wandb_project", "rewards.timeout_s", "dpo.steps",
+    "dpo.eval_every",
     "sft.log_every", "sft.checkpoint_every",
     # How the same computation is laid out in memory (gradient accumulation, log-prob chunks,
     # recomputation, rollout chunks) or checked: a run that ran out of memory resumes with less.

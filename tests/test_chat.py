@@ -193,3 +193,15 @@ def test_decode_completions_cuts_at_the_first_stop_id(tmp_path):
   assert texts == [tok.decode(ids)] * 2 + [tok.decode(ids + ids)]
   assert rollout.stop_ids(tok) == (2, 7)
   assert rollout.stop_ids(CharTokenizer()) == (2,)
+
+
+def test_a_template_the_sandbox_refuses_stops_at_start_up_in_one_line(tmp_path):
+  # Reaching for Python internals: the sandbox refuses it when rendered, so it is rendered once
+  # on a probe conversation when the key is resolved, not at the first prompt batch.
+  path = tmp_path / "evil.jinja"
+  path.write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+  config = ml_collections.ConfigDict({"data": {"chat_template": str(path)}})
+  with pytest.raises(ValueError, match=r"^config.data.chat_template: the template fails on a "
+                                       r"one-message probe conversation: SecurityError: .*; fix "
+                                       r"the template or set config.data.chat_template=''$"):
+    chat.check(config)

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from conftest import REPO, load_config
-from rloo_jax import algorithms, experiment, loop, optim, workdir as workdir_lib
+from rloo_jax import algorithms, experiment, loop, optim, rewards, workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer, CheckpointMismatchError
 
 quiet = lambda *a, **k: None
@@ -169,9 +169,12 @@ def test_exploding_learning_rate_stops_with_an_error_and_keeps_finite_checkpoint
 
 def test_all_unscorable_rewards_stop_the_run_naming_the_reward(tmp_path):
   rewards = tmp_path / "nan_reward.py"
+  # Scores the dry run's reference answers, then nothing the policy writes.
   rewards.write_text("import numpy as np\n"
+                     "calls = []\n"
                      "def never(prompts, completions, **fields):\n"
-                     "  return np.full(len(completions), np.nan)\n")
+                     "  calls.append(1)\n"
+                     "  return np.full(len(completions), 0.0 if len(calls) == 1 else np.nan)\n")
   c = smoke(**{"train.num_iterations": 6, "train.max_unscorable_iterations": 2})
   sys.path.insert(0, str(tmp_path))
   try:
@@ -244,16 +247,77 @@ def test_an_exception_mid_run_keeps_the_saves_and_leaves_no_temp_dir(tmp_path):
   sys.path.insert(0, str(tmp_path))
   wd = str(tmp_path / "wd")
   try:
-    with pytest.raises(RuntimeError, match="reward server went away"):
+    with pytest.raises(RuntimeError, match="reward function flaky raised RuntimeError: reward "
+                                           "server went away") as failure:
       algorithms.run(c, wd, log=quiet)
   finally:
     sys.path.remove(str(tmp_path))
+  assert failure.value.resume_from == f"checkpoint 2 in {wd}/checkpoints"
   names = _listing(wd)
   assert not [n for n in names if "orbax-checkpoint-tmp" in n], names
   ck = Checkpointer(os.path.join(wd, "checkpoints"))
   assert ck.all_steps() == [1, 2], "the iterations before the failure were saved"
   ck.close()
   assert not [n for n in os.listdir(wd) if n.startswith(workdir_lib.LOCK_FILE)]
+
+
+def test_a_hung_reward_stops_at_its_deadline_in_one_line_and_the_checkpoints_survive(
+    tmp_path, capsys, monkeypatch):
+  from rloo_jax import train  # pylint: disable=import-outside-toplevel
+  reward = tmp_path / "hung_reward.py"
+  # Never returns on the third rollout, after two saved iterations.
+  reward.write_text("import time\nimport numpy as np\ncalls = [0]\nstarted = []\n"
+                    "def hung(prompts, completions, **fields):\n"
+                    "  calls[0] += len(set(prompts)) == 4 and len(completions) == 16\n"
+                    "  if calls[0] == 3:\n"
+                    "    started.append(time.perf_counter())\n"
+                    "    time.sleep(600)\n"
+                    "  return np.zeros(len(completions))\n")
+  c = smoke(**{"train.num_iterations": 5, "train.eval_every": 0})
+  c.rewards.fns, c.rewards.timeout_s = ["hung_reward:hung"], 1.0
+  sys.path.insert(0, str(tmp_path))
+  wd = str(tmp_path / "wd")
+  try:
+    import hung_reward  # pylint: disable=import-outside-toplevel
+    with pytest.raises(rewards.RewardTimeoutError,
+                       match=r"reward function hung did not return within "
+                             r"config.rewards.timeout_s=1 s \(scoring a batch of 16") as failure:
+      algorithms.run(c, wd, log=quiet)
+    waited = time.perf_counter() - hung_reward.started[0]
+  finally:
+    sys.path.remove(str(tmp_path))
+  assert waited < 1.0 + 3.0, waited  # the deadline, plus the save in flight finishing
+  ck = Checkpointer(os.path.join(wd, "checkpoints"))
+  assert ck.all_steps() == [1, 2]
+  zero = rewards.RewardSet([lambda p, comps, **f: np.zeros(len(comps))], [1.0], ["zero"])
+  step, _, _ = ck.restore(algorithms.make(c, wd, rewards=zero).abstract_state())
+  assert step == 2
+  ck.close()
+  monkeypatch.delenv("RLOO_JAX_TRACEBACK", raising=False)
+  with pytest.raises(SystemExit) as exit_:
+    train._fail(failure.value)  # pylint: disable=protected-access
+  err = capsys.readouterr().err.strip().splitlines()
+  assert exit_.value.code == 1 and len(err) == 1
+  assert err[0].startswith("rloo_jax.train: error: reward function hung did not return")
+  assert err[0].endswith(f"rerun the same command to resume from checkpoint 2 in {wd}/checkpoints")
+
+
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path):
+  import errno  # pylint: disable=import-outside-toplevel
+  from rloo_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  ck = checkpoint.Checkpointer(str(tmp_path / "ck"))
+  ck.save(1, {"w": jnp.ones(3)}, {}, wait=True)
+
+  def full(*args, **kw):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  ck.manager.save = full
+  with pytest.raises(checkpoint.CheckpointSaveError) as failure:
+    ck.save(2, {"w": jnp.ones(3)}, {}, wait=True)
+  assert str(failure.value) == (f"writing checkpoint 2 to {tmp_path}/ck failed: No space left on "
+                                "device; free space there or rerun with another --workdir "
+                                "(earlier checkpoints kept: [1])")
+  assert ck.all_steps() == [1]
+  ck.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,6 +410,24 @@ def test_a_reward_of_the_wrong_length_fails_before_sft(tmp_path):
   finally:
     sys.path.remove(str(tmp_path))
   assert not os.path.exists(os.path.join(wd, "sft"))
+
+
+def test_the_dry_run_says_what_it_calls_and_refuses_a_reward_that_scores_nothing(tmp_path):
+  from rloo_jax import tasks  # pylint: disable=import-outside-toplevel
+  task = tasks.make(smoke(), str(tmp_path / "data"))
+  said = []
+  nan = rewards.RewardSet([lambda p, comps, **f: [float("nan")] * len(comps)], [1.0], ["nothing"],
+                          timeout_s=5.0)
+  with pytest.raises(ValueError, match=r"reward function nothing \(config.rewards.fns\) scored "
+                                       r"none of 2 training prompts' reference answers on a dry "
+                                       r"run \(all NaN: cannot score\)"):
+    experiment.dry_run_rewards(nan, task, log=said.append)
+  assert said == ["[rewards] dry run: calling nothing on 2 training prompts (deadline "
+                  "config.rewards.timeout_s=5 s)"]
+  text = rewards.RewardSet([lambda p, comps, **f: ["1.0"] * len(comps)], [1.0], ["text"])
+  with pytest.raises(rewards.RewardReturnError, match=r"reward function text returned '1.0' "
+                                                       r"\(str\) for completion 0.*dry run"):
+    experiment.dry_run_rewards(text, task, log=said.append)
 
 
 def test_unknown_config_key_names_the_closest_one_without_a_traceback(tmp_path):

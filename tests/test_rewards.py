@@ -175,3 +175,37 @@ def test_a_reward_function_by_file_path_is_loaded_once_and_keeps_its_state(tmp_p
     rewards.resolve(f"{tmp_path}/missing.py:length")
   with pytest.raises(ValueError, match=r"has no attribute 'nope'"):
     rewards.resolve(f"{path}:nope")
+
+
+def test_a_reward_that_never_returns_stops_at_its_deadline_naming_it():
+  import time  # pylint: disable=import-outside-toplevel
+  from rloo_jax.rewards import RewardTimeoutError  # pylint: disable=import-outside-toplevel
+
+  def hangs(prompts, completions, **fields):
+    time.sleep(60)
+  rs = RewardSet([hangs], [1.0], ["hangs"], timeout_s=0.5)
+  t0 = time.perf_counter()
+  with pytest.raises(RewardTimeoutError, match=r"reward function hangs did not return within "
+                                               r"config.rewards.timeout_s=0.5 s \(scoring a batch "
+                                               r"of 2 completions\)"):
+    rs(["p", "q"], ["a", "b"], {})
+  assert time.perf_counter() - t0 < 0.5 + 1.0
+  with pytest.raises(ValueError, match=r"config.rewards.timeout_s = -1.0 must be >= 0"):
+    RewardSet([hangs], [1.0], ["hangs"], timeout_s=-1.0)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("1.0", r"returned '1.0' \(str\) for completion 0; return a float"),
+    (object(), r"returned <object object .*> \(object\) for completion 0"),
+    (np.inf, r"returned inf for completion 0; return a finite score, or NaN"),
+    (-np.inf, r"returned -inf for completion 0"),
+])
+def test_a_reward_returning_strings_objects_or_infinities_is_an_error_naming_it(value, message):
+  from rloo_jax.rewards import RewardReturnError  # pylint: disable=import-outside-toplevel
+  rs = RewardSet([lambda prompts, completions, **f: [value, 1.0]], [1.0], ["odd"])
+  with pytest.raises(RewardReturnError, match=r"reward function odd " + message):
+    rs(["p", "q"], ["a", "b"], {})
+  # NaN and None stay 'cannot score'; numpy and Python numbers and bools are scores.
+  ok = RewardSet([lambda prompts, completions, **f: [None, np.float32(2), True, np.nan]], [1.0],
+                 ["ok"])
+  np.testing.assert_array_equal(ok(["p"] * 4, ["a"] * 4, {})[1]["ok"], [np.nan, 2.0, 1.0, np.nan])

@@ -66,6 +66,19 @@ def _compile(source: str):
     raise ValueError(f'{KEY}: the template does not parse: {e}') from None
 
 
+def probe(source: str, bos_token: str = '', eos_token: str = '') -> None:
+  """Renders `source` on a one-turn probe conversation; ValueError naming the key if it fails."""
+  import jinja2
+  template = _compile(source)  # a syntax error: its own message
+  try:
+    template.render(messages=[{'role': 'user', 'content': 'probe'}],
+                            add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token)
+  except (jinja2.exceptions.TemplateError, TypeError, ValueError) as e:
+    # SecurityError (the sandbox refused an attribute or call) is a TemplateError.
+    raise ValueError(f'{KEY}: the template fails on a one-message probe conversation: '
+                     f'{type(e).__name__}: {e}; fix the template or set {KEY}=\'\'') from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
   """A Jinja chat template with the tokenizer's special-token strings."""
@@ -75,7 +88,9 @@ class ChatTemplate:
   eos_token: str = ''
 
   def __post_init__(self):
-    _compile(self.source)  # a syntax error surfaces when the key is resolved, not mid-run
+    # A syntax error, or a template the sandbox refuses, surfaces when the key is resolved (at
+    # start-up, before any compile), not at the first prompt batch.
+    probe(self.source, self.bos_token, self.eos_token)
 
   def render_messages(self, messages: Sequence[Mapping[str, Any]],
                       add_generation_prompt: bool = True) -> str:
@@ -129,7 +144,7 @@ def check(config, checkpoint_dir: str = '') -> None:
   if not spec:
     return
   if spec != 'auto':
-    _compile(read(spec))
+    probe(read(spec))
     return
   if not checkpoint_dir:
     return

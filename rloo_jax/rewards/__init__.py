@@ -15,10 +15,14 @@
 from rloo_jax.rewards.registry import HF_REWARD_MODEL_PREFIX
 from rloo_jax.rewards.registry import REWARD_MODEL_PREFIX
 from rloo_jax.rewards.registry import resolve
+from rloo_jax.rewards.reward_set import RewardFunctionError
+from rloo_jax.rewards.reward_set import RewardReturnError
 from rloo_jax.rewards.reward_set import RewardSet
+from rloo_jax.rewards.reward_set import RewardTimeoutError
 from rloo_jax.rewards.reward_set import reward_name
 from rloo_jax.rewards.verifiers import arithmetic_exact_match
 from rloo_jax.rewards.verifiers import load_reward_fn
 
-__all__ = ["HF_REWARD_MODEL_PREFIX", "REWARD_MODEL_PREFIX", "resolve", "RewardSet", "reward_name",
+__all__ = ["HF_REWARD_MODEL_PREFIX", "REWARD_MODEL_PREFIX", "resolve", "RewardFunctionError", "RewardReturnError", "RewardSet",
+           "RewardTimeoutError", "reward_name",
            "arithmetic_exact_match", "load_reward_fn"]

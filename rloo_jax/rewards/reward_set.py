@@ -4,11 +4,16 @@ Each function follows the reward protocol `fn(prompts, completions, **fields) ->
 (or None) meaning unscorable. A function with weight 0 is monitored only: its scores are reported
 per function (`reward/<name>` in the metrics, `greedy_reward/<name>` in evaluations) but take no
 part in the total, so an unscorable sample there masks nothing.
+
+Each call runs under `timeout_s` (config.rewards.timeout_s; 0 = none), and what comes back must be
+numbers: a string, an object or +-inf is an error naming the function, never a silent score.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -29,11 +34,74 @@ def reward_name(spec) -> str:
   return spec.rsplit(":", 1)[-1]
 
 
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class RewardTimeoutError(TimeoutError):
+  """A reward function did not return within config.rewards.timeout_s."""
+
+
+class RewardFunctionError(RuntimeError):
+  """A reward function raised: the user's code, named, with its error on one line."""
+
+
+class RewardReturnError(TypeError):
+  """A reward function returned something that is not one finite score (or NaN) a completion."""
+
+
+def call_with_deadline(fn, args, kw, timeout_s: float, name: str, what: str):
+  """fn(*args, **kw), raising RewardTimeoutError after `timeout_s` seconds (0: no deadline).
+  The call runs on a daemon thread: a Python thread cannot be killed, so a hung function is left
+  behind and the run stops (the loop saves nothing after it)."""
+  if not timeout_s:
+    return fn(*args, **kw)
+  out = {}
+
+  def target():
+    try:
+      out["value"] = fn(*args, **kw)
+    except BaseException as e:  # pylint: disable=broad-except
+      out["error"] = e
+  thread = threading.Thread(target=target, name=f"reward:{name}", daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    raise RewardTimeoutError(
+        f"reward function {name} did not return within config.rewards.timeout_s={timeout_s:g} s "
+        f"({what}); make it faster, raise --config.rewards.timeout_s, or set it to 0 for no "
+        "deadline")
+  if "error" in out:
+    raise out["error"]
+  return out["value"]
+
+
+def as_scores(raw, name: str, n: int) -> np.ndarray:
+  """`raw` (a reward function's return) as float64 [n]: None and NaN are NaN (cannot score);
+  anything else not a real number, a wrong length or +-inf is an error naming the function."""
+  items = list(raw) if np.ndim(raw) == 1 and not isinstance(raw, (str, bytes)) else None
+  if items is None or len(items) != n:
+    shape = np.shape(raw) if not isinstance(raw, (str, bytes)) else "a string"
+    raise ValueError(f"reward function {name} returned shape {shape}; expected ({n},): one "
+                     "score per completion")
+  for i, x in enumerate(items):
+    if x is not None and not isinstance(x, (numbers.Real, np.bool_)):
+      raise RewardReturnError(f"reward function {name} returned {x!r} ({type(x).__name__}) for "
+                              f"completion {i}; return a float per completion (NaN or None: "
+                              "cannot score)")
+  r = np.array([np.nan if x is None else x for x in items], np.float64)
+  if np.isinf(r).any():
+    i = int(np.flatnonzero(np.isinf(r))[0])
+    raise RewardReturnError(f"reward function {name} returned {r[i]} for completion {i}; "
+                            "return a finite score, or NaN for one it cannot score")
+  return r
+
+
 @dataclasses.dataclass
 class RewardSet:
   fns: Sequence[Callable[..., Any]]
   weights: Sequence[float]
   names: Sequence[str]
+  timeout_s: float = DEFAULT_TIMEOUT_S  # config.rewards.timeout_s; 0 = no deadline
 
   def __post_init__(self):
     if not self.fns:
@@ -43,6 +111,9 @@ class RewardSet:
       raise ValueError(f"config.rewards.fns has {len(self.fns)} entries but "
                        f"config.rewards.weights has {len(self.weights)}; give one weight per "
                        "reward function")
+    if not self.timeout_s >= 0:
+      raise ValueError(f"config.rewards.timeout_s = {self.timeout_s} must be >= 0 (0: no "
+                       "deadline); set --config.rewards.timeout_s=600")
     if len(set(self.names)) != len(self.names):
       raise ValueError(f"reward functions {list(self.names)} share a name; the per-function "
                        "metrics need distinct names")
@@ -55,7 +126,7 @@ class RewardSet:
       raise ValueError(f"config.rewards.fns has {len(c.fns)} entries but config.rewards.weights "
                        f"has {len(c.weights)}; give one weight per reward function")
     return cls([registry.resolve(f, layout) for f in c.fns], [float(w) for w in c.weights],
-               [reward_name(f) for f in c.fns])
+               [reward_name(f) for f in c.fns], float(c.get("timeout_s", DEFAULT_TIMEOUT_S)))
 
   @property
   def first(self) -> str:
@@ -68,15 +139,17 @@ class RewardSet:
     function of nonzero weight makes the sum NaN (unscorable)."""
     total = np.zeros(len(completions), np.float64)
     parts = {}
+    n = len(completions)
     for fn, w, name in zip(self.fns, self.weights, self.names):
-      raw = fn(list(prompts), list(completions), **fields)
-      # None reads as NaN; a scalar (or None) return keeps its shape () for the error below.
-      r = np.array([np.nan if x is None else x for x in raw], np.float64) \
-          if np.ndim(raw) == 1 else np.asarray(np.nan if raw is None else raw, np.float64)
-      if r.shape != (len(completions),):
-        raise ValueError(f"reward function {name} returned shape {r.shape}; expected "
-                         f"({len(completions)},): one score per completion")
-      parts[name] = r
+      try:
+        raw = call_with_deadline(fn, (list(prompts), list(completions)), dict(fields),
+                                 self.timeout_s, name, f"scoring a batch of {n} completions")
+      except RewardTimeoutError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        raise RewardFunctionError(f"reward function {name} raised {type(e).__name__}: {e} "
+                                  f"(scoring a batch of {n} completions)") from e
+      r = parts[name] = as_scores(raw, name, n)
       if w:
         total = total + w * r
     return total, parts
