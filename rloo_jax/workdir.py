@@ -15,6 +15,7 @@ import difflib
 import json
 import os
 import socket
+import time
 from importlib import metadata
 from typing import Any, Callable, Mapping
 
@@ -129,6 +130,10 @@ def _alive(pid: int) -> bool:
   return True
 
 
+# An unreadable lock younger than this may be mid-write by a process of an older version.
+STALE_UNREADABLE_S = 30.0
+
+
 class Lock:
   """An exclusive claim on a workdir for one live process (one per process index of a
   multi-process run). A lock left by a dead process is taken over with a message."""
@@ -141,32 +146,56 @@ class Lock:
   def acquire(self) -> "Lock":
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
     me = {"pid": os.getpid(), "host": socket.gethostname()}
-    for _ in range(2):
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-      except FileExistsError:
+    # Written whole to a private file, then linked to the lock's name (atomic, and fails if the
+    # name exists): no reader ever sees a lock without its pid.
+    tmp = f"{self.path}.{me['pid']}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(me, f)
+    try:
+      for _ in range(2):
         try:
-          with open(self.path, encoding="utf-8") as f:
-            other = json.load(f)
-        except (OSError, ValueError):
-          other = {}
-        pid = int(other.get("pid", -1))
-        if pid == me["pid"]:
-          return self  # held by this process already (an outer call releases it)
-        same_host = other.get("host") == me["host"]
-        if pid > 0 and (not same_host or _alive(pid)):
-          raise WorkdirLockedError(
-              f"{os.path.dirname(self.path)} is in use by another run (pid {pid} on "
-              f"{other.get('host')}, lock {self.path}); wait for it to finish or use another "
-              f"--workdir. If that run is gone, delete the lock file.") from None
-        self.log(f"[workdir] taking over the stale lock of pid {pid} ({self.path})")
-        os.remove(self.path)
-        continue
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(me, f)
-      self.held = True
-      return self
+          os.link(tmp, self.path)
+        except FileExistsError:
+          if self._check_other(me):
+            return self  # held by this process already (an outer call releases it)
+          continue
+        self.held = True
+        return self
+    finally:
+      os.remove(tmp)
     raise WorkdirLockedError(f"could not take the lock {self.path}")
+
+  def _check_other(self, me: dict) -> bool:
+    """True if this process holds the lock; False after removing a stale one; raises if another
+    live run holds it."""
+    try:
+      with open(self.path, encoding="utf-8") as f:
+        other = json.load(f)
+      age = None
+    except (OSError, ValueError):
+      other = {}
+      try:
+        age = time.time() - os.path.getmtime(self.path)
+      except OSError:
+        return False  # released meanwhile
+    pid = int(other.get("pid", -1))
+    if pid == me["pid"]:
+      return True
+    if pid < 0 and age is not None and age < STALE_UNREADABLE_S:
+      # A lock an older version of this code (or a crashed write) left unreadable: fresh, so
+      # another process may be writing it. Never taken over until it is old.
+      raise WorkdirLockedError(
+          f"{os.path.dirname(self.path)} has an unreadable lock {self.path} written "
+          f"{age:.0f} s ago; another run may be starting: wait, or use another --workdir")
+    if pid > 0 and (other.get("host") != me["host"] or _alive(pid)):
+      raise WorkdirLockedError(
+          f"{os.path.dirname(self.path)} is in use by another run (pid {pid} on "
+          f"{other.get('host')}, lock {self.path}); wait for it to finish or use another "
+          f"--workdir. If that run is gone, delete the lock file.")
+    self.log(f"[workdir] taking over the stale lock of "
+             f"{f'pid {pid}' if pid > 0 else 'an unreadable lock'} ({self.path})")
+    os.remove(self.path)
+    return False
 
   def release(self) -> None:
     if self.held:

@@ -372,6 +372,23 @@ def test_a_second_live_run_is_refused_and_a_stale_lock_taken_over(tmp_path):
   assert not os.path.exists(path)
 
 
+def test_an_empty_lock_is_never_taken_over_while_fresh(tmp_path):
+  # What a reader saw between an older writer's create and its write: a lock with no pid.
+  path = os.path.join(str(tmp_path), f"{workdir_lib.LOCK_FILE}.0")
+  open(path, "w").close()
+  with pytest.raises(workdir_lib.WorkdirLockedError, match=r"has an unreadable lock .* written "
+                                                           r"0 s ago; another run may be starting"):
+    workdir_lib.Lock(str(tmp_path)).acquire()
+  old = time.time() - 2 * workdir_lib.STALE_UNREADABLE_S
+  os.utime(path, (old, old))
+  logs = []
+  lock = workdir_lib.Lock(str(tmp_path), log=logs.append).acquire()
+  assert logs == [f"[workdir] taking over the stale lock of an unreadable lock ({path})"]
+  assert json.load(open(path))["pid"] == os.getpid()  # written whole before it was visible
+  lock.release()
+  assert os.listdir(str(tmp_path)) == []  # no temporary left behind
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad inputs fail before any compile, naming the setting
 
