@@ -40,20 +40,23 @@ class EstimatorSpec:
   stateful: bool = False  # True: fn(..., state=s) returns (advantages, new_state)
   init_state: Optional[Callable[[], Any]] = None
   doc: str = ""
+  # Compares the k samples of a prompt: identical samples (greedy decoding) give zero advantage,
+  # or for RAFT a best-of-k among copies, so validation refuses temperature 0 with k >= 2.
+  compares_samples: bool = False
 
 
 _REGISTRY: dict[str, EstimatorSpec] = {}
 
 
 def register(name: str, *, min_k: int = 1, stateful: bool = False,
-             init_state: Optional[Callable[[], Any]] = None):
+             init_state: Optional[Callable[[], Any]] = None, compares_samples: bool = False):
   """Decorator registering an estimator under `name`."""
 
   def wrap(fn):
     if name in _REGISTRY:
       raise ValueError(f"advantage estimator {name!r} is already registered")
     _REGISTRY[name] = EstimatorSpec(name, fn, min_k, stateful, init_state,
-                                    (fn.__doc__ or "").strip().split("\n")[0])
+                                    (fn.__doc__ or "").strip().split("\n")[0], compares_samples)
     return fn
 
   return wrap
@@ -142,7 +145,7 @@ def prepare_rewards(rewards_bk, mask_bk=None, nan_policy: str = "raise"):
 # Estimators.
 
 
-@register("rloo", min_k=2)
+@register("rloo", min_k=2, compares_samples=True)
 def rloo(rewards_bk, mask_bk=None, *, check_finite: bool = True) -> Array:
   """REINFORCE Leave-One-Out: A_i = R_i - mean of the other usable rewards of the same prompt."""
   _check_shapes("rloo", rewards_bk, mask_bk, 2)
@@ -155,7 +158,7 @@ def rloo(rewards_bk, mask_bk=None, *, check_finite: bool = True) -> Array:
   return jnp.where(ok, r - baseline, 0.0)
 
 
-@register("grpo", min_k=2)
+@register("grpo", min_k=2, compares_samples=True)
 def grpo(rewards_bk, mask_bk=None, *, eps: float = 1e-4, scale: bool = True, ddof: int = 0,
          check_finite: bool = True) -> Array:
   """GRPO: (R - group mean) / (group std + eps); `scale=False` is Dr. GRPO's unscaled variant."""
@@ -214,7 +217,7 @@ def reinforce_ema(rewards_bk, mask_bk=None, *, state: EmaState, decay: float = 0
   return advantages, new_state
 
 
-@register("raft", min_k=1)
+@register("raft", min_k=1, compares_samples=True)
 def raft(rewards_bk, mask_bk=None, *, check_finite: bool = True) -> Array:
   """RAFT best-of-k: weight 1 on the highest-reward usable sample of each prompt, 0 elsewhere.
 

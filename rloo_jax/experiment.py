@@ -193,7 +193,11 @@ def validate_config(config) -> None:
                      f"config.rloo.max_new_tokens ({r.max_new_tokens}) = {need} exceeds the "
                      f"model context config.model.max_seq_len = {config.model.max_seq_len}; "
                      f"shorten one or raise the context")
-  sampling.from_config(r)  # raises on bad temperature / top_k / top_p
+  sampling.from_config(r)  # raises on bad temperature / top_k / top_p, naming the key
+  if r.temperature == 0 and r.k >= 2 and est.compares_samples:
+    raise ValueError(f"config.rloo.temperature = 0 samples the same completion k = {r.k} times, "
+                     f"so estimator {est.name!r}, which compares a prompt's samples, has nothing "
+                     "to compare (zero advantage: no learning); set --config.rloo.temperature=1.0")
   init = config.model.init_from
   # A hub id is fetched (or found in the hub cache) here, before anything is built; a local
   # directory passes through. Raises FileNotFoundError naming config.model.init_from.

@@ -239,14 +239,28 @@ def draw(method, uniforms_bk2, logits_bkv):
   return tokens_bk, sampled_bk, policy_bk
 
 
-def from_config(r) -> Method:
-  """The rollout's method from config.rloo (temperature, top_k, top_p); temperature 0 = greedy."""
-  if r.top_k and r.top_p < 1.0:
-    raise ValueError("set at most one of config.rloo.top_k and config.rloo.top_p")
-  if r.top_k:
-    return TopK(int(r.top_k), float(r.temperature))
-  if r.top_p < 1.0:
-    return TopP(float(r.top_p), float(r.temperature))
-  if r.temperature == 0:
+def from_config(r, key: str = 'config.rloo') -> Method:
+  """The rollout's method from config.rloo (temperature, top_k, top_p); temperature 0 = greedy.
+  Each setting is checked here, naming `key`.<setting>, so a value that would sample something
+  else than it says (top_p=1.5, top_k with greedy) never reaches the sampler."""
+  t, k, p = r.temperature, r.top_k, r.top_p
+  if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+    raise ValueError(f'{key}.temperature = {t!r} must be a finite number >= 0 (0: greedy); set '
+                     f'--{key}.temperature=1.0')
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f'{key}.top_k = {k!r} must be an integer >= 0 (0: off); set '
+                     f'--{key}.top_k=0')
+  if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+    raise ValueError(f'{key}.top_p = {p!r} must be in (0, 1] (1: off); set --{key}.top_p=1.0')
+  if k and p < 1.0:
+    raise ValueError(f'set at most one of {key}.top_k and {key}.top_p')
+  if t == 0 and (k or p < 1.0):
+    raise ValueError(f'{key}.temperature = 0 is greedy decoding, which {key}.top_k / top_p do '
+                     'not change; set a temperature > 0 or leave top_k=0 and top_p=1.0')
+  if k:
+    return TopK(int(k), float(t))
+  if p < 1.0:
+    return TopP(float(p), float(t))
+  if t == 0:
     return Greedy()
-  return Temperature(float(r.temperature))
+  return Temperature(float(t))

@@ -399,6 +399,17 @@ def test_an_empty_lock_is_never_taken_over_while_fresh(tmp_path):
     ({"train.log_every": 0}, r"config.train.log_every = 0 must be >= 1"),
     ({"train.num_minibatches": 0}, r"config.train.num_minibatches = 0 must be >= 1"),
     ({"train.keep_checkpoints": 0}, r"config.train.keep_checkpoints = 0 must be >= 1"),
+    ({"rloo.temperature": 0}, r"^config.rloo.temperature = 0 samples the same completion k = 4 "
+                              r"times, so estimator 'rloo', which compares a prompt's samples, has "
+                              r"nothing to compare .*; set --config.rloo.temperature=1.0$"),
+    ({"rloo.temperature": -0.5}, r"^config.rloo.temperature = -0.5 must be a finite number >= 0"),
+    ({"rloo.top_p": 1.5}, r"^config.rloo.top_p = 1.5 must be in \(0, 1\] \(1: off\); set "
+                          r"--config.rloo.top_p=1.0$"),
+    ({"rloo.top_k": -1}, r"^config.rloo.top_k = -1 must be an integer >= 0"),
+    ({"rloo.temperature": 0.0, "rloo.k": 1, "advantage.estimator": "vanilla", "rloo.top_k": 5},
+     r"^config.rloo.temperature = 0 is greedy decoding, which config.rloo.top_k / top_p do not "
+     r"change"),
+    ({"model.dtype": "fp8"}, r"^config.model.dtype = 'fp8'; supported: \('float32', "),
 ])
 def test_bad_settings_fail_before_anything_runs(tmp_path, override, message):
   wd = str(tmp_path / "wd")
@@ -406,6 +417,15 @@ def test_bad_settings_fail_before_anything_runs(tmp_path, override, message):
   with pytest.raises(ValueError, match=message):
     algorithms.run(smoke(**override), wd, log=quiet)
   assert not os.path.exists(os.path.join(wd, "sft")) and time.time() - t0 < 30
+
+
+def test_a_lora_rank_above_the_layer_sizes_is_refused(tmp_path):
+  c = smoke()
+  c.model.lora.rank = 1000
+  with pytest.raises(ValueError, match=r"^config.model.lora.rank = 1000 exceeds the smaller side "
+                                       r"of the 'k' projection, 16 \(hidden size 32\); set "
+                                       r"--config.model.lora.rank <= 16$"):
+    algorithms.run(c, str(tmp_path / "wd"), log=quiet)
 
 
 def test_init_from_without_config_json_names_the_setting(tmp_path):

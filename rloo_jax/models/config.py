@@ -130,7 +130,8 @@ class TransformerConfig:
     attention_ops.check_implementation(self.attention)
     for name in ('dtype', 'param_dtype'):
       if getattr(self, name) not in _DTYPES:
-        raise ValueError(f'{name}={getattr(self, name)!r}; supported: {tuple(_DTYPES)}')
+        raise ValueError(f'config.model.{name} = {getattr(self, name)!r}; supported: '
+                         f'{tuple(_DTYPES)}')
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(f'rope_type={self.rope_type!r}; supported: {ROPE_TYPES}')
     if self.rope_type == 'llama3' and not self.rope_high_freq_factor > self.rope_low_freq_factor:

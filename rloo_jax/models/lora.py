@@ -50,6 +50,14 @@ def check(config) -> None:
     if t == 'gate' and not config.gated_mlp:
       raise ValueError(f"config.model.lora.targets: 'gate', but family {config.family!r} has "
                        'no gated MLP')
+  # A rank above a projection's smaller side adds parameters and no expressiveness (A B then has
+  # full rank already).
+  dims = _dims(config)
+  limit, at = min((min(dims[t]), t) for t in config.lora_targets)
+  if config.lora_rank > limit:
+    raise ValueError(f'config.model.lora.rank = {config.lora_rank} exceeds the smaller side of '
+                     f'the {at!r} projection, {limit} (hidden size {config.hidden_size}); set '
+                     f'--config.model.lora.rank <= {limit}')
 
 
 def parse_targets(value) -> tuple:
@@ -154,10 +162,15 @@ def fold(w, a, b, s):
   return (jnp.asarray(w, jnp.float32) + delta).astype(w.dtype)
 
 
-def num_params(config) -> int:
-  """Adapter parameters of `config` (0 when LoRA is off)."""
+def _dims(config) -> dict:
+  """(in, out) of each target projection."""
   e, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
   q, kv = config.num_heads * hd, config.num_kv_heads * hd
-  dims = {'q': (e, q), 'k': (e, kv), 'v': (e, kv), 'o': (q, e), 'gate': (e, f), 'up': (e, f),
+  return {'q': (e, q), 'k': (e, kv), 'v': (e, kv), 'o': (q, e), 'gate': (e, f), 'up': (e, f),
           'down': (f, e)}
+
+
+def num_params(config) -> int:
+  """Adapter parameters of `config` (0 when LoRA is off)."""
+  dims = _dims(config)
   return config.num_layers * config.lora_rank * sum(sum(dims[t]) for t in targets_of(config))
