@@ -428,6 +428,14 @@ def test_a_lora_rank_above_the_layer_sizes_is_refused(tmp_path):
     algorithms.run(c, str(tmp_path / "wd"), log=quiet)
 
 
+def test_a_prompt_limit_no_record_fits_names_the_setting(tmp_path):
+  with pytest.raises(ValueError, match=r"no record of .* fits config.data.max_prompt_len \+ "
+                                       r"config.rloo.max_new_tokens = \d+ tokens \(the shortest of "
+                                       r"its 256 records needs \d+\); raise "
+                                       r"config.data.max_prompt_len$"):
+    algorithms.run(smoke(**{"data.max_prompt_len": 1}), str(tmp_path / "wd"), log=quiet)
+
+
 def test_init_from_without_config_json_names_the_setting(tmp_path):
   (tmp_path / "ckpt").mkdir()
   with pytest.raises(FileNotFoundError, match=r"config.model.init_from=.* has no config.json"):

@@ -161,8 +161,9 @@ class BatchIterator:
       logging.info("dropped %d of %d records longer than %s=%d", self.num_dropped,
                    self.num_records, limit_name, limit)
     if not len(self._kept):
-      raise ValueError(f"no record of {_name(source)} fits "
-                       f"{limit_name}={limit} ({self.num_records} records)")
+      raise ValueError(f"no record of {_name(source)} fits {limit_name} = {limit} tokens (the "
+                       f"shortest of its {self.num_records} records needs {int(lengths.min())}); "
+                       f"raise {limit_name.split(' + ')[0]}")
     self.global_batch_size = global_batch_size
     self.local_batch_size = global_batch_size // process_count
     self.process_index = process_index
@@ -275,7 +276,7 @@ def prompt_batches(source, tokenizer, *, global_batch_size: int, max_prompt_len:
     return dict(prompt_tokens=tokens, prompt_lengths=lengths, **record_fields(records))
 
   return BatchIterator(source, make, _lengths(source, length), limit=max_prompt_len,
-                       limit_name="max_prompt_len", global_batch_size=global_batch_size, seed=seed,
+                       limit_name="config.data.max_prompt_len", global_batch_size=global_batch_size, seed=seed,
                        shuffle=shuffle, num_epochs=num_epochs, drop_remainder=drop_remainder,
                        overlong=overlong, process_index=process_index, process_count=process_count)
 
@@ -305,6 +306,7 @@ def sft_batches(source, tokenizer, *, global_batch_size: int, max_seq_len: int, 
     return batch
 
   return BatchIterator(source, make, _lengths(source, length), limit=max_seq_len,
-                       limit_name="max_seq_len", global_batch_size=global_batch_size, seed=seed,
+                       limit_name="config.data.max_prompt_len + config.rloo.max_new_tokens",
+                       global_batch_size=global_batch_size, seed=seed,
                        shuffle=shuffle, num_epochs=num_epochs, drop_remainder=drop_remainder,
                        overlong=overlong, process_index=process_index, process_count=process_count)
