@@ -22,6 +22,7 @@ import optax
 
 from rloo_jax import adapters, advantage, loss, rollout, sampler_args, sampling, tasks
 from rloo_jax import sharding as sharding_lib
+from rloo_jax import config_utils
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import chat, pipeline
 from rloo_jax.models import config as model_config_lib
@@ -292,12 +293,15 @@ _ARCHITECTURE_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_k
 
 def _warn_overridden(model_cfg, mcfg) -> None:
   """Says which config.model settings config.model.init_from's checkpoint (or
-  config.model.preset) overrides."""
+  config.model.preset) overrides: those set away from their base_config default (a default the
+  user never touched is no news)."""
+  defaults = config_utils.base_config().model
   preset = model_cfg.get("preset", "")
   source, has = ((f"config.model.preset={preset}", "the preset has") if preset else
                  (f"config.model.init_from={model_cfg.init_from}", "the checkpoint has"))
   ignored = [f"config.model.{k}={model_cfg[k]!r} ({has} {getattr(mcfg, k)!r})"
-             for k in _ARCHITECTURE_KEYS if k in model_cfg and model_cfg[k] != getattr(mcfg, k)]
+             for k in _ARCHITECTURE_KEYS if k in model_cfg and model_cfg[k] != getattr(mcfg, k)
+             and model_cfg[k] != defaults.get(k)]
   if ignored:
     logging.warning("%s sets the architecture; ignored: %s", source, "; ".join(ignored))
 

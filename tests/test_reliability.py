@@ -436,6 +436,20 @@ def test_a_prompt_limit_no_record_fits_names_the_setting(tmp_path):
     algorithms.run(smoke(**{"data.max_prompt_len": 1}), str(tmp_path / "wd"), log=quiet)
 
 
+def test_a_preset_warns_only_about_architecture_settings_the_user_changed(caplog):
+  from rloo_jax import config_utils  # pylint: disable=import-outside-toplevel
+  c = config_utils.base_config()
+  c.model.preset = "qwen2.5-0.5b"
+  with caplog.at_level("WARNING"):
+    experiment.model_config(c, lambda: 0)
+  assert not [r for r in caplog.records if "ignored" in r.getMessage()]
+  c.model.hidden_size = 64
+  with caplog.at_level("WARNING"):
+    experiment.model_config(c, lambda: 0)
+  [warning] = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+  assert warning.endswith("ignored: config.model.hidden_size=64 (the preset has 896)")
+
+
 def test_init_from_without_config_json_names_the_setting(tmp_path):
   (tmp_path / "ckpt").mkdir()
   with pytest.raises(FileNotFoundError, match=r"config.model.init_from=.* has no config.json"):
