@@ -5,7 +5,10 @@ Importing this module registers the list parser with ml_collections' config flag
 before defining a config flag.
 """
 
+import os
+
 from absl import flags
+import jax
 from ml_collections import config_flags
 
 from rloo_jax import config_utils
@@ -56,3 +59,29 @@ def check_overrides(argv) -> None:
     near = workdir_lib.closest_key(name, flat)
     hint = f"; did you mean --config.{near}?" if near else ""
     raise ValueError(f"unknown config key --config.{name} (not in {spec}){hint}")
+
+
+def compilation_cache_dir(config) -> str:
+  """Where compiled programs persist between starts: env JAX_COMPILATION_CACHE_DIR if set, else
+  config.train.compilation_cache_dir ('auto': $XDG_CACHE_HOME/rloo_jax/xla, by default
+  ~/.cache/rloo_jax/xla; '': none)."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  value = str(config.train.get("compilation_cache_dir", "auto") or "")
+  if value != "auto":
+    return os.path.expanduser(value)
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "rloo_jax", "xla")
+
+
+def setup_compilation_cache(config) -> str:
+  """Turns on JAX's persistent compilation cache before the first compile, so a second start of
+  the same job loads its programs instead of compiling them. Returns the directory ('' = off)."""
+  path = compilation_cache_dir(config)
+  if path:
+    jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+      # jax's default (1 s) leaves out the many small programs a run compiles, which together
+      # take most of a small job's start.
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  return path

@@ -176,6 +176,9 @@ def base_config() -> ml_collections.ConfigDict:
       # On accelerators, compile the programs at start-up and refuse a job that does not fit,
       # before the first rollout rather than an out-of-memory error hours in.
       check_memory=True,
+      # Compiled programs persist here between starts: 'auto' = $XDG_CACHE_HOME/rloo_jax/xla
+      # (~/.cache/rloo_jax/xla), a path, or '' (off); env JAX_COMPILATION_CACHE_DIR wins.
+      compilation_cache_dir="auto",
       log_every=1, eval_every=25, eval_prompts=256, eval_batch_size=128,
       checkpoint_every=25, keep_checkpoints=3, progress_bar=True,
       # Guards (docs/RELIABILITY.md): this many update steps in a row with a non-finite loss or

@@ -54,6 +54,7 @@ def main(argv):
   # Before any other jax call: the device set is fixed once the backend starts.
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                   _CPU_DEVICES.value)
+  cli.setup_compilation_cache(_CONFIG.value)
   try:
     result = algorithms.run(_CONFIG.value, _WORKDIR.value)
   except USER_ERRORS as e:

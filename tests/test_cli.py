@@ -94,3 +94,21 @@ def test_local_datasets_say_generating_not_downloading(tmp_path, capsys):
   assert first.startswith("[data] generating arithmetic") and "Downloading" not in first
   arithmetic.prepare(str(tmp_path), num_train=8, num_test=4)  # prepared: silent
   assert capsys.readouterr().out == ""
+
+
+def test_the_compilation_cache_is_on_by_default_under_the_user_cache(monkeypatch, tmp_path):
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from rloo_jax import cli  # pylint: disable=import-outside-toplevel
+  config = ml_collections.ConfigDict({"train": {"compilation_cache_dir": "auto"}})
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert cli.compilation_cache_dir(config) == f"{tmp_path}/rloo_jax/xla"
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert cli.compilation_cache_dir(config) == f"{tmp_path}/home/.cache/rloo_jax/xla"
+  config.train.compilation_cache_dir = "~/elsewhere"
+  assert cli.compilation_cache_dir(config) == f"{tmp_path}/home/elsewhere"
+  config.train.compilation_cache_dir = ""
+  assert cli.compilation_cache_dir(config) == ""
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/from/env")
+  assert cli.compilation_cache_dir(config) == "/from/env"
