@@ -2,7 +2,11 @@ r"""Exported checkpoints against transformers: every committed HF fixture with i
 perturbed (a "trained" policy), exported with `rloo_jax.models.hf_export.save_pretrained` in
 float32 and bfloat16, loaded by transformers' AutoModelForCausalLM, and its logits compared with
 rloo_jax's on the fixture's right- and left-padded batches (bfloat16: against rloo_jax on the
-same bfloat16-rounded weights). Also reports transformers' missing / unexpected keys.
+same bfloat16-rounded weights). Also reports transformers' missing / unexpected keys, and loads
+each export's tokenizer with AutoTokenizer beside the source's: the class and the ids of a fixed
+prompt must be the source's. `--write_reference` stores those (class, ids) per family in
+tests/fixtures/export_tokenizers.json, which the suite checks without torch
+(tests/test_export.py).
 
 Two interpreters: this one (jax) exports and writes rloo_jax's logits; the TRL virtual
 environment's (torch + transformers, no jax) loads and compares. Prints one JSON line per export.
@@ -21,6 +25,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "hf")
 DTYPES = ("float32", "bfloat16")
+REFERENCE = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "export_tokenizers.json")
+PROMPT = "Summarize: the cat sat on the mat, then 12 + 30 = 42.\nTL;DR:"
 
 
 def export_side(out_root):
@@ -52,6 +58,33 @@ def export_side(out_root):
           ours[f"{side}_{k}"] = ref[f"{side}_{k}"]
       np.savez(os.path.join(out, "rloo_jax_logits.npz"), **ours)
   return families
+
+
+def tokenizer_side(out_root, write_reference: bool):
+  """The export's tokenizer against the source's, in transformers: class and ids."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  reference = {}
+  for name in sorted(os.listdir(out_root)):
+    fam, dtype = name.rsplit("_", 1)
+    if dtype != "float32":
+      continue
+    source = transformers.AutoTokenizer.from_pretrained(os.path.join(FIXTURES, fam))
+    export = transformers.AutoTokenizer.from_pretrained(os.path.join(out_root, name))
+    # Without special tokens: the ids rloo_jax's own tokenizer gives (the pipeline adds bos).
+    ids = source(PROMPT, add_special_tokens=False)["input_ids"]
+    same = (type(export) is type(source) and export(PROMPT)["input_ids"] == source(PROMPT)[
+        "input_ids"] and export(PROMPT, add_special_tokens=False)["input_ids"] == ids)
+    print(json.dumps({"family": fam, "tokenizer": type(source).__name__,
+                      "export_tokenizer": type(export).__name__, "same_class_and_ids": same}),
+          flush=True)
+    if not same:
+      raise SystemExit(f"{fam}: the export's tokenizer differs from the source's")
+    reference[fam] = {"tokenizer_class": type(source).__name__, "ids": list(ids)}
+  if write_reference:
+    with open(REFERENCE, "w") as f:
+      json.dump({"prompt": PROMPT, "transformers": transformers.__version__,
+                 "families": reference}, f, indent=1)
+      f.write("\n")
 
 
 def torch_side(out_root):
@@ -88,12 +121,15 @@ def main():
                                                       "python"))
   p.add_argument("--out", default="/tmp/rloo_jax_export_parity")
   p.add_argument("--side", default="both", choices=("both", "torch"))
+  p.add_argument("--write_reference", action="store_true",
+                 help=f"store each family's tokenizer class and prompt ids in {REFERENCE}")
   args = p.parse_args()
   if args.side == "torch":
-    return torch_side(args.out)
+    torch_side(args.out)
+    return tokenizer_side(args.out, args.write_reference)
   export_side(args.out)
   subprocess.run([args.trl_python, os.path.abspath(__file__), "--side", "torch", "--out",
-                  args.out], check=True)
+                  args.out] + (["--write_reference"] if args.write_reference else []), check=True)
   return None
 
 

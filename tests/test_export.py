@@ -86,6 +86,24 @@ def test_round_trip_is_exact(exported):
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+def test_the_export_tokenizer_is_the_sources_and_encodes_as_transformers_did(exported):
+  # tests/fixtures/export_tokenizers.json: transformers' class and ids of each fixture's source
+  # tokenizer, which the torch-enabled parity run found equal on the export
+  # (python experiments/export_parity.py --write_reference).
+  family, src, _, _, out, _ = exported
+  ref = _read(os.path.join(os.path.dirname(FIXTURES)), 'export_tokenizers.json')
+  # tokenizer_config.json carried whole (tokenizer_class, chat_template, special tokens), and the
+  # config's model_type, by which AutoTokenizer picks the class when the source names none.
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    assert _read(out, name) == _read(src, name), name
+  assert _read(out, 'config.json')['model_type'] == _read(src, 'config.json')['model_type']
+  want = ref['families'][family]
+  if want['tokenizer_class'] == 'TokenizersBackend':
+    # transformers runs tokenizer.json as written: rloo_jax's encoding must be the same. (The
+    # family classes rebuild their own pipeline, which these synthetic fixtures do not follow.)
+    assert hf.load_tokenizer(out).encode(ref['prompt']) == want['ids']
+
+
 def test_names_shapes_and_configs_match_the_original(exported):
   family, src, _, _, out, paths = exported
   # Same names and shapes: transformers reports no missing or unexpected keys.
