@@ -83,6 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       min_digits=1, max_digits=2, num_train=4500, num_test=256, data_seed=0,
       jsonl_train="", jsonl_test="",  # task=jsonl: prompts with optional answers
+      prompt_field="prompt",  # task=jsonl: the field holding the prompt (or a line's `messages`)
       max_prompt_len=16, overlong="drop",
       # task=tldr / hh / gsm8k: a directory holding the public files under their source names
       # (offline), or '' to download them.

@@ -8,6 +8,7 @@ can be trained against any weighted set of reward functions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -76,15 +77,20 @@ def _jsonl(config, data_dir: str) -> Task:
                        "{\"prompt\": ..., \"answer\": ...} lines")
     if not os.path.exists(d[key]):
       raise FileNotFoundError(f"config.data.{key}={d[key]!r} does not exist")
-  train = jsonl.JsonlSource(d.jsonl_train)
-  test = jsonl.JsonlSource(d.jsonl_test)
+  tokenizer = None
+  if config.model.init_from:
+    from rloo_jax.models import hf  # the HF tokenizer is only needed with a checkpoint
+    tokenizer = hf.load_tokenizer(config.model.init_from)
+  # `messages` lines are rendered with the run's chat template when the file is read.
+  template = chat.resolve(d.get("chat_template", ""), tokenizer or ByteTokenizer())
+  source = functools.partial(jsonl.JsonlSource, prompt_field=d.get("prompt_field", "prompt"),
+                             render=template.rendered if template else None)
+  train, test = source(d.jsonl_train), source(d.jsonl_test)
   # Only records with an answer can be imitated; the rest are still RL prompts (their rewards
   # need no answer), so a file may mix both.
   demos = [r for r in (train[i] for i in range(len(train))) if r["answer"]]
-  if config.model.init_from:
-    from rloo_jax.models import hf  # the HF tokenizer is only needed with a checkpoint
-    return Task("jsonl", hf.load_tokenizer(config.model.init_from), train, test,
-                demonstrations=demos or None)
+  if tokenizer is not None:
+    return Task("jsonl", tokenizer, train, test, demonstrations=demos or None)
   if not demos:
     raise ValueError(f"task=jsonl without config.model.init_from trains its policy from scratch "
                      f"by SFT on the training records' answers, but no record of "

@@ -205,3 +205,33 @@ def test_a_template_the_sandbox_refuses_stops_at_start_up_in_one_line(tmp_path):
                                        r"one-message probe conversation: SecurityError: .*; fix "
                                        r"the template or set config.data.chat_template=''$"):
     chat.check(config)
+
+
+def test_jsonl_messages_are_rendered_once_by_the_chat_template(tmp_path):
+  from rloo_jax import config_utils, tasks  # pylint: disable=import-outside-toplevel
+  template = tmp_path / "t.jinja"
+  template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}")
+  convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+  data = tmp_path / "train.jsonl"
+  data.write_text(json.dumps({"messages": convo, "answer": "4"}) + "\n"
+                  + json.dumps({"question": "3+3?", "answer": "6"}) + "\n")
+  config = config_utils.base_config()
+  config.task = "jsonl"
+  config.data.jsonl_train = config.data.jsonl_test = str(data)
+  config.data.chat_template = str(template)
+  with pytest.raises(ValueError, match=r"train.jsonl:2: missing field 'prompt' or 'messages'.*"
+                                       r"config.data.prompt_field"):
+    tasks.make(config, str(tmp_path))
+  config.data.prompt_field = "question"
+  task = tasks.make(config, str(tmp_path))
+  first, second = task.train[0]["prompt"], task.train[1]["prompt"]
+  assert first == "<system>Be brief.\n<user>2+2?\n<assistant>"
+  tok = task.tokenizer
+  # The conversation is tokenised as rendered; a plain prompt becomes one user turn.
+  assert chat.prompt_ids(tok, first, add_bos=False) == tok.encode(first)
+  assert chat.prompt_ids(tok, second, add_bos=False) == tok.encode("<user>3+3?\n<assistant>")
+  config.data.chat_template = ""
+  with pytest.raises(ValueError, match=r"train.jsonl:1: 'messages' needs a chat template .*set "
+                                       r"config.data.chat_template"):
+    tasks.make(config, str(tmp_path))

@@ -79,6 +79,11 @@ def probe(source: str, bos_token: str = '', eos_token: str = '') -> None:
                      f'{type(e).__name__}: {e}; fix the template or set {KEY}=\'\'') from None
 
 
+class Rendered(str):
+  """A prompt the chat template has rendered already (a JSONL `messages` conversation): the
+  pipeline tokenises it as it is, not as one more user turn."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
   """A Jinja chat template with the tokenizer's special-token strings."""
@@ -101,6 +106,10 @@ class ChatTemplate:
   def render(self, prompt: str) -> str:
     """The prompt as a single user turn, ending where the assistant's reply starts."""
     return self.render_messages([{'role': 'user', 'content': prompt}])
+
+  def rendered(self, messages: Sequence[Mapping[str, Any]]) -> Rendered:
+    """A whole conversation as the prompt, ending where the assistant's reply starts."""
+    return Rendered(self.render_messages(messages))
 
 
 def _token(tokenizer, i) -> str:
@@ -170,7 +179,7 @@ def prompt_ids(tokenizer, text: str, add_bos: bool) -> list[int]:
   attached, with bos first unless the rendered text already starts with it."""
   chat = getattr(tokenizer, 'chat', None)
   bos = getattr(tokenizer, 'bos_id', None)
-  if chat is not None:
+  if chat is not None and not isinstance(text, Rendered):
     text = chat.render(text)
   ids = list(tokenizer.encode(text))
   if not add_bos or bos is None or (chat is not None and ids[:1] == [bos]):

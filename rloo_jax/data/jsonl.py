@@ -1,6 +1,11 @@
-"""A JSONL file of prompts as a random-access source: one object per line, `prompt` required,
-`answer` optional (a reference answer for verifiers and the SFT stage; '' when absent), and any
+"""A JSONL file of prompts as a random-access source: one object per line, `prompt` (or the
+field config.data.prompt_field names) or `messages` required, `answer` optional (a reference answer for verifiers and the SFT stage; '' when absent), and any
 other fields, which every reward function receives as keyword arguments.
+
+`messages` is a conversation as TRL's conversational datasets hold it, a list of
+`{"role": ..., "content": ...}` objects; it is rendered by the chat template
+(config.data.chat_template) into the prompt text, ending where the assistant's reply starts, and
+that text is what the policy sees and the rewards receive as the prompt.
 
 The whole file is parsed and validated when the source is built, so a typo on line 9,000 fails
 at start-up with the file and line named, not hours into a run.
@@ -32,7 +37,7 @@ from rloo_jax.data.builder import read_json_lines
 
 # Keys the rollout and SFT batches set themselves (data.pipeline): a JSONL field of the same name
 # would collide with them (or be overwritten), and `prompt` / `answer` are the task's own fields.
-RESERVED = ("prompt", "answer", "prompt_tokens", "prompt_lengths", "index", "valid", "tokens",
+RESERVED = ("prompt", "answer", "messages", "prompt_tokens", "prompt_lengths", "index", "valid", "tokens",
             "token_mask", "loss_mask", "lengths")
 
 
@@ -45,7 +50,9 @@ class JsonlSource:
   ignored. `fields` maps each other field's name to 'string' or 'number'."""
 
   def __init__(self, path: str | os.PathLike, *, prompt_field: str = "prompt",
-               answer_field: str = "answer"):
+               answer_field: str = "answer", render=None):
+    """render: `messages` (a list of role / content dicts) -> the prompt text, with the chat
+    template (`chat.ChatTemplate.rendered`); None: a line with `messages` is an error."""
     self.path = os.fspath(path)
     self.name = self.path
     if not os.path.isfile(self.path):
@@ -54,9 +61,13 @@ class JsonlSource:
     first_seen: dict[str, tuple[str, str]] = {}  # field -> (kind, 'file:line' of its first value)
     missing: set[str] = set()  # fields absent (or null) on some line, filled below
     for where, row in read_json_lines(self.path):
-      if prompt_field not in row:
-        raise ValueError(f"{where}: missing field {prompt_field!r} (fields: {sorted(row)})")
-      prompt = row[prompt_field]
+      if prompt_field not in row and "messages" in row:
+        prompt = self._render(where, row["messages"], render)
+      elif prompt_field not in row:
+        raise ValueError(f"{where}: missing field {prompt_field!r} or 'messages' (fields: "
+                         f"{sorted(row)}; config.data.prompt_field names the prompt's field)")
+      else:
+        prompt = row[prompt_field]
       if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{where}: field {prompt_field!r} must be a non-empty string, "
                          f"got {prompt!r}")
@@ -68,7 +79,7 @@ class JsonlSource:
                          f"got {type(answer).__name__}")
       record: dict[str, Any] = {"prompt": prompt, "answer": str(answer)}
       for key, value in row.items():
-        if key in (prompt_field, answer_field):
+        if key in (prompt_field, answer_field, "messages"):
           continue
         if key in RESERVED:
           raise ValueError(f"{where}: field {key!r} is a name the batches use themselves "
@@ -89,6 +100,20 @@ class JsonlSource:
       raise ValueError(f"{self.path}: no records (the file is empty)")
     self.fields = {key: kind for key, (kind, _) in first_seen.items()}
     self._fill_missing(missing)
+
+  @staticmethod
+  def _render(where: str, messages, render) -> str:
+    """A line's `messages` as the prompt text, or an error naming the file and line."""
+    if (not isinstance(messages, list) or not messages
+        or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                   and isinstance(m.get("content"), str) for m in messages)):
+      raise ValueError(f"{where}: field 'messages' must be a non-empty list of "
+                       '{"role": str, "content": str} objects')
+    if render is None:
+      raise ValueError(f"{where}: 'messages' needs a chat template to render the conversation; "
+                       "set config.data.chat_template ('auto': the checkpoint's own, or a .jinja "
+                       "path)")
+    return render(messages)
 
   @staticmethod
   def _check_value(where: str, key: str, value):
