@@ -89,7 +89,7 @@ def main():
   rows = [r for r in ROWS if r[0].startswith(args.only)]
   if args.targets:
     return compare(rows, [t for t in args.targets.split(",") if t], not args.no_estimate)
-  print(f"| config | devices | peak GiB / device | at | reward model GiB | fits |"
+  print("| config | devices | peak GiB / device | at | reward model GiB | fits |"
         + (" faster, and fits |" if args.speedups else ""))
   print("|---|---|---|---|---|---|" + ("---|" if args.speedups else ""))
   for name, config, devices, memory in rows:

@@ -85,3 +85,11 @@ def setup_compilation_cache(config) -> str:
       # take most of a small job's start.
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   return path
+
+
+def error_line(prog: str, e: BaseException) -> str:
+  """A user error as the one line the entry points print: the message, and after a mid-run
+  failure where a rerun resumes (`loop.run` sets `resume_from`)."""
+  where = getattr(e, "resume_from", None)
+  return f"{prog}: error: {e}" + (f"; rerun the same command to resume from {where}"
+                                   if where else "")

@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import os
 
+from absl import logging
 import ml_collections
 
 
@@ -294,3 +295,24 @@ def paper_rlhf_config(arg, *, task: str, beta: float, max_prompt_len: int, max_n
 
 PAPER_ROLLOUT_COMPLETIONS = 512  # per rollout batch, every method (k samples of 512 / k prompts)
 PAPER_ITERATIONS = 600
+
+
+# Architecture settings of config.model that a checkpoint's own config.json (or a preset)
+# decides.
+_ARCHITECTURE_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "intermediate_size", "max_seq_len")
+
+
+def warn_overridden(model_cfg, mcfg) -> None:
+  """Says which config.model settings config.model.init_from's checkpoint (or
+  config.model.preset) overrides: those set away from their base_config default (a default the
+  user never touched is no news)."""
+  defaults = base_config().model
+  preset = model_cfg.get("preset", "")
+  source, has = ((f"config.model.preset={preset}", "the preset has") if preset else
+                 (f"config.model.init_from={model_cfg.init_from}", "the checkpoint has"))
+  ignored = [f"config.model.{k}={model_cfg[k]!r} ({has} {getattr(mcfg, k)!r})"
+             for k in _ARCHITECTURE_KEYS if k in model_cfg and model_cfg[k] != getattr(mcfg, k)
+             and model_cfg[k] != defaults.get(k)]
+  if ignored:
+    logging.warning("%s sets the architecture; ignored: %s", source, "; ".join(ignored))

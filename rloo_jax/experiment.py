@@ -11,7 +11,6 @@ import json
 import os
 from typing import Any, Callable, Optional
 
-from absl import logging
 from flax import struct
 import jax
 import jax.numpy as jnp
@@ -285,27 +284,6 @@ def _make_task(config, data_dir: str):
   return task if task is not None else tasks.make(config, data_dir)
 
 
-# Architecture settings of config.model that a checkpoint's own config.json (or a preset)
-# decides.
-_ARCHITECTURE_KEYS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                      "head_dim", "intermediate_size", "max_seq_len")
-
-
-def _warn_overridden(model_cfg, mcfg) -> None:
-  """Says which config.model settings config.model.init_from's checkpoint (or
-  config.model.preset) overrides: those set away from their base_config default (a default the
-  user never touched is no news)."""
-  defaults = config_utils.base_config().model
-  preset = model_cfg.get("preset", "")
-  source, has = ((f"config.model.preset={preset}", "the preset has") if preset else
-                 (f"config.model.init_from={model_cfg.init_from}", "the checkpoint has"))
-  ignored = [f"config.model.{k}={model_cfg[k]!r} ({has} {getattr(mcfg, k)!r})"
-             for k in _ARCHITECTURE_KEYS if k in model_cfg and model_cfg[k] != getattr(mcfg, k)
-             and model_cfg[k] != defaults.get(k)]
-  if ignored:
-    logging.warning("%s sets the architecture; ignored: %s", source, "; ".join(ignored))
-
-
 def model_config(config, vocab_size: Callable[[], int]) -> transformer.TransformerConfig:
   """The policy's architecture: config.model.init_from's config.json (no weights are read),
   else config.model's (a preset's, or sized by the task tokenizer's `vocab_size()`); the
@@ -314,12 +292,12 @@ def model_config(config, vocab_size: Callable[[], int]) -> transformer.Transform
   if not m.init_from:
     mcfg = presets.from_experiment_config(m, vocab_size())
     if m.get("preset", ""):
-      _warn_overridden(m, mcfg)
+      config_utils.warn_overridden(m, mcfg)
     return adapters.model_config(config, mcfg)
   local = hf.resolve_path(m.init_from, what="config.model.init_from")
   with open(os.path.join(local, "config.json")) as f:
     mcfg = hf.config_from_hf(json.load(f), dtype=m.dtype)
-  _warn_overridden(m, mcfg)
+  config_utils.warn_overridden(m, mcfg)
   return adapters.model_config(config, mcfg.replace(**presets.run_options(m)))
 
 
@@ -349,7 +327,7 @@ def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
 
 def build(config, workdir: str, task=None, *, layout: Optional[sharding_lib.Layout] = None,
           devices=None, rewards: Optional[RewardSet] = None,
-          eval_rewards: Optional[RewardSet] = None) -> Experiment:
+          eval_rewards: Optional[RewardSet] = None, log=print) -> Experiment:
   """The experiment of a validated config (`algorithms.validate`): prepares the task and
   compiles nothing.
 
@@ -360,7 +338,7 @@ def build(config, workdir: str, task=None, *, layout: Optional[sharding_lib.Layo
   rewards = rewards or RewardSet.from_config(config.rewards, layout)  # RMs on the mesh
   if task is None:
     task = _make_task(config, os.path.join(workdir, "data"))
-  dry_run_rewards(rewards, task)
+  dry_run_rewards(rewards, task, log=log)
   mcfg = model_config(config, lambda: task.tokenizer.vocab_size)
   return _assemble(config, workdir, task, layout, mcfg, rewards, eval_rewards)
 

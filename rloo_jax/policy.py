@@ -219,7 +219,8 @@ def _load_workdir(workdir: str, step: Optional[int]) -> Policy:
   # The algorithm object, because its state is the restore target (PPO's holds a critic, DPO's
   # no estimator state). A placeholder reward set: a policy scores nothing, and the run's reward
   # functions (a reward model, a file that has since moved) need not load for it.
-  algo = algorithms.make(config, workdir, rewards=RewardSet([_no_reward], [1.0], ["none"]))
+  algo = algorithms.make(config, workdir, rewards=RewardSet([_no_reward], [1.0], ["none"]),
+                         log=lambda *a, **k: None)
   ckpt = Checkpointer(ckpt_dir)
   try:
     steps = ckpt.all_steps()

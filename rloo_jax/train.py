@@ -75,9 +75,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, workdir_lib.WorkdirLockedError,
 def _fail(e: BaseException):
   if os.environ.get("RLOO_JAX_TRACEBACK"):
     raise e
-  where = getattr(e, "resume_from", None)
-  resume = f"; rerun the same command to resume from {where}" if where else ""
-  print(f"rloo_jax.train: error: {e}{resume}", file=sys.stderr, flush=True)
+  print(cli.error_line("rloo_jax.train", e), file=sys.stderr, flush=True)
   sys.exit(1)
 
 

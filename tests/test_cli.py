@@ -9,7 +9,7 @@ import sys
 import ml_collections
 
 from conftest import REPO
-from rloo_jax import experiment
+from rloo_jax import config_utils
 from rloo_jax.models import config as model_config
 
 
@@ -44,18 +44,19 @@ def test_rewards_from_the_command_line_and_dropped_prompts_reported(tmp_path):
 
 
 def test_init_from_names_the_settings_it_overrides(caplog):
-  m = ml_collections.ConfigDict(dict(init_from="/ckpt", family="llama", hidden_size=128,
-                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                                     intermediate_size=384, max_seq_len=32))
+  # Set away from their defaults (128, 32, 32): a default nobody set is not warned about.
+  m = ml_collections.ConfigDict(dict(init_from="/ckpt", family="llama", hidden_size=96,
+                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
+                                     intermediate_size=384, max_seq_len=48))
   ckpt = model_config.TransformerConfig.llama(vocab_size=99, hidden_size=64, num_layers=2,
                                               num_heads=4, num_kv_heads=2, head_dim=16,
                                               intermediate_size=384, max_seq_len=2048)
   with caplog.at_level(logging.WARNING):
-    experiment._warn_overridden(m, ckpt)
+    config_utils.warn_overridden(m, ckpt)
   text = caplog.text
-  assert "config.model.hidden_size=128 (the checkpoint has 64)" in text
-  assert "config.model.head_dim=32 (the checkpoint has 16)" in text
-  assert "max_seq_len=32 (the checkpoint has 2048)" in text
+  assert "config.model.hidden_size=96 (the checkpoint has 64)" in text
+  assert "config.model.head_dim=24 (the checkpoint has 16)" in text
+  assert "max_seq_len=48 (the checkpoint has 2048)" in text
   assert "num_layers" not in text  # equal settings are not mentioned
 
 

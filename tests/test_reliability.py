@@ -262,8 +262,8 @@ def test_an_exception_mid_run_keeps_the_saves_and_leaves_no_temp_dir(tmp_path):
 
 
 def test_a_hung_reward_stops_at_its_deadline_in_one_line_and_the_checkpoints_survive(
-    tmp_path, capsys, monkeypatch):
-  from rloo_jax import train  # pylint: disable=import-outside-toplevel
+    tmp_path):
+  from rloo_jax import cli  # pylint: disable=import-outside-toplevel
   reward = tmp_path / "hung_reward.py"
   # Never returns on the third rollout, after two saved iterations.
   reward.write_text("import time\nimport numpy as np\ncalls = [0]\nstarted = []\n"
@@ -293,13 +293,11 @@ def test_a_hung_reward_stops_at_its_deadline_in_one_line_and_the_checkpoints_sur
   step, _, _ = ck.restore(algorithms.make(c, wd, rewards=zero).abstract_state())
   assert step == 2
   ck.close()
-  monkeypatch.delenv("RLOO_JAX_TRACEBACK", raising=False)
-  with pytest.raises(SystemExit) as exit_:
-    train._fail(failure.value)  # pylint: disable=protected-access
-  err = capsys.readouterr().err.strip().splitlines()
-  assert exit_.value.code == 1 and len(err) == 1
-  assert err[0].startswith("rloo_jax.train: error: reward function hung did not return")
-  assert err[0].endswith(f"rerun the same command to resume from checkpoint 2 in {wd}/checkpoints")
+  # What `python -m rloo_jax.train` prints (exit 1; `RLOO_JAX_TRACEBACK=1` shows the traceback).
+  line = cli.error_line("rloo_jax.train", failure.value)
+  assert "\n" not in line
+  assert line.startswith("rloo_jax.train: error: reward function hung did not return")
+  assert line.endswith(f"rerun the same command to resume from checkpoint 2 in {wd}/checkpoints")
 
 
 def test_a_full_disk_while_saving_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path):

@@ -74,9 +74,9 @@ def validate(config, *, devices=None, rewards: Optional[RewardSet] = None,
   return Checked(name, config, layout, rewards)
 
 
-def build(checked: Checked, workdir: str, *, task=None, eval_rewards=None):
+def build(checked: Checked, workdir: str, *, task=None, eval_rewards=None, log=print):
   """The algorithm object of a validated config, its experiment built."""
-  exp = experiment.build(checked.config, workdir, task, layout=checked.layout,
+  exp = experiment.build(checked.config, workdir, task, layout=checked.layout, log=log,
                          rewards=checked.rewards, eval_rewards=eval_rewards)
   return ALGORITHMS[checked.name](exp)
 
@@ -98,7 +98,7 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   os.makedirs(workdir, exist_ok=True)
   workdir_lib.check_config(workdir, config, log=log)
   with workdir_lib.Lock(workdir, log=log):
-    algo = build(checked, workdir, **build_kw)
+    algo = build(checked, workdir, log=log, **build_kw)
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.
     memory.check(algo, log=log)
