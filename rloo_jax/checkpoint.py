@@ -7,6 +7,10 @@ Restore takes the newest *readable* checkpoint. One whose files cannot be read i
 `<dir>_corrupt/<step>` (an earlier quarantined copy of that step is kept: the new one gets a
 suffix) and the previous one is tried. A readable checkpoint whose tree or shapes differ from
 the target is never moved: that is a config or code mismatch, and the error says so.
+
+A run's frozen reference (`state.ref_params`) never changes: the first save writes it once, to
+`reference/` beside the checkpoints directory, and every checkpoint holds a scalar in its place;
+restore puts it back, and still reads checkpoints written with the reference inside.
 """
 
 from __future__ import annotations
@@ -18,8 +22,13 @@ from typing import Any, Optional
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
+import numpy as np
 import orbax.checkpoint as ocp
+
+
+REFERENCE_DIR = "reference"
 
 
 class CheckpointMismatchError(ValueError):
@@ -69,6 +78,8 @@ class Checkpointer:
       raise ValueError(f"keep = {keep}: at least one checkpoint must be kept "
                        "(config.train.keep_checkpoints >= 1)")
     self.directory = os.path.abspath(directory)
+    self.reference_dir = os.path.join(os.path.dirname(self.directory), REFERENCE_DIR)
+    self._reference_saved = False
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every,
@@ -78,11 +89,34 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: dict, *, force: bool = False,
            wait: bool = False) -> bool:
     with self._saving(step):
+      if _stores_reference(state) and not self._reference_saved:
+        self._save_reference(state.ref_params)
       saved = self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+          state=ocp.args.StandardSave(without_reference(state)), meta=ocp.args.JsonSave(meta)),
+          force=force)
       if wait:
         self.manager.wait_until_finished()
     return bool(saved)
+
+  def _save_reference(self, ref_params) -> None:
+    """Writes reference/ unless it is there (Orbax writes a temporary directory and renames it,
+    so a half-written one is never found)."""
+    # Every process saves or none does (the save is collective): process 0's view decides.
+    if not multihost_utils.broadcast_one_to_all(np.int32(os.path.isdir(self.reference_dir))):
+      with ocp.StandardCheckpointer() as c:
+        c.save(self.reference_dir, ref_params)
+        c.wait_until_finished()
+    self._reference_saved = True
+
+  def _restore_reference(self, state, abstract_ref):
+    """`state` with the reference its checkpoint left out read back from reference/."""
+    if not os.path.isdir(self.reference_dir):
+      raise FileNotFoundError(
+          f"{os.path.dirname(self.directory)} has checkpoints but no {REFERENCE_DIR}/ (the "
+          f"frozen reference they leave out, written at the first save): restore "
+          f"{self.reference_dir} from a copy of the workdir, or start again in a new --workdir")
+    with ocp.StandardCheckpointer() as c:
+      return state.replace(ref_params=c.restore(self.reference_dir, abstract_ref))
 
   def wait(self):
     with self._saving(None):
@@ -141,10 +175,19 @@ class Checkpointer:
       steps = [s for s in steps if s <= step]
     for s in steps:
       try:
-        self._check_matches(s, abstract_state)
+        target = without_reference(abstract_state)
+        try:
+          self._check_matches(s, target)
+        except CheckpointMismatchError as e:
+          if target is abstract_state:
+            raise
+          try:  # written before the reference moved out of the checkpoints
+            self._check_matches(s, abstract_state)
+          except CheckpointMismatchError:
+            raise e from None
+          target = abstract_state
         restored = self.manager.restore(s, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        return s, restored["state"], restored["meta"]
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
       except CheckpointMismatchError:
         raise
       except Exception as e:  # pylint: disable=broad-except
@@ -153,6 +196,11 @@ class Checkpointer:
         print(f"[checkpoint] step {s} in {self.directory} is unreadable "
               f"({type(e).__name__}: {str(e)[:200]}); using the previous checkpoint")
         self._quarantine(s)
+        continue
+      state = restored["state"]
+      if target is not abstract_state:  # outside the try: no reference is no corrupt checkpoint
+        state = self._restore_reference(state, abstract_state.ref_params)
+      return s, state, restored["meta"]
     return None
 
   def _quarantine(self, step: int):
@@ -176,3 +224,21 @@ class Checkpointer:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _stores_reference(state) -> bool:
+  """A state whose frozen reference lives in <workdir>/reference (LoRA's base is rebuilt from
+  its source instead: rloo_jax.adapters)."""
+  return hasattr(state, "ref_params") and not getattr(state, "lora", False)
+
+
+def without_reference(state):
+  """The state as a checkpoint holds it: a scalar in place of the frozen reference."""
+  if not _stores_reference(state):
+    return state
+  # Placed as the step is (a global array, which a multi-process save needs).
+  sharding = state.step.sharding
+  placeholder = (jax.ShapeDtypeStruct((), jnp.int8, sharding=sharding)
+                 if isinstance(state.step, jax.ShapeDtypeStruct)
+                 else jax.jit(lambda: jnp.zeros((), jnp.int8), out_shardings=sharding)())
+  return state.replace(ref_params=placeholder)

@@ -346,6 +346,50 @@ def test_sft_resumes_from_its_checkpoint_and_falls_back_past_a_corrupt_one(tmp_p
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _params(wd):
+  import rloo_jax
+  return jax.tree.leaves(rloo_jax.load_policy(wd).params)
+
+
+def test_the_reference_is_stored_once_and_old_or_incomplete_workdirs_say_so(finished, tmp_path):
+  import orbax.checkpoint as ocp
+  from rloo_jax import checkpoint as checkpoint_lib
+  from rloo_jax.checkpoint import leaf_specs
+  wd = finished[0]
+  assert os.path.isdir(os.path.join(wd, checkpoint_lib.REFERENCE_DIR))
+  ckpt = Checkpointer(os.path.join(wd, "checkpoints"))
+  for step in ckpt.all_steps():  # each checkpoint: a scalar where the reference was
+    ref = {k: v for k, v in leaf_specs(ckpt.manager.item_metadata(step)["state"]).items()
+           if k[0] == "ref_params"}
+    assert ref == {("ref_params",): ((), "int8")}
+  ckpt.close()
+  # A workdir written before the reference moved out: the reference inside its checkpoint.
+  legacy = _copy(wd, tmp_path / "legacy")
+  algo = algorithms.make(smoke(), legacy)
+  ckpt = Checkpointer(os.path.join(legacy, "checkpoints"))
+  step, state, meta = ckpt.restore(algo.abstract_state())
+  ckpt.close()
+  shutil.rmtree(os.path.join(legacy, "checkpoints"))
+  shutil.rmtree(os.path.join(legacy, checkpoint_lib.REFERENCE_DIR))
+  ckpt = Checkpointer(os.path.join(legacy, "checkpoints"))
+  ckpt.manager.save(step, args=ocp.args.Composite(  # the old form: the reference inside
+      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+  ckpt.close()
+  assert ("ref_params", "embedding", "value") in leaf_specs(
+      Checkpointer(os.path.join(legacy, "checkpoints")).manager.item_metadata(step)["state"])
+  current = _copy(wd, tmp_path / "current")
+  for d in (legacy, current):
+    assert algorithms.run(smoke(**{"train.num_iterations": 3}), d, log=quiet)["iterations"] == 3
+  assert os.path.isdir(os.path.join(legacy, checkpoint_lib.REFERENCE_DIR))  # written at resume
+  for a, b in zip(_params(legacy), _params(current)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Checkpoints without the reference and no reference/: one line naming the workdir.
+  broken = _copy(wd, tmp_path / "broken")
+  shutil.rmtree(os.path.join(broken, checkpoint_lib.REFERENCE_DIR))
+  with pytest.raises(FileNotFoundError, match=rf"{broken} has checkpoints but no reference/"):
+    algorithms.run(smoke(**{"train.num_iterations": 3}), broken, log=quiet)
+
+
 # ----------------------------------------------------------------------------------------------
 # A lock in the workdir
 
