@@ -155,7 +155,13 @@ class Lock:
     try:
       for _ in range(2):
         try:
-          os.link(tmp, self.path)
+          try:
+            os.link(tmp, self.path)
+          except FileExistsError:
+            raise
+          except OSError:  # no hard links (e.g. gcsfuse): create-if-absent, then write
+            with os.fdopen(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
+              json.dump(me, f)
         except FileExistsError:
           if self._check_other(me):
             return self  # held by this process already (an outer call releases it)

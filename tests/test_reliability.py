@@ -414,6 +414,19 @@ def test_a_second_live_run_is_refused_and_a_stale_lock_taken_over(tmp_path):
   assert not os.path.exists(path)
 
 
+def test_the_lock_works_where_hard_links_are_refused(tmp_path, monkeypatch):
+  def no_links(*args):
+    raise PermissionError("hard links not supported")  # gcsfuse and some network filesystems
+  monkeypatch.setattr(os, "link", no_links)
+  lock = workdir_lib.Lock(str(tmp_path)).acquire()
+  path = os.path.join(str(tmp_path), f"{workdir_lib.LOCK_FILE}.0")
+  assert json.load(open(path))["pid"] == os.getpid()
+  with pytest.raises(workdir_lib.WorkdirLockedError):  # a second process's view: held
+    workdir_lib.Lock(str(tmp_path))._check_other({"pid": -2, "host": "x"})  # pylint: disable=protected-access
+  lock.release()
+  assert os.listdir(str(tmp_path)) == []
+
+
 def test_an_empty_lock_is_never_taken_over_while_fresh(tmp_path):
   # What a reader saw between an older writer's create and its write: a lock with no pid.
   path = os.path.join(str(tmp_path), f"{workdir_lib.LOCK_FILE}.0")

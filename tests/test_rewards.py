@@ -209,3 +209,7 @@ def test_a_reward_returning_strings_objects_or_infinities_is_an_error_naming_it(
   ok = RewardSet([lambda prompts, completions, **f: [None, np.float32(2), True, np.nan]], [1.0],
                  ["ok"])
   np.testing.assert_array_equal(ok(["p"] * 4, ["a"] * 4, {})[1]["ok"], [np.nan, 2.0, 1.0, np.nan])
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  bf16 = RewardSet([lambda prompts, completions, **f: jnp.full(2, 0.5, jnp.bfloat16)], [1.0],
+                   ["reward_model"])  # a reward model's scores may come back in bfloat16
+  np.testing.assert_array_equal(bf16(["p"] * 2, ["a"] * 2, {})[1]["reward_model"], [0.5, 0.5])

@@ -78,13 +78,19 @@ def call_with_deadline(fn, args, kw, timeout_s: float, name: str, what: str):
 def as_scores(raw, name: str, n: int) -> np.ndarray:
   """`raw` (a reward function's return) as float64 [n]: None and NaN are NaN (cannot score);
   anything else not a real number, a wrong length or +-inf is an error naming the function."""
+  if not isinstance(raw, (list, tuple, str, bytes)) and hasattr(raw, "__array__"):
+    raw = np.asarray(raw)  # a jax array: numpy scalars, not device arrays, per completion
   items = list(raw) if np.ndim(raw) == 1 and not isinstance(raw, (str, bytes)) else None
   if items is None or len(items) != n:
     shape = np.shape(raw) if not isinstance(raw, (str, bytes)) else "a string"
     raise ValueError(f"reward function {name} returned shape {shape}; expected ({n},): one "
                      "score per completion")
   for i, x in enumerate(items):
-    if x is not None and not isinstance(x, (numbers.Real, np.bool_)):
+    numeric = isinstance(x, numbers.Real) or (isinstance(x, np.generic)
+                                               and np.dtype(type(x)).kind not in "OSUV")
+    # bfloat16 (ml_dtypes) scalars are numbers too: a reward model's scores may be bf16.
+    numeric = numeric or type(x).__module__.startswith("ml_dtypes")
+    if x is not None and not numeric:
       raise RewardReturnError(f"reward function {name} returned {x!r} ({type(x).__name__}) for "
                               f"completion {i}; return a float per completion (NaN or None: "
                               "cannot score)")
