@@ -118,8 +118,11 @@ def run(algo, workdir: str, *, log: Callable[[str], None] = print, initial_param
     except (NonFiniteError, UnscorableError):
       raise  # they name the checkpoint to go back to; resuming would meet the same state
     except Exception as e:
-      # The CLI's one line says where a rerun of the same command picks up (`train._fail`).
-      e.resume_from = resume_point(os.path.join(workdir, "checkpoints"))
+      # The CLI's one line says where a rerun of the same command picks up (`cli.error_line`).
+      try:
+        e.resume_from = resume_point(os.path.join(workdir, "checkpoints"))
+      except AttributeError:  # an exception type without a __dict__: the line goes without it
+        pass
       raise
 
 
