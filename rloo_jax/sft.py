@@ -115,8 +115,11 @@ def _settings(config) -> dict:
   # Settings that do not change the trained policy stay out of its cache key.
   sft_config = {k: v for k, v in config.sft.to_dict().items()
                 if k not in ("cache_key", "log_every", "checkpoint_every")}
+  # data.prompt_field at its default stays out too, so caches made before the key existed match.
+  data = {k: v for k, v in config.data.to_dict().items()
+          if not (k == "prompt_field" and v == "prompt")}
   return dict(task=config.task, seed=config.seed, sft=sft_config,
-              model=config_utils.model_fingerprint(config), data=config.data.to_dict(),
+              model=config_utils.model_fingerprint(config), data=data,
               max_new_tokens=config.rloo.max_new_tokens)
 
 

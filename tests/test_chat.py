@@ -235,3 +235,13 @@ def test_jsonl_messages_are_rendered_once_by_the_chat_template(tmp_path):
   with pytest.raises(ValueError, match=r"train.jsonl:1: 'messages' needs a chat template .*set "
                                        r"config.data.chat_template"):
     tasks.make(config, str(tmp_path))
+
+
+def test_the_default_prompt_field_keeps_the_sft_cache_key():
+  from rloo_jax import config_utils, sft  # pylint: disable=import-outside-toplevel
+  config = config_utils.base_config()
+  before = config.copy_and_resolve_references()
+  del before.data["prompt_field"]  # a config from before the key existed
+  assert sft._settings(config) == sft._settings(before)  # pylint: disable=protected-access
+  config.data.prompt_field = "question"  # another field: another SFT policy
+  assert sft._settings(config) != sft._settings(before)  # pylint: disable=protected-access
