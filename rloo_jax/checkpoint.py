@@ -173,9 +173,10 @@ class Checkpointer:
     steps = sorted(self.manager.all_steps(), reverse=True)
     if step is not None:
       steps = [s for s in steps if s <= step]
+    new_form = without_reference(abstract_state)
     for s in steps:
       try:
-        target = without_reference(abstract_state)
+        target = new_form
         try:
           self._check_matches(s, target)
         except CheckpointMismatchError as e:

@@ -53,19 +53,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  from rloo_jax.memory import targets  # pylint: disable=import-outside-toplevel
-  target = devices = None
-  try:
-    if _TARGET.value and _DEVICES.value:
-      raise ValueError("--target and --devices: give one (--target compiles for the "
-                       "accelerator itself, --devices simulates CPU devices)")
-    if _TARGET.value:
-      target = targets.parse(_TARGET.value)
-      devices = targets.devices(target)
-  except ValueError as e:
-    print(f"rloo_jax.plan: error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
-  if _DEVICES.value:
+  if _DEVICES.value and not _TARGET.value:
     # Before any device is touched: the device set is fixed once the backend starts, and an
     # accelerator left out of it is never initialised (nor its memory preallocated).
     jax.config.update("jax_platforms", "cpu")
@@ -74,7 +62,14 @@ def main(argv):
   # Imported after the device set is fixed (nothing they import may touch a device, but the
   # order keeps it so).
   from rloo_jax import algorithms, experiment, memory  # pylint: disable=import-outside-toplevel
+  from rloo_jax.memory import targets  # pylint: disable=import-outside-toplevel
   try:
+    if _TARGET.value and _DEVICES.value:
+      raise ValueError("--target and --devices: give one (--target compiles for the "
+                       "accelerator itself, --devices simulates CPU devices)")
+    # The target's compiler gives the devices (and keeps this host's backend to the CPU).
+    target = targets.parse(_TARGET.value) if _TARGET.value else None
+    devices = targets.devices(target) if target else None
     # The run's checks, without resolving config.rewards: the plan needs no reward.
     checked = algorithms.validate(_CONFIG.value, devices=devices, with_rewards=False)
     if checked.name != "rloo":

@@ -77,26 +77,27 @@ def _jsonl(config, data_dir: str) -> Task:
                        "{\"prompt\": ..., \"answer\": ...} lines")
     if not os.path.exists(d[key]):
       raise FileNotFoundError(f"config.data.{key}={d[key]!r} does not exist")
-  tokenizer = None
   if config.model.init_from:
     from rloo_jax.models import hf  # the HF tokenizer is only needed with a checkpoint
     tokenizer = hf.load_tokenizer(config.model.init_from)
+  else:
+    tokenizer = ByteTokenizer()
   # `messages` lines are rendered with the run's chat template when the file is read.
-  template = chat.resolve(d.get("chat_template", ""), tokenizer or ByteTokenizer())
+  template = chat.resolve(d.get("chat_template", ""), tokenizer)
   source = functools.partial(jsonl.JsonlSource, prompt_field=d.get("prompt_field", "prompt"),
                              render=template.rendered if template else None)
   train, test = source(d.jsonl_train), source(d.jsonl_test)
   # Only records with an answer can be imitated; the rest are still RL prompts (their rewards
   # need no answer), so a file may mix both.
   demos = [r for r in (train[i] for i in range(len(train))) if r["answer"]]
-  if tokenizer is not None:
+  if config.model.init_from:
     return Task("jsonl", tokenizer, train, test, demonstrations=demos or None)
   if not demos:
     raise ValueError(f"task=jsonl without config.model.init_from trains its policy from scratch "
                      f"by SFT on the training records' answers, but no record of "
                      f"{d.jsonl_train} has a non-empty 'answer'; add answers to some records "
                      "or set config.model.init_from to a local Hugging Face checkpoint directory")
-  return Task("jsonl", ByteTokenizer(), train, test, demonstrations=demos)
+  return Task("jsonl", tokenizer, train, test, demonstrations=demos)
 
 
 def _summarize(config, data_dir: str) -> Task:

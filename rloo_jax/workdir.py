@@ -155,13 +155,7 @@ class Lock:
     try:
       for _ in range(2):
         try:
-          try:
-            os.link(tmp, self.path)
-          except FileExistsError:
-            raise
-          except OSError:  # no hard links (e.g. gcsfuse): create-if-absent, then write
-            with os.fdopen(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
-              json.dump(me, f)
+          self._publish(tmp, me)
         except FileExistsError:
           if self._check_other(me):
             return self  # held by this process already (an outer call releases it)
@@ -171,6 +165,17 @@ class Lock:
     finally:
       os.remove(tmp)
     raise WorkdirLockedError(f"could not take the lock {self.path}")
+
+  def _publish(self, tmp: str, me: dict) -> None:
+    """Makes the lock visible with its content: a hard link of `tmp`, or where hard links are
+    refused (e.g. gcsfuse) create-if-absent, then write. FileExistsError if it is taken."""
+    try:
+      os.link(tmp, self.path)
+    except FileExistsError:
+      raise
+    except OSError:
+      with os.fdopen(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
+        json.dump(me, f)
 
   def _check_other(self, me: dict) -> bool:
     """True if this process holds the lock; False after removing a stale one; raises if another

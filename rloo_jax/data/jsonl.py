@@ -1,6 +1,7 @@
 """A JSONL file of prompts as a random-access source: one object per line, `prompt` (or the
-field config.data.prompt_field names) or `messages` required, `answer` optional (a reference answer for verifiers and the SFT stage; '' when absent), and any
-other fields, which every reward function receives as keyword arguments.
+field config.data.prompt_field names) or `messages` required, `answer` optional (a reference
+answer for verifiers and the SFT stage; '' when absent), and any other fields, which every
+reward function receives as keyword arguments.
 
 `messages` is a conversation as TRL's conversational datasets hold it, a list of
 `{"role": ..., "content": ...}` objects; it is rendered by the chat template
@@ -37,8 +38,8 @@ from rloo_jax.data.builder import read_json_lines
 
 # Keys the rollout and SFT batches set themselves (data.pipeline): a JSONL field of the same name
 # would collide with them (or be overwritten), and `prompt` / `answer` are the task's own fields.
-RESERVED = ("prompt", "answer", "messages", "prompt_tokens", "prompt_lengths", "index", "valid", "tokens",
-            "token_mask", "loss_mask", "lengths")
+RESERVED = ("prompt", "answer", "messages", "prompt_tokens", "prompt_lengths", "index", "valid",
+            "tokens", "token_mask", "loss_mask", "lengths")
 
 
 def _kind(value) -> str:

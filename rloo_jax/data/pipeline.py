@@ -276,7 +276,8 @@ def prompt_batches(source, tokenizer, *, global_batch_size: int, max_prompt_len:
     return dict(prompt_tokens=tokens, prompt_lengths=lengths, **record_fields(records))
 
   return BatchIterator(source, make, _lengths(source, length), limit=max_prompt_len,
-                       limit_name="config.data.max_prompt_len", global_batch_size=global_batch_size, seed=seed,
+                       limit_name="config.data.max_prompt_len",
+                       global_batch_size=global_batch_size, seed=seed,
                        shuffle=shuffle, num_epochs=num_epochs, drop_remainder=drop_remainder,
                        overlong=overlong, process_index=process_index, process_count=process_count)
 

@@ -255,7 +255,8 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
 def format_table(r: dict) -> str:
   """The report as a readable table (GiB per device)."""
   mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items())
-  lines = [f"memory plan per device (GiB) | {r['devices']} x {r.get('device_kind', 'device')}, mesh {mesh} | "
+  lines = [f"memory plan per device (GiB) | {r['devices']} x {r.get('device_kind', 'device')}, "
+           f"mesh {mesh} | "
            f"{r['num_layers']} layers, {r['num_params'] / 1e9:.3f}B params, {r['dtype']}, "
            f"remat={r['remat']} | device memory {r['device_memory_gb']:g} GiB",
            f"  params            {r['params_gb']:10.4g}",

@@ -23,6 +23,7 @@ from rloo_jax.rewards.reward_set import reward_name
 from rloo_jax.rewards.verifiers import arithmetic_exact_match
 from rloo_jax.rewards.verifiers import load_reward_fn
 
-__all__ = ["HF_REWARD_MODEL_PREFIX", "REWARD_MODEL_PREFIX", "resolve", "RewardFunctionError", "RewardReturnError", "RewardSet",
+__all__ = ["HF_REWARD_MODEL_PREFIX", "REWARD_MODEL_PREFIX", "resolve", "RewardFunctionError",
+           "RewardReturnError", "RewardSet",
            "RewardTimeoutError", "reward_name",
            "arithmetic_exact_match", "load_reward_fn"]
