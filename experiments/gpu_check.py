@@ -11,6 +11,9 @@ roofline, and the update step's MFU, on a preset's architecture with random weig
 - Update: RLOO iterations of bench_step.py's synthetic task at this shape (float32 master
   weights, bf16 activations), `update_s` their median; MFU = the update's model FLOPs
   (`memory.flops`, rematerialisation not counted) / update_s / `--peak_tflops` (issue 21: >= 40%).
+- Memory (`--checks memory`): the job `rloo_jax.plan` plans for configs/arithmetic.py at these
+  shape flags on one device, its programs compiled here, then one real iteration; the device's
+  measured peak beside the plan's (issue 37; docs/SCALE.md figure 8).
 
 Defaults: Llama-3.2-1B, 64 prompts x k = 4 x (512 + 256), an H200 (4.8 TB/s, 989 TFLOP/s bf16).
 On a CPU only as a smoke run (tiny shapes, figures meaningless):
@@ -21,6 +24,7 @@ On a CPU only as a smoke run (tiny shapes, figures meaningless):
 """
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -32,8 +36,8 @@ import jax.numpy as jnp
 
 import bench_step  # experiments/, beside this file
 
-from rloo_jax import sampler, sampling
-from rloo_jax.config_utils import base_config
+from rloo_jax import memory, sampler, sampling
+from rloo_jax.config_utils import base_config, load_config_file
 from rloo_jax.memory.flops import model_flops_per_iteration
 from rloo_jax.models import decode_weights, presets, transformer
 
@@ -107,16 +111,20 @@ def _decode_one(args, m, fns, params, prompts, lengths, unstack) -> dict:
               roofline_over_measured=_sig(roofline / measured))
 
 
-def update_check(args) -> dict:
-  c = base_config()
-  c.task = "bench"
-  c.model.update(preset=args.preset, dtype=args.dtype, remat=args.remat,
-                 max_seq_len=args.prompt_len + args.new_tokens)
+def _set_model(c, args):
+  c.model.update(preset=args.preset, dtype=args.dtype)
   if args.num_layers:  # the preset's family and widths at this depth
     m = presets.get(args.preset, num_layers=args.num_layers)
     c.model.update(preset="", **{k: getattr(m, k) for k in (
         "family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
         "intermediate_size")})
+
+
+def update_check(args) -> dict:
+  c = base_config()
+  c.task = "bench"
+  c.model.update(remat=args.remat, max_seq_len=args.prompt_len + args.new_tokens)
+  _set_model(c, args)
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.train.update(num_epochs=1, num_minibatches=1, microbatch_size=args.microbatch_size)
@@ -142,6 +150,43 @@ def update_check(args) -> dict:
               num_params=int(m.num_params))
 
 
+def memory_check(args) -> dict:
+  """The job `python -m rloo_jax.plan --config=configs/arithmetic.py` plans with these shape flags
+  (one device), on the bench task at the preset's vocabulary: its programs compiled for this
+  device (the plan), then one real RLOO iteration from random weights, and the device's
+  measured peak (`memory_stats()['peak_bytes_in_use']`) beside the plan's peak."""
+  c = load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "arithmetic.py"))
+  c.task = "bench"
+  _set_model(c, args)
+  c.data.max_prompt_len = args.prompt_len
+  c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
+  c.mesh.update(data=1, fsdp=1)
+  c.rewards.fns = [bench_step.synthetic_reward]
+  c.rewards.weights = [1.0]
+  task = bench_step.bench_task(presets.get(args.preset).vocab_size, args.prompt_len,
+                               fixed_length=True)
+  device = jax.devices()[0]
+  with tempfile.TemporaryDirectory() as workdir:
+    algo, state = bench_step.build(c, task, workdir)
+    limit = (device.memory_stats() or {}).get("bytes_limit")  # None on a CPU (smoke runs)
+    report = memory.plan(algo, device_memory_gb=limit / 2**30 if limit else 80.0)
+    data = bench_step.prompt_batches(task, args.prompts, args.prompt_len)
+    t0 = time.perf_counter()
+    state, metrics = algo.iteration(state, next(data))
+    jax.block_until_ready(state)
+    iteration_s = time.perf_counter() - t0
+  stats = device.memory_stats() or {}
+  planned = report["peak_gb_per_device"]
+  measured = stats["peak_bytes_in_use"] / 2**30 if stats else None
+  return dict(planned_peak_gb=round(planned, 3),
+              planned_programs_gb={k: round(v["peak_gb"], 3)
+                                   for k, v in report["programs"].items()},
+              measured_peak_gb=round(measured, 3) if stats else None,
+              bytes_limit_gb=round(limit / 2**30, 3) if limit else None,
+              measured_over_planned=round(measured / planned, 3) if stats else None,
+              first_iteration_s=round(iteration_s, 2), num_params=report["num_params"],
+              reward_mean=float(metrics["reward_mean"]), loss=float(metrics["loss"]))
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="llama-3.2-1b")
@@ -161,7 +206,8 @@ def main():
   p.add_argument("--iterations", type=int, default=3, help="timed RLOO iterations")
   p.add_argument("--hbm_tbps", type=float, default=4.8, help="H200: 4.8 TB/s")
   p.add_argument("--peak_tflops", type=float, default=989.0, help="H200 dense bf16")
-  p.add_argument("--checks", default="decode,update")
+  p.add_argument("--checks", default="decode,update",
+                 help="of decode, update, memory (the plan beside one real iteration's peak)")
   args = p.parse_args()
   bad = set(args.decode_layers.split(",")) - {"scanned", "unstacked"}
   if bad:  # before any model is built
@@ -172,6 +218,8 @@ def main():
     out["decode"] = decode_check(args)
   if "update" in args.checks:
     out["update"] = update_check(args)
+  if "memory" in args.checks:
+    out["memory"] = memory_check(args)
   print(json.dumps(out), flush=True)
 
 

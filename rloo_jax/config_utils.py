@@ -136,10 +136,10 @@ def base_config() -> ml_collections.ConfigDict:
       trim_bucket=32,
       # Prompts per sampler call (0 = the whole batch at once): smaller bounds the KV cache.
       rollout_chunk_prompts=0,
-      # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'scanned' (and
-      # 'auto') scans the stacked layers, under FSDP gathering each at every token; 'unstacked'
-      # gathers every layer once a rollout and holds the whole model gathered while decoding
-      # (the memory plan names it for an FSDP job when that fits).
+      # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'scanned' scans
+      # the stacked layers, under FSDP gathering each at every token; 'unstacked' gathers every
+      # layer once a rollout and holds the whole model gathered while decoding (the memory plan
+      # names it for an FSDP job when that fits); 'auto': unstacked on an unsharded GPU mesh.
       decode_layers="auto"))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))

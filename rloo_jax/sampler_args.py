@@ -126,10 +126,15 @@ def layer_bytes_per_device(exp) -> float:
 
 def decode_unstacked(exp) -> bool:
   """config.rloo.decode_layers resolved: whether the decode loop runs on per-layer copies of the
-  weights and KV buffers (`sampler.sample`'s unstack_layers). 'auto' is 'scanned'. 'unstacked'
-  is the FSDP opt-in: every layer gathered once a rollout instead of at every token, for the
-  whole model held gathered while decoding (the memory plan names it when that fits)."""
-  return _decode_layers(exp.config.rloo) == 'unstacked'
+  weights and KV buffers (`sampler.sample`'s unstack_layers). 'unstacked' under FSDP gathers every
+  layer once a rollout instead of at every token, for the whole model held gathered while
+  decoding (the memory plan names it when that fits). 'auto' is 'unstacked' on GPU meshes whose
+  weights are not FSDP-sharded (an H200 decoded 1.67x faster so: docs/PERFORMANCE.md), else
+  'scanned' (no TPU measurement yet)."""
+  value = _decode_layers(exp.config.rloo)
+  if value == 'auto':
+    return exp.layout.platform == 'gpu' and exp.layout.shape['fsdp'] == 1
+  return value == 'unstacked'
 
 
 def validate_decode_layout(rloo_config) -> None:
