@@ -22,7 +22,7 @@ def test_gpu_check_figures_follow_from_their_measurements():
   # One layer of Pythia-160M's widths: the derived figures need no depth (595 s at 12 layers).
   r = run_json("gpu_check.py", "--preset", "pythia-160m", "--num_layers", 1, "--prompts", 2,
                "--prompt_len", 16, "--new_tokens", 8, "--iterations", 1, "--repeats", 1,
-               "--microbatch_size", 0, cwd=EXPERIMENTS)
+               "--microbatch_size", 0, "--checks", "decode,update,memory", cwd=EXPERIMENTS)
   u = r["update"]
   assert set(r["decode"]) == {"scanned", "unstacked"}
   for d in r["decode"].values():
@@ -39,6 +39,12 @@ def test_gpu_check_figures_follow_from_their_measurements():
   assert u["update_mfu"] == pytest.approx(u["update_flops"] / u["update_s"] / 989e12, rel=0.02,
                                           abs=1e-4)
   assert u["update_flops"] > 6 * u["num_params"] * 2 * 4 * 8 * 0.5  # ~6 x params x tokens
+  # The memory check plans the same model's job and runs it; a CPU has no device peak to read.
+  mem = r["memory"]
+  assert mem["num_params"] == u["num_params"]
+  assert mem["planned_peak_gb"] == max(mem["planned_programs_gb"].values()) > 0
+  assert mem["measured_peak_gb"] is None and mem["measured_over_planned"] is None
+  assert 0 <= mem["reward_mean"] <= 1
 
 
 def test_gpu_check_refuses_an_unknown_decode_layout_before_building_a_model():
