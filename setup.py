@@ -35,7 +35,7 @@ setup(
     ],
     extras_require={
         # wandb: the optional Weights & Biases writer is tested offline (WANDB_MODE=offline).
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.10",
+        "test": ["pytest>=8", "pytest-xdist>=3.7", "nbclient>=0.10", "nbformat>=5.10",
                  "ipykernel", "wandb"],
         # The viewer of the event files every run writes: tensorboard --logdir <workdir>/tensorboard
         "tensorboard": ["tensorboard"],
