@@ -18,6 +18,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from rloo_jax.models import attention_blockwise
+
 # Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
 # finite distribution instead of NaNs that would leak into gradients through a masked mean.
 _MASKED = -1e30
@@ -200,6 +202,33 @@ def _xla(q, k, v, spec: AttentionSpec):
   raise TypeError(f'attention layout {type(layout).__name__} has no xla implementation')
 
 
-# config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash, Pallas splash, a
-# blockwise one) is one more entry here, tested against 'xla' on every layout it supports.
-IMPLEMENTATIONS: dict[str, Callable[[Any, Any, Any, AttentionSpec], jax.Array]] = {'xla': _xla}
+def _blockwise(q, k, v, spec: AttentionSpec):
+  """'blockwise' (attention_blockwise): Causal and PromptGroup in O(S) memory. SharedPrefixDecode
+  runs the xla form above: one query per stream, its memory is already O(S)."""
+  layout = spec.layout
+  if isinstance(layout, SharedPrefixDecode):
+    return _shared_prefix_decode(q, k, v, spec)
+  if isinstance(layout, Causal):
+    key_ok_bs, segment_bs, positions_bs = layout.mask_bt, None, layout.positions_bt
+  elif isinstance(layout, PromptGroup):
+    b, m, t = layout.mask_bmt.shape
+    p = layout.prompt_mask_bp.shape[1]
+    key_ok_bs = jnp.concatenate([layout.prompt_mask_bp.astype(bool),
+                                 layout.mask_bmt.astype(bool).transpose(0, 2, 1).reshape(b, t * m)],
+                                axis=1)
+    # The prompt is segment 0, which every row reads; token-major row P + i*M + j is completion
+    # j's, segment j + 1, so under the causal order it reads its own tokens 0..i only.
+    segment_bs = jnp.concatenate([jnp.zeros((b, p), jnp.int32),
+                                  jnp.broadcast_to(jnp.tile(jnp.arange(1, m + 1), t), (b, t * m))],
+                                 axis=1)
+    positions_bs = layout.positions_bs
+  else:
+    raise TypeError(f'attention layout {type(layout).__name__} has no blockwise implementation')
+  return attention_blockwise.attend(q, k, v, key_ok_bs, segment_bs, positions_bs, spec.window,
+                                    scale=spec.scale, softcap=spec.softcap)
+
+
+# config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash, Pallas splash) is one
+# more entry here, tested against 'xla' on every layout it supports.
+IMPLEMENTATIONS: dict[str, Callable[[Any, Any, Any, AttentionSpec], jax.Array]] = {
+    'xla': _xla, 'blockwise': _blockwise}
