@@ -1,6 +1,7 @@
-"""`attention_ops.attend`: every layout against one dense reference written out here (each query's
-allowed keys listed explicitly), values and gradients, with GQA, soft-caps and sliding windows;
-the implementation checked by name before anything compiles; the remat policies by name."""
+"""`attention_ops.attend`: every layout of every implementation against one dense reference written
+out here (each query's allowed keys listed explicitly), values and gradients, with GQA, soft-caps
+and sliding windows; 'blockwise' against 'xla' directly, in its memory and inside a model; the
+implementation checked by name before anything compiles; the remat policies by name."""
 
 import re
 
@@ -13,7 +14,8 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from rloo_jax import config_utils, experiment
-from rloo_jax.models import TransformerConfig, attention_ops, create, model_fns, transformer
+from rloo_jax.models import (TransformerConfig, attention_blockwise, attention_ops, create,
+                             model_fns, transformer)
 from rloo_jax.models.config import CHECKPOINT_NAMES
 
 # Float comparisons of two computations: rerun by .ci/run under other CPU flags.
@@ -29,10 +31,18 @@ def _rand(rng, *shape):
   return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
-def _spec(name, layout):
+def _spec(name, layout, implementation='xla'):
   scale, softcap, window = SPECS[name]
   return attention_ops.AttentionSpec(layout, scale, softcap,
-                                     None if window is None else jnp.int32(window))
+                                     None if window is None else jnp.int32(window), implementation)
+
+
+@pytest.fixture(params=list(attention_ops.IMPLEMENTATIONS))
+def impl(request, monkeypatch):
+  """Each implementation; 'blockwise' with blocks of 3, so the test rows run several blocks and
+  a partial last one."""
+  monkeypatch.setattr(attention_blockwise, 'BLOCK', 3)
+  return request.param
 
 
 def _dense(q_bshgd, k_bthd, v_bthd, allowed_bst, name):
@@ -67,12 +77,12 @@ def _check(attend_fn, ref_fn, args, valid):
 
 
 @pytest.mark.parametrize('name', SPECS)
-def test_causal_rows_with_padding_anywhere(name):
+def test_causal_rows_with_padding_anywhere(name, impl):
   rng = np.random.default_rng(0)
   s = 7
   mask_bs = jnp.asarray([[0, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 0, 1]], bool)
   positions_bs = jnp.maximum(jnp.cumsum(mask_bs, axis=1) - 1, 0)
-  spec = _spec(name, attention_ops.Causal(mask_bs, positions_bs))
+  spec = _spec(name, attention_ops.Causal(mask_bs, positions_bs), impl)
   allowed = _allowed(positions_bs, positions_bs,
                      jnp.tril(jnp.ones((s, s), bool))[None] & mask_bs[:, None, :], name)
   _check(lambda q, k, v: attention_ops.attend(q, k, v, spec),
@@ -82,7 +92,7 @@ def test_causal_rows_with_padding_anywhere(name):
 
 
 @pytest.mark.parametrize('name', SPECS)
-def test_prompt_group_equals_each_completion_on_its_tiled_prompt(name):
+def test_prompt_group_equals_each_completion_on_its_tiled_prompt(name, impl):
   """Row P + i*M + j (token i of completion j) attends as it would in the row [prompt |
   completion j]; the prompt's rows as in the prompt alone."""
   rng = np.random.default_rng(1)
@@ -93,7 +103,7 @@ def test_prompt_group_equals_each_completion_on_its_tiled_prompt(name):
   comp_pos_bmt = jnp.broadcast_to(prompt_pos_bp[:, -1:, None] + 1 + jnp.arange(t), (B, m, t))
   positions_bs = jnp.concatenate(
       [prompt_pos_bp, comp_pos_bmt.transpose(0, 2, 1).reshape(B, t * m)], axis=1)
-  spec = _spec(name, attention_ops.PromptGroup(prompt_mask_bp, mask_bmt, positions_bs))
+  spec = _spec(name, attention_ops.PromptGroup(prompt_mask_bp, mask_bmt, positions_bs), impl)
   # The tiled rows: [prompt | completion j] for every (b, j), gathered from the grouped rows.
   cols_mt = p + jnp.arange(t)[None] * m + jnp.arange(m)[:, None]
   index_ms = jnp.concatenate([jnp.broadcast_to(jnp.arange(p), (m, p)), cols_mt], axis=1)
@@ -122,7 +132,7 @@ def test_prompt_group_equals_each_completion_on_its_tiled_prompt(name):
 
 @pytest.mark.parametrize('name', SPECS)
 @pytest.mark.parametrize('k', [1, 3])
-def test_shared_prefix_decode_equals_each_stream_on_its_own_keys(name, k):
+def test_shared_prefix_decode_equals_each_stream_on_its_own_keys(name, k, impl):
   """K = 1 is the unshared cache (prompts tiled); K = 3 streams read one prefix per row."""
   rng = np.random.default_rng(2)
   p, t, index = 5, 4, 2
@@ -130,7 +140,7 @@ def test_shared_prefix_decode_equals_each_stream_on_its_own_keys(name, k):
   prefix_pos_bp = jnp.maximum(jnp.cumsum(prefix_mask_bp, axis=1) - 1, 0)
   positions_bk = jnp.broadcast_to(prefix_pos_bp[:, -1:] + 1 + index, (B, k))
   spec = _spec(name, attention_ops.SharedPrefixDecode(prefix_mask_bp, jnp.int32(index),
-                                                      positions_bk, prefix_pos_bp))
+                                                      positions_bk, prefix_pos_bp), impl)
   slot_pos_bkt = positions_bk[..., None] - index + jnp.arange(t)
   key_pos = jnp.concatenate([jnp.broadcast_to(prefix_pos_bp[:, None], (B, k, p)), slot_pos_bkt],
                             -1).reshape(B * k, p + t)
@@ -155,7 +165,7 @@ def test_shared_prefix_decode_equals_each_stream_on_its_own_keys(name, k):
 
 def test_an_unknown_implementation_is_refused_before_any_compile():
   with pytest.raises(ValueError, match=r"^unknown config\.model\.attention 'flash'; choose one "
-                                       r"of \('xla',\)$"):
+                                       r"of \('xla', 'blockwise'\)$"):
     TransformerConfig.llama(attention='flash')
   c = config_utils.base_config()
   c.model.attention = 'splash'
@@ -240,3 +250,103 @@ def test_bfloat16_shared_prefix_decode_runs_and_rounds_like_float32(k):
   assert got.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              atol=2 ** -7 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize('name', SPECS)
+def test_blockwise_equals_xla_on_long_padded_rows(name, monkeypatch):
+  """Blocks of 8 over 37 causal rows (padding in front and in the middle, the last block partial)
+  and over a group of 3 completions of 6 tokens after a 7-token prompt, some of each masked."""
+  monkeypatch.setattr(attention_blockwise, 'BLOCK', 8)
+  rng = np.random.default_rng(5)
+  s = 37
+  mask_bs = jnp.asarray(rng.random((B, s)) > 0.25).at[:, :2].set([False, True])
+  positions_bs = jnp.maximum(jnp.cumsum(mask_bs, axis=1) - 1, 0)
+  p, m, t = 7, 3, 6
+  prompt_mask_bp = jnp.ones((B, p), bool).at[0, :2].set(False).at[1, 4].set(False)
+  mask_bmt = jnp.asarray(rng.random((B, m, t)) > 0.3).at[:, :, 0].set(True)
+  comp_pos_btm = jnp.broadcast_to((p + jnp.arange(t))[:, None], (B, t, m)).reshape(B, t * m)
+  group_pos_bs = jnp.concatenate([jnp.broadcast_to(jnp.arange(p), (B, p)), comp_pos_btm], 1)
+  group_ok_bs = jnp.concatenate([prompt_mask_bp, mask_bmt.transpose(0, 2, 1).reshape(B, t * m)],
+                                axis=1)
+  for layout, valid in ((attention_ops.Causal(mask_bs, positions_bs), mask_bs),
+                        (attention_ops.PromptGroup(prompt_mask_bp, mask_bmt, group_pos_bs),
+                         group_ok_bs)):
+    rows = valid.shape[1]
+    spec, blockwise = _spec(name, layout), _spec(name, layout, 'blockwise')
+    _check(lambda q, k, v: attention_ops.attend(q, k, v, blockwise),
+           lambda q, k, v: attention_ops.attend(q, k, v, spec),
+           (_rand(rng, B, rows, H, G, D), _rand(rng, B, rows, H, D), _rand(rng, B, rows, H, D)),
+           np.asarray(valid))
+
+
+def test_blockwise_memory_grows_linearly_in_the_sequence():
+  """The compiled forward + backward's temporaries: 'xla' quadruples with each doubling of S,
+  'blockwise' adds the same O(S) step each time above its per-block scores."""
+  h, g, d = 1, 2, 16
+
+  def temp_mib(impl, s):
+    def loss(q, k, v, mask):
+      spec = attention_ops.AttentionSpec(attention_ops.Causal(mask), d ** -0.5, 0.0, None, impl)
+      return jnp.sum(attention_ops.attend(q, k, v, spec))
+    sd = jax.ShapeDtypeStruct
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        sd((1, s, h, g, d), jnp.float32), sd((1, s, h, d), jnp.float32),
+        sd((1, s, h, d), jnp.float32), sd((1, s), bool)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
+
+  xla = {s: temp_mib('xla', s) for s in (2048, 4096)}
+  blockwise = {s: temp_mib('blockwise', s) for s in (2048, 4096, 8192)}
+  assert xla[4096] > 3.5 * xla[2048]
+  assert xla[4096] > 20 * blockwise[4096], (xla, blockwise)
+  # Linear: the second doubling adds twice the first's step (quadratic: four times).
+  step_small, step_large = blockwise[4096] - blockwise[2048], blockwise[8192] - blockwise[4096]
+  assert 0 < step_large < 2.5 * step_small, blockwise
+
+
+@pytest.mark.parametrize('family', ['llama', 'gemma2'])
+def test_blockwise_model_equals_xla_log_probs_and_gradients(family, monkeypatch):
+  """A tiny model with config.model.attention='blockwise' (remat'd around it) against 'xla': the
+  same log-probs of the full forward (Causal) and the grouped one (PromptGroup), same gradients."""
+  monkeypatch.setattr(attention_blockwise, 'BLOCK', 4)
+  tiny = dict(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=8, intermediate_size=48, max_seq_len=64)
+  if family == 'llama':
+    config = TransformerConfig.llama(**tiny)
+    blockwise = config.replace(attention='blockwise', remat='names', remat_names=('attention',))
+  else:  # windows of 3 on alternate layers, soft-capped scores
+    config = TransformerConfig.gemma2(sliding_window=3, attn_softcap=1.5, final_softcap=2.0,
+                                      query_pre_attn_scalar=12.0, **{**tiny, 'num_layers': 3})
+    blockwise = config.replace(attention='blockwise', remat='full')
+  rng = np.random.default_rng(6)
+  _, params = create(config)
+  b, p, k, t, s = 2, 6, 3, 5, 11
+  tokens_bs = jnp.asarray(rng.integers(3, 61, (b, s)))
+  mask_bs = jnp.ones((b, s), bool).at[0, 3].set(False).at[1, :2].set(False)
+  positions_bs = jnp.maximum(jnp.cumsum(mask_bs, axis=1) - 1, 0)
+  prompt_mask_bp = jnp.ones((b, p), bool).at[1, :2].set(False)
+  prompt_pos_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=1) - 1, 0)
+  ctok_nt = jnp.asarray(rng.integers(3, 61, (b * k, t)))
+  cpos_nt = jnp.repeat(prompt_pos_bp[:, -1:] + 1, k, axis=0) + jnp.arange(t)
+  cmask_nt = jnp.ones((b * k, t), bool).at[1, 3:].set(False)
+
+  def log_probs(cfg):
+    fns = model_fns(create(cfg)[0])
+    def loss(prm):
+      full = jax.nn.log_softmax(fns.forward(prm, tokens_bs, positions_bs, mask_bs))[..., 1]
+      grouped = jax.nn.log_softmax(fns.grouped(prm, tokens_bs[:, :p], prompt_pos_bp,
+                                               prompt_mask_bp, ctok_nt, cpos_nt, cmask_nt))[..., 1]
+      full, grouped = jnp.where(mask_bs, full, 0.0), jnp.where(cmask_nt, grouped, 0.0)
+      return jnp.sum(full) + jnp.sum(grouped), (full, grouped)
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+  (_, want), grads_want = log_probs(config)
+  (_, got), grads_got = log_probs(blockwise)
+  for a, b_ in zip(got, want):
+    np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5)
+  for a, b_ in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want)):
+    np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5 * float(jnp.abs(b_).max()))
+
+
+def test_remat_names_saves_the_blockwise_attention_output(capsys):
+  assert _named_residuals(_tiny(attention='blockwise', remat='names', remat_names=('attention',)),
+                          capsys) == {'attention'}

@@ -22,17 +22,19 @@ import jax.numpy as jnp
 # (over the keys of the blocks it visited, unlike 'xla'), never NaN.
 _MASKED = -1e30
 _F32 = jnp.float32
+# The default block (queries and keys alike): [B, Hkv, G, 512, 512] float32 scores per step.
+BLOCK = 512
 
 
 def attend(q_bshgd, k_bshd, v_bshd, key_ok_bs, segment_bs=None, positions_bs=None, window=None,
-           *, scale: float, softcap: float = 0.0, block: int = 512):
+           *, scale: float, softcap: float = 0.0, block: int | None = None):
   """Attention output [B, S, Hkv, G, D] in v's dtype, scores and softmax in float32.
 
   key_ok_bs [B, S] marks valid keys; segment_bs [B, S] int (None: all 0) as the module
   docstring says; positions_bs [B, S] is read only with a `window` (a traced int or None).
-  S need not be a multiple of `block`: the rows are padded with invalid keys."""
+  S need not be a multiple of `block` (default BLOCK): the rows are padded with invalid keys."""
   b, s = key_ok_bs.shape
-  blk = min(block, s)
+  blk = min(block or BLOCK, s)
   nb = -(-s // blk)
 
   def blocks(x, fill=0):  # [B, S, ...] -> [nb, B, blk, ...]
