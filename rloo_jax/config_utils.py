@@ -106,7 +106,8 @@ def base_config() -> ml_collections.ConfigDict:
       # 'full' keeps only each layer's input for the backward and recomputes the rest; 'names'
       # keeps the comma-separated remat_names (of rloo_jax.models.config.CHECKPOINT_NAMES).
       remat="full", remat_names="",
-      # The attention kernel (rloo_jax.models.attention_ops.IMPLEMENTATIONS); 'xla': einsums.
+      # The attention kernel (rloo_jax.models.attention_ops.IMPLEMENTATIONS): 'xla', einsums with
+      # [S, S] scores; 'blockwise', flash-style blocks in O(S) memory (long completions).
       attention="xla",
       # The frozen reference's storage dtype. '' = the activation dtype above: the reference only
       # runs forward, where its weights are cast to that dtype anyway (so nothing changes and a
