@@ -255,13 +255,14 @@ def test_bfloat16_shared_prefix_decode_runs_and_rounds_like_float32(k):
 @pytest.mark.parametrize('name', SPECS)
 def test_blockwise_equals_xla_on_long_padded_rows(name, monkeypatch):
   """Blocks of 8 over 37 causal rows (padding in front and in the middle, the last block partial)
-  and over a group of 3 completions of 6 tokens after a 7-token prompt, some of each masked."""
+  and over a group of 3 completions of 12 tokens after a 7-token prompt, some of each masked (blocks
+  mixing the prompt and completions, and query blocks that skip other completions' blocks)."""
   monkeypatch.setattr(attention_blockwise, 'BLOCK', 8)
   rng = np.random.default_rng(5)
   s = 37
   mask_bs = jnp.asarray(rng.random((B, s)) > 0.25).at[:, :2].set([False, True])
   positions_bs = jnp.maximum(jnp.cumsum(mask_bs, axis=1) - 1, 0)
-  p, m, t = 7, 3, 6
+  p, m, t = 7, 3, 12
   prompt_mask_bp = jnp.ones((B, p), bool).at[0, :2].set(False).at[1, 4].set(False)
   mask_bmt = jnp.asarray(rng.random((B, m, t)) > 0.3).at[:, :, 0].set(True)
   comp_pos_btm = jnp.broadcast_to((p + jnp.arange(t))[:, None], (B, t, m)).reshape(B, t * m)
@@ -277,6 +278,25 @@ def test_blockwise_equals_xla_on_long_padded_rows(name, monkeypatch):
            lambda q, k, v: attention_ops.attend(q, k, v, spec),
            (_rand(rng, B, rows, H, G, D), _rand(rng, B, rows, H, D), _rand(rng, B, rows, H, D)),
            np.asarray(valid))
+
+
+def test_blockwise_prompt_group_never_reads_another_completions_blocks(monkeypatch):
+  """Completion 1 in blocks of its own (prompt 8, completions 16, blocks 8) with NaN values: the
+  prompt and completions 0 and 2 come out as with finite ones, so its blocks were never read
+  (masked, they would still have multiplied 0 by NaN)."""
+  monkeypatch.setattr(attention_blockwise, 'BLOCK', 8)
+  rng = np.random.default_rng(7)
+  p, m, t = 8, 3, 16
+  layout = attention_ops.PromptGroup(jnp.ones((B, p), bool), jnp.ones((B, m, t), bool))
+  spec = _spec('plain', layout, 'blockwise')
+  q, k, v = _rand(rng, B, p + t * m, H, G, D), _rand(rng, B, p + t * m, H, D), _rand(
+      rng, B, p + t * m, H, D)
+  of_completion_1 = (jnp.arange(p + t * m) >= p) & ((jnp.arange(p + t * m) - p) % m == 1)
+  v_nan = jnp.where(of_completion_1[None, :, None, None], jnp.nan, v)
+  want, got = attention_ops.attend(q, k, v, spec), attention_ops.attend(q, k, v_nan, spec)
+  assert np.all(np.isnan(np.asarray(got)[:, of_completion_1]))
+  np.testing.assert_array_equal(np.asarray(got)[:, ~of_completion_1],
+                                np.asarray(want)[:, ~of_completion_1])
 
 
 def test_blockwise_memory_grows_linearly_in_the_sequence():

@@ -1,7 +1,8 @@
 """Blockwise (flash) attention in pure JAX: O(S * block) memory in the sequence, forward and backward.
 
-`attend` runs the online softmax of flash attention over query blocks and, inside each, the key
-blocks at or before it (later ones are all causally masked, so they are skipped). Its own
+`attend` runs the online softmax of flash attention over query blocks and, inside each, only the
+key blocks it can see: none after it (causal), and of the blocks before it those holding segment
+0 or the query block's own segments (each segment other than 0 must be one contiguous run). Its own
 `jax.custom_vjp` saves only the output and each query's log-sum-exp; the backward recomputes the
 scores block by block, so no [S, S] array exists in either direction.
 
@@ -42,15 +43,25 @@ def attend(q_bshgd, k_bshd, v_bshd, key_ok_bs, segment_bs=None, positions_bs=Non
     return jnp.moveaxis(x.reshape(b, nb, blk, *x.shape[2:]), 1, 0)
 
   segment_bs = jnp.zeros((b, s), jnp.int32) if segment_bs is None else segment_bs
-  meta = (blocks(key_ok_bs.astype(bool), False), blocks(segment_bs.astype(jnp.int32)),
-          None if window is None else (blocks(positions_bs.astype(jnp.int32)), window))
+  # Padding is segment -1, so it never widens the segment-0 blocks every query reads.
+  segment_bs = jnp.pad(segment_bs.astype(jnp.int32), [(0, 0), (0, nb * blk - s)],
+                       constant_values=-1)
+  rows = jnp.arange(nb * blk)
+  # Blocks 0..n0-1 hold every segment-0 row; lo_n[i]: the block where the segment of query block
+  # i's first row starts (min over the batch), nondecreasing in i.
+  n0 = jnp.max(jnp.where(segment_bs == 0, rows, -1)) // blk + 1
+  starts_bs = jnp.concatenate([jnp.ones((b, 1), bool), segment_bs[:, 1:] != segment_bs[:, :-1]], 1)
+  run_start_bs = jax.lax.cummax(jnp.where(starts_bs, rows, 0), axis=1)
+  lo_n = jnp.min(run_start_bs[:, ::blk], axis=0) // blk
+  meta = (blocks(key_ok_bs.astype(bool), False), jnp.moveaxis(segment_bs.reshape(b, nb, blk), 1, 0),
+          None if window is None else (blocks(positions_bs.astype(jnp.int32)), window), (n0, lo_n))
   o_n = _flash(scale, softcap, blocks(q_bshgd), blocks(k_bshd), blocks(v_bshd), meta)
   return jnp.moveaxis(o_n, 0, 1).reshape(b, nb * blk, *q_bshgd.shape[2:])[:, :s]
 
 
 def _mask(meta, i, j):
   """[B, 1, 1, blk, blk]: which keys of key block j the queries of query block i may read."""
-  key_ok_nbt, segment_nbt, window_meta = meta
+  key_ok_nbt, segment_nbt, window_meta, _ = meta
   blk = key_ok_nbt.shape[-1]
   causal_qk = (i * blk + jnp.arange(blk))[:, None] >= (j * blk + jnp.arange(blk))[None, :]
   seg_q, seg_k = segment_nbt[i][:, :, None], segment_nbt[j][:, None, :]
@@ -83,7 +94,12 @@ def _forward(scale, softcap, q_n, k_n, v_n, meta):
   def query_block(args):
     i, q_bqhgd = args
 
-    def key_block(j, carry):
+    # Key blocks 0..min(n0, i+1)-1, then max(lo_i, n0)..i: all others are masked throughout.
+    n0, lo_n = meta[3]
+    shared, own = jnp.minimum(n0, i + 1), jnp.maximum(lo_n[i], n0)
+
+    def key_block(step, carry):
+      j = jnp.where(step < shared, step, own + step - shared)
       m_bhgq, l_bhgq, acc_bhgqd = carry
       s = jnp.where(_mask(meta, i, j), _logits(q_bqhgd, k_n[j], scale, softcap)[0], _MASKED)
       m_new = jnp.maximum(m_bhgq, s.max(-1))
@@ -95,7 +111,8 @@ def _forward(scale, softcap, q_n, k_n, v_n, meta):
 
     init = (jnp.full((b, h, g, blk), _MASKED, _F32), jnp.zeros((b, h, g, blk), _F32),
             jnp.zeros((b, h, g, blk, d), _F32))
-    m_bhgq, l_bhgq, acc_bhgqd = jax.lax.fori_loop(0, i + 1, key_block, init)
+    steps = shared + jnp.maximum(i + 1 - own, 0)
+    m_bhgq, l_bhgq, acc_bhgqd = jax.lax.fori_loop(0, steps, key_block, init)
     o_bqhgd = jnp.einsum('bhgqd->bqhgd', acc_bhgqd / l_bhgq[..., None]).astype(v_n.dtype)
     return o_bqhgd, m_bhgq + jnp.log(l_bhgq)
 
@@ -104,10 +121,14 @@ def _forward(scale, softcap, q_n, k_n, v_n, meta):
 
 
 def _backward(scale, softcap, residuals, do_n):
-  """Per key block j, the query blocks i >= j that read it: dK_j and dV_j accumulate in the
-  loop, dQ in one float32 [S]-sized carry."""
+  """Per key block j, the query blocks j..hi_j whose forward visited it (the same pairs): dK_j and
+  dV_j accumulate in the loop, dQ in one float32 [S]-sized carry."""
   q_n, k_n, v_n, meta, o_n, lse_n = residuals
   nb = q_n.shape[0]
+  n0, lo_n = meta[3]
+  # A segment-0 block is read by every later query block; another by those with lo_i <= j.
+  hi_n = jnp.where(jnp.arange(nb) < n0, nb - 1,
+                   jnp.sum(lo_n[None, :] <= jnp.arange(nb)[:, None], axis=1) - 1)
   # rowsum(dO * O): the softmax's backward term, one float32 per query.
   delta_n = jnp.einsum('nbqhgd,nbqhgd->nbhgq', do_n.astype(_F32), o_n.astype(_F32))
 
@@ -130,7 +151,8 @@ def _backward(scale, softcap, residuals, do_n):
       return dq_n.at[i].add(dq), dk_bkhd, dv_bkhd
 
     zeros_kv = jnp.zeros(k_bkhd.shape, _F32)
-    dq_n, dk_bkhd, dv_bkhd = jax.lax.fori_loop(j, nb, query_block, (dq_n, zeros_kv, zeros_kv))
+    dq_n, dk_bkhd, dv_bkhd = jax.lax.fori_loop(j, hi_n[j] + 1, query_block,
+                                               (dq_n, zeros_kv, zeros_kv))
     return dq_n, (dk_bkhd.astype(k_n.dtype), dv_bkhd.astype(v_n.dtype))
 
   dq_n, (dk_n, dv_n) = jax.lax.scan(key_block, jnp.zeros(q_n.shape, _F32),

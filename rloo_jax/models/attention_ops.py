@@ -13,6 +13,7 @@ Every layout computes its scores and softmax in float32, whatever the activation
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -208,24 +209,30 @@ def _blockwise(q, k, v, spec: AttentionSpec):
   layout = spec.layout
   if isinstance(layout, SharedPrefixDecode):
     return _shared_prefix_decode(q, k, v, spec)
+  run = functools.partial(attention_blockwise.attend, window=spec.window, scale=spec.scale,
+                          softcap=spec.softcap)
   if isinstance(layout, Causal):
-    key_ok_bs, segment_bs, positions_bs = layout.mask_bt, None, layout.positions_bt
-  elif isinstance(layout, PromptGroup):
-    b, m, t = layout.mask_bmt.shape
-    p = layout.prompt_mask_bp.shape[1]
-    key_ok_bs = jnp.concatenate([layout.prompt_mask_bp.astype(bool),
-                                 layout.mask_bmt.astype(bool).transpose(0, 2, 1).reshape(b, t * m)],
-                                axis=1)
-    # The prompt is segment 0, which every row reads; token-major row P + i*M + j is completion
-    # j's, segment j + 1, so under the causal order it reads its own tokens 0..i only.
-    segment_bs = jnp.concatenate([jnp.zeros((b, p), jnp.int32),
-                                  jnp.broadcast_to(jnp.tile(jnp.arange(1, m + 1), t), (b, t * m))],
-                                 axis=1)
-    positions_bs = layout.positions_bs
-  else:
+    return run(q, k, v, layout.mask_bt, positions_bs=layout.positions_bt)
+  if not isinstance(layout, PromptGroup):
     raise TypeError(f'attention layout {type(layout).__name__} has no blockwise implementation')
-  return attention_blockwise.attend(q, k, v, key_ok_bs, segment_bs, positions_bs, spec.window,
-                                    scale=spec.scale, softcap=spec.softcap)
+  b, m, t = layout.mask_bmt.shape
+  p = layout.prompt_mask_bp.shape[1]
+  # Completion-major inside ([prompt | completion 0 | ... | completion M-1], a transpose of the
+  # token-major rows): each completion is one contiguous segment, so the kernel skips the key
+  # blocks of the others (M times fewer completion scores than the interleaved rows).
+  def swap(x, n1, n2):  # rows [P | n1 x n2] -> [P | n2 x n1]
+    rest = x[:, p:]
+    return jnp.concatenate(
+        [x[:, :p], rest.reshape(b, n1, n2, *x.shape[2:]).swapaxes(1, 2).reshape(rest.shape)], 1)
+
+  major = lambda x: swap(x, t, m)  # noqa: E731
+  key_ok_bs = jnp.concatenate([layout.prompt_mask_bp, layout.mask_bmt.reshape(b, m * t)], 1)
+  # The prompt is segment 0, which every row reads; completion j is segment j + 1.
+  segment_bs = jnp.concatenate([jnp.zeros((b, p), jnp.int32),
+                                jnp.broadcast_to(jnp.repeat(jnp.arange(1, m + 1), t), (b, m * t))], 1)
+  positions_bs = None if layout.positions_bs is None else major(layout.positions_bs)
+  o = run(major(q), major(k), major(v), key_ok_bs.astype(bool), segment_bs, positions_bs)
+  return swap(o, m, t)
 
 
 # config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash, Pallas splash) is one
