@@ -9,7 +9,7 @@ scores block by block, so no [S, S] array exists in either direction.
 The layout is described per row token, never per (query, key) pair: query i may read key j when
 j <= i, key j is valid, j's segment is 0 or i's own segment, and (with a window) their positions
 are less than `window` apart. `attention_ops` maps its layouts onto that (`Causal`: one segment;
-`PromptGroup`: the prompt segment 0, completion j segment j + 1).
+`PromptGroup`, reordered completion-major: the prompt segment 0, completion j segment j + 1).
 """
 
 from __future__ import annotations
