@@ -1,4 +1,4 @@
-"""Blockwise (flash) attention in pure JAX: O(S * block) memory in the sequence, forward and backward.
+"""Blockwise (flash) attention in pure JAX: O(S * block) memory in S, forward and backward.
 
 `attend` runs the online softmax of flash attention over query blocks and, inside each, only the
 key blocks it can see: none after it (causal), and of the blocks before it those holding segment

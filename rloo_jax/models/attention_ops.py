@@ -228,8 +228,9 @@ def _blockwise(q, k, v, spec: AttentionSpec):
   major = lambda x: swap(x, t, m)  # noqa: E731
   key_ok_bs = jnp.concatenate([layout.prompt_mask_bp, layout.mask_bmt.reshape(b, m * t)], 1)
   # The prompt is segment 0, which every row reads; completion j is segment j + 1.
+  segment_ms = jnp.repeat(jnp.arange(1, m + 1), t)
   segment_bs = jnp.concatenate([jnp.zeros((b, p), jnp.int32),
-                                jnp.broadcast_to(jnp.repeat(jnp.arange(1, m + 1), t), (b, m * t))], 1)
+                                jnp.broadcast_to(segment_ms, (b, m * t))], 1)
   positions_bs = None if layout.positions_bs is None else major(layout.positions_bs)
   o = run(major(q), major(k), major(v), key_ok_bs.astype(bool), segment_bs, positions_bs)
   return swap(o, m, t)
