@@ -112,7 +112,7 @@ def _decode_one(args, m, fns, params, prompts, lengths, unstack) -> dict:
 
 
 def _set_model(c, args):
-  c.model.update(preset=args.preset, dtype=args.dtype)
+  c.model.update(preset=args.preset, dtype=args.dtype, attention=args.attention)
   if args.num_layers:  # the preset's family and widths at this depth
     m = presets.get(args.preset, num_layers=args.num_layers)
     c.model.update(preset="", **{k: getattr(m, k) for k in (
@@ -194,6 +194,7 @@ def main():
   p.add_argument("--param_dtype", default="",
                  help="the decode's stored weights ('' = --dtype; float32: a training policy's)")
   p.add_argument("--num_layers", type=int, default=0, help="0: the preset's depth (smoke runs)")
+  p.add_argument("--attention", default="xla", help="config.model.attention (update, memory)")
   p.add_argument("--decode_layers", default="scanned,unstacked",
                  help="decode layouts timed (config.rloo.decode_layers), each its own entry")
   p.add_argument("--prompts", type=int, default=64)

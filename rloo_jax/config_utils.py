@@ -107,8 +107,9 @@ def base_config() -> ml_collections.ConfigDict:
       # keeps the comma-separated remat_names (of rloo_jax.models.config.CHECKPOINT_NAMES).
       remat="full", remat_names="",
       # The attention kernel (rloo_jax.models.attention_ops.IMPLEMENTATIONS): 'xla', einsums with
-      # [S, S] scores; 'blockwise', flash-style blocks in O(S) memory (long completions).
-      attention="xla",
+      # [S, S] scores; 'blockwise', flash-style blocks in O(S) memory (long completions); 'auto',
+      # blockwise for rows of 4096 tokens or more, else xla.
+      attention="auto",
       # The frozen reference's storage dtype. '' = the activation dtype above: the reference only
       # runs forward, where its weights are cast to that dtype anyway (so nothing changes and a
       # bfloat16 run stores it in half the bytes); 'bfloat16' also halves it under float32

@@ -37,10 +37,10 @@ def _spec(name, layout, implementation='xla'):
                                      None if window is None else jnp.int32(window), implementation)
 
 
-@pytest.fixture(params=list(attention_ops.IMPLEMENTATIONS))
+@pytest.fixture(params=[n for n in attention_ops.IMPLEMENTATIONS if n != 'auto'])
 def impl(request, monkeypatch):
-  """Each implementation; 'blockwise' with blocks of 3, so the test rows run several blocks and
-  a partial last one."""
+  """Each kernel ('auto' picks one of them: its own test); 'blockwise' with blocks of 3, so the
+  test rows run several blocks and a partial last one."""
   monkeypatch.setattr(attention_blockwise, 'BLOCK', 3)
   return request.param
 
@@ -165,7 +165,7 @@ def test_shared_prefix_decode_equals_each_stream_on_its_own_keys(name, k, impl):
 
 def test_an_unknown_implementation_is_refused_before_any_compile():
   with pytest.raises(ValueError, match=r"^unknown config\.model\.attention 'flash'; choose one "
-                                       r"of \('xla', 'blockwise'\)$"):
+                                       r"of \('xla', 'blockwise', 'auto'\)$"):
     TransformerConfig.llama(attention='flash')
   c = config_utils.base_config()
   c.model.attention = 'splash'
@@ -370,3 +370,24 @@ def test_blockwise_model_equals_xla_log_probs_and_gradients(family, monkeypatch)
 def test_remat_names_saves_the_blockwise_attention_output(capsys):
   assert _named_residuals(_tiny(attention='blockwise', remat='names', remat_names=('attention',)),
                           capsys) == {'attention'}
+
+
+def test_auto_runs_blockwise_from_its_row_length_and_the_decode_on_xla(monkeypatch):
+  rng, calls = np.random.default_rng(0), []
+  for name in ('_xla', '_blockwise'):
+    kernel = getattr(attention_ops, name)
+    monkeypatch.setattr(attention_ops, name,
+                        lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+  monkeypatch.setattr(attention_ops, 'AUTO_BLOCKWISE_MIN_TOKENS', 12)
+  for s in (11, 12):
+    q, k = _rand(rng, 1, s, H, G, D), _rand(rng, 1, s, H, D)
+    spec = attention_ops.AttentionSpec(attention_ops.Causal(np.ones((1, s), bool)), D ** -0.5,
+                                       implementation='auto')
+    attention_ops.attend(q, k, k, spec)
+  p, t = 20, 4
+  decode = attention_ops.AttentionSpec(attention_ops.SharedPrefixDecode(
+      np.ones((1, p), bool), jnp.int32(2)), D ** -0.5, implementation='auto')
+  attention_ops.attend(_rand(rng, 1, 2, H, G, D),
+                       (_rand(rng, 1, H, D, p), _rand(rng, 1, 2, H, D, t)),
+                       (_rand(rng, 1, H, p, D), _rand(rng, 1, 2, H, t, D)), decode)
+  assert calls == ['_xla', '_blockwise', '_xla']

@@ -47,6 +47,17 @@ def test_gpu_check_figures_follow_from_their_measurements():
   assert 0 <= mem["reward_mean"] <= 1
 
 
+def test_bench_attention_blockwise_equals_xla_in_less_memory():
+  out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "bench_attention.py"),
+                        "--lengths", "1024", "--heads", "1,2", "--head_dim", "16", "--prompt",
+                        "64", "--repeats", "1"], check=True, capture_output=True, text=True).stdout
+  rows = [json.loads(line) for line in out.splitlines()]
+  assert [(r["layout"], r["tokens"]) for r in rows] == [("causal", 1024), ("group", 1088)]
+  for r in rows:
+    assert r["blockwise"]["max_rel_err"] < 1e-5
+    assert r["blockwise"]["temp_mib"] < r["xla"]["temp_mib"]
+
+
 def test_gpu_check_refuses_an_unknown_decode_layout_before_building_a_model():
   out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "gpu_check.py"),
                         "--decode_layers", "scanned,unstaked"],

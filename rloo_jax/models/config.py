@@ -97,7 +97,7 @@ class TransformerConfig:
   head: str = 'lm'
   remat: str = 'none'
   remat_names: tuple = ()
-  attention: str = 'xla'  # an `attention_ops.IMPLEMENTATIONS` key
+  attention: str = 'auto'  # an `attention_ops.IMPLEMENTATIONS` key
   rotary_pct: float = 1.0
   parallel_residual: bool = False
   rope_type: str = 'default'

@@ -154,7 +154,7 @@ def run_options(model_cfg) -> dict:
   remat = model_cfg.get('remat', 'none')
   return dict(remat=remat,
               remat_names=config_lib.check_remat_names(remat, model_cfg.get('remat_names', '')),
-              attention=attention_ops.check_implementation(model_cfg.get('attention', 'xla')))
+              attention=attention_ops.check_implementation(model_cfg.get('attention', 'auto')))
 
 
 def from_experiment_config(model_cfg, vocab_size: int) -> config_lib.TransformerConfig:
