@@ -12,7 +12,8 @@ program at the peak, the reward model's resident GiB, fits) and one JSON line pe
 --targets compiles each row again with each accelerator's own compiler (`--target=<family>-<n>`,
 n the row's devices; `pip install -e ".[plan]"`) and prints update grads / update apply / peak
 GiB per device for the CPU estimate and each target side by side. The scale jobs of docs/SCALE.md
-are rows too (`--only scale`).
+are rows too (`--only scale`), and the long-completion jobs (`--only long`); each JSON line
+counts XLA's "Involuntary full rematerialization" warnings (`involuntary_remat`).
 """
 import argparse
 import json
@@ -27,6 +28,9 @@ _LORA8B = ("configs/arithmetic.py --config.model.preset=llama-3-8b --config.mode
            "--config.model.lora.rank=16 --config.rloo.k=4 --config.rloo.num_prompts=64 "
            "--config.data.max_prompt_len=512 --config.rloo.max_new_tokens=512 "
            "--config.train.microbatch_size=8 --config.mesh.data=1")
+# Long reasoning traces (docs/SCALE.md "Long completions"): a prompt of 1024 tokens, k = 8.
+_LONG = ("--config.data.max_prompt_len=1024 --config.model.remat=full "
+         "--config.rloo.rollout_chunk_prompts=32 --config.rloo.max_new_tokens=")
 # (name, config[:arg], devices, device memory GiB): the hardware of each config's docstring.
 ROWS = (
     ("tldr pythia-1b k=4", "configs/tldr.py:model=pythia-1b,k=4", 8, 80),
@@ -53,6 +57,14 @@ ROWS = (
     ("scale llama-3-70b lora 16 k=2 16x(512+512) fsdp=8", _SCALE + " --config.model.preset="
      "llama-3-70b --config.model.lora.rank=16 --config.rloo.num_prompts=16 --config.rloo.k=2 "
      "--config.data.max_prompt_len=512 --config.rloo.max_new_tokens=512", 8, 80),
+    ("long deepscaler 128x8x(1024+8192) microbatch 2", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
+     "--config.rloo.num_prompts=128 --config.train.microbatch_size=2 " + _LONG + "8192", 8, 72),
+    ("long qwen2.5-1.5b k=8 1024+24576", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
+     "--config.rloo.num_prompts=32 --config.train.microbatch_size=1 " + _LONG + "24576", 8, 72),
+    ("long qwen2.5-1.5b k=8 1024+32768", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
+     "--config.rloo.num_prompts=32 --config.train.microbatch_size=1 " + _LONG + "32768", 8, 72),
+    ("long qwen3-8b k=8 1024+16384", "configs/gsm8k.py:model=qwen3-8b,k=8 "
+     "--config.rloo.num_prompts=32 --config.train.microbatch_size=1 " + _LONG + "16384", 8, 72),
 )
 
 
@@ -71,6 +83,8 @@ def plan(config: str, devices: int, memory_gb: float, speedups: bool = False,
     raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
   report = json.loads(out.stdout.strip().splitlines()[-1])
   report["command"] = " ".join(["python", "-m", "rloo_jax.plan"] + cmd[3:])
+  # XLA's SPMD partitioner logs when a sharding forces it to rebuild a whole array.
+  report["involuntary_remat"] = out.stderr.count("Involuntary full rematerialization")
   return report
 
 
@@ -103,7 +117,8 @@ def main():
                           peak_gb_per_device=r["peak_gb_per_device"], program=at,
                           reward_model_gb=r.get("reward_model_gb", 0), fits=r["fits"],
                           advice=r["advice"], speedups=r["speedups"],
-                          command=r["command"])), flush=True)
+                          command=r["command"], involuntary_remat=r["involuntary_remat"])),
+          flush=True)
 
 
 def _cell(r: dict) -> str:
@@ -132,8 +147,8 @@ def compare(rows, targets, estimate=True):
     print(f"| {name} | {devices} | " + " | ".join(cells) + " |", flush=True)
     for t, r in reports.items():
       print(json.dumps(dict(name=name, target=t, peak_gb_per_device=r["peak_gb_per_device"],
-                            fits=r["fits"], programs=r["programs"], command=r["command"])),
-            flush=True)
+                            fits=r["fits"], programs=r["programs"], command=r["command"],
+                            involuntary_remat=r["involuntary_remat"])), flush=True)
 
 
 if __name__ == "__main__":

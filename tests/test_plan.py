@@ -96,13 +96,16 @@ def test_a_tiny_device_does_not_fit_and_the_advice_names_a_knob(fsdp_plan):
   knob = lambda name: next(a for a in r["advice"] if a.startswith(f"--config.{name}="))
   value = lambda name: int(knob(name).split("=")[1].split()[0])
   # Every program is over: the update's microbatch (a smaller size dividing the minibatch's
-  # groups), the rollout's chunk (dividing the prompts, a multiple of the 2 batch devices), the
-  # state (fsdp cannot grow past the 2 devices) and the float32 reference are all named.
+  # groups), the rollout's chunk (dividing the prompts, a multiple of the 2 batch devices) and
+  # the float32 reference are named; more devices are not, since the overflow is larger than
+  # the whole train state (more fsdp alone cannot make room).
   size = value("train.microbatch_size")
   assert size < r["microbatch_size"] and r["microbatch_size"] % size == 0
   chunk = value("rloo.rollout_chunk_prompts")
   assert chunk < r["rollout_chunk_prompts"] and 4 % chunk == 0 and chunk % 2 == 0
-  assert knob("mesh.fsdp").startswith("--config.mesh.fsdp=<more>")
+  state = r["params_gb"] + r["opt_state_gb"] + r["ref_gb"]
+  assert state < r["peak_gb_per_device"] - r["device_memory_gb"]
+  assert not any(a.startswith("--config.mesh.fsdp") for a in r["advice"])
   assert knob("model.ref_dtype").startswith("--config.model.ref_dtype=bfloat16")
   assert "DOES NOT FIT" in table
 
@@ -341,6 +344,25 @@ def test_the_faster_settings_stay_within_the_headroom_of_a_tight_device():
   # A job that does not fit gets advice, not speed-ups.
   over = plan.plan(algo, names=("update",), speedups=True, device_memory_gb=base / 2)
   assert not over["fits"] and over["speedups"] == [] and over["advice"]
+
+
+def test_long_rows_attending_with_scores_are_told_blockwise_and_not_more_devices():
+  # 8 groups x 4 rows of 16 + 1000 tokens: the xla scores dominate the update's temporaries.
+  long = {"rloo.max_new_tokens": 1000, "model.max_seq_len": 1024, "model.attention": "xla"}
+  exp = experiment.build_abstract(small_config(**long))
+  peak = plan.plan(RLOO(exp), names=("update",))["peak_gb_per_device"]
+  r = plan.plan(RLOO(exp), names=("update",), device_memory_gb=peak * 0.8)
+  tip = next(a for a in r["advice"] if a.startswith("--config.model.attention=blockwise"))
+  before, after = (float(x.split()[0])  # "... temporaries X GiB -> Y GiB; now 'xla')"
+                   for x in tip.split("temporaries ")[1].split(";")[0].split("->"))
+  assert after < before / 2, tip
+  # The overflow is more than the whole train state: more devices cannot fit it alone.
+  assert r["params_gb"] + r["opt_state_gb"] + r["ref_gb"] < peak * 0.2
+  assert not any(a.startswith("--config.mesh.fsdp") for a in r["advice"])
+  # Attention already in O(S): nothing to name.
+  blockwise = experiment.build_abstract(small_config(**{**long, "model.attention": "blockwise"}))
+  r = plan.plan(RLOO(blockwise), names=("update",), device_memory_gb=peak * 0.8)
+  assert not any("attention" in a for a in r["advice"])
 
 
 def test_decode_layers_auto_by_platform_and_the_plan_counts_the_unstacked_copy():

@@ -23,7 +23,7 @@ from rloo_jax import experiment, sampler_args
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
 from rloo_jax.memory import speedups as speedups_lib
-from rloo_jax.models import lora
+from rloo_jax.models import attention_ops, lora
 
 GIB = 2 ** 30
 DEFAULT_DEVICE_MEMORY_GB = 80.0
@@ -101,6 +101,31 @@ def _microbatch_advice(algo, name: str, update, need: int, accelerator: bool) ->
   return out
 
 
+def _attention_advice(algo, name: str, update, need: int, accelerator: bool) -> list:
+  """O(S) attention, where the update's rows still attend with [S, S] scores ('xla', or 'auto'
+  below its blockwise length) and those scores could make room: the update compiled once more
+  with 'blockwise'."""
+  exp = algo.exp
+  c, m = exp.config, exp.model_config
+  kind = c.model.get("attention", "auto")
+  tokens = c.data.max_prompt_len + c.rloo.max_new_tokens
+  if kind == "blockwise" or (kind == "auto"
+                             and tokens >= attention_ops.AUTO_BLOCKWISE_MIN_TOKENS):
+    return []
+  mb = programs_lib.microbatch(c)
+  rows = mb["microbatch_rows"] / exp.layout.batch_parallelism
+  if rows * m.num_heads * tokens ** 2 * 4 < need / 10:  # one layer's float32 scores
+    return []
+  config = c.copy_and_resolve_references()
+  config.model.attention = "blockwise"
+  temp = programs_lib.compile_at(algo, config, accelerator=accelerator, rebuild=True)[name].temp
+  if temp >= update.temp:
+    return []
+  return [(update.temp - temp, f"--config.model.attention=blockwise (attention in O(S) memory: "
+                               f"the update's temporaries {_size(update.temp)} -> {_size(temp)}; "
+                               f"now {kind!r})")]
+
+
 def _state_advice(exp, compiled, need: int) -> list:
   """More FSDP (the state splits over it) and a bfloat16 reference."""
   out = []
@@ -113,7 +138,7 @@ def _state_advice(exp, compiled, need: int) -> list:
     note = "" if pick >= want else "; the most these devices allow, not enough alone"
     out.append((state, f"--config.mesh.fsdp={pick} --config.mesh.data={batch // pick} (the "
                        f"train state, {_size(state)}, splits over fsdp; now fsdp={f}{note})"))
-  else:
+  elif state > need:  # else even endless devices would not make room: no advice
     out.append((state, f"--config.mesh.fsdp=<more> (the train state, {_size(state)}, splits "
                        f"over fsdp; fsdp={f} of {batch} batch-parallel devices: add devices)"))
   ref = compiled.state_bytes["ref_params"]
@@ -148,6 +173,7 @@ def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
   name = _activations_program(compiled.programs)
   if name in over:
     items += _microbatch_advice(algo, name, compiled.programs[name], over[name], accelerator)
+    items += _attention_advice(algo, name, compiled.programs[name], over[name], accelerator)
   items += _state_advice(exp, compiled, max(over.values()))
   sampling = [over[n] for n in ("start", "decode") if n in over]
   if sampling:
