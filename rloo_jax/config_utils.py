@@ -108,7 +108,8 @@ def base_config() -> ml_collections.ConfigDict:
       remat="full", remat_names="",
       # The attention kernel (rloo_jax.models.attention_ops.IMPLEMENTATIONS): 'xla', einsums with
       # [S, S] scores; 'blockwise', flash-style blocks in O(S) memory (long completions); 'auto',
-      # blockwise for rows of 4096 tokens or more, else xla.
+      # blockwise where a query reads 4096 keys or more (a row; a group's prompt + one
+      # completion), else xla.
       attention="auto",
       # The frozen reference's storage dtype. '' = the activation dtype above: the reference only
       # runs forward, where its weights are cast to that dtype anyway (so nothing changes and a

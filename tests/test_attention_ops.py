@@ -372,7 +372,7 @@ def test_remat_names_saves_the_blockwise_attention_output(capsys):
                           capsys) == {'attention'}
 
 
-def test_auto_runs_blockwise_from_its_row_length_and_the_decode_on_xla(monkeypatch):
+def test_auto_runs_blockwise_from_the_keys_a_query_reads_and_the_decode_on_xla(monkeypatch):
   rng, calls = np.random.default_rng(0), []
   for name in ('_xla', '_blockwise'):
     kernel = getattr(attention_ops, name)
@@ -384,10 +384,15 @@ def test_auto_runs_blockwise_from_its_row_length_and_the_decode_on_xla(monkeypat
     spec = attention_ops.AttentionSpec(attention_ops.Causal(np.ones((1, s), bool)), D ** -0.5,
                                        implementation='auto')
     attention_ops.attend(q, k, k, spec)
+  # A group of 4 + 3 x 5 = 19 rows: a completion token reads at most 4 + 5 keys, under the 12.
+  group = attention_ops.AttentionSpec(attention_ops.PromptGroup(
+      np.ones((1, 4), bool), np.ones((1, 3, 5), bool)), D ** -0.5, implementation='auto')
+  q, k = _rand(rng, 1, 19, H, G, D), _rand(rng, 1, 19, H, D)
+  attention_ops.attend(q, k, k, group)
   p, t = 20, 4
   decode = attention_ops.AttentionSpec(attention_ops.SharedPrefixDecode(
       np.ones((1, p), bool), jnp.int32(2)), D ** -0.5, implementation='auto')
   attention_ops.attend(_rand(rng, 1, 2, H, G, D),
                        (_rand(rng, 1, H, D, p), _rand(rng, 1, 2, H, D, t)),
                        (_rand(rng, 1, H, p, D), _rand(rng, 1, 2, H, t, D)), decode)
-  assert calls == ['_xla', '_blockwise', '_xla']
+  assert calls == ['_xla', '_blockwise', '_xla', '_xla']

@@ -236,18 +236,25 @@ def _blockwise(q, k, v, spec: AttentionSpec):
   return swap(o, m, t)
 
 
-# Rows of at least this many tokens run 'blockwise' under 'auto'. On an H200 (Qwen2.5-1.5B's
+# Queries reading this many keys or more run 'blockwise' under 'auto'. On an H200 (Qwen2.5-1.5B's
 # heads, docs/PERFORMANCE.md) 'xla' held 0.47 GiB of scores a row at 2K tokens and 7.5 at 8K,
 # 'blockwise' 0.06 and 0.13, for 1.15x the attention's time at 8K.
 AUTO_BLOCKWISE_MIN_TOKENS = 4096
 
 
 def _auto(q, k, v, spec: AttentionSpec):
-  """'auto': 'blockwise' for rows of AUTO_BLOCKWISE_MIN_TOKENS or more (their [S, S] scores
-  would dominate a device's memory), else 'xla'. The decode's one query a stream is 'xla'."""
-  long_rows = (not isinstance(spec.layout, SharedPrefixDecode)
-               and q.shape[1] >= AUTO_BLOCKWISE_MIN_TOKENS)
-  return (_blockwise if long_rows else _xla)(q, k, v, spec)
+  """'auto': 'blockwise' where a query reads AUTO_BLOCKWISE_MIN_TOKENS keys or more (the scores
+  would dominate a device's memory), else 'xla': a causal row's length, a group's prompt plus
+  one completion (xla never scores one completion against another), never the decode's one
+  query a stream."""
+  layout = spec.layout
+  if isinstance(layout, SharedPrefixDecode):
+    keys = 0
+  elif isinstance(layout, PromptGroup):
+    keys = layout.prompt_mask_bp.shape[1] + layout.mask_bmt.shape[2]
+  else:
+    keys = q.shape[1]
+  return (_blockwise if keys >= AUTO_BLOCKWISE_MIN_TOKENS else _xla)(q, k, v, spec)
 
 
 # config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash, Pallas splash) is one
