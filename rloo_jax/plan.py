@@ -58,9 +58,7 @@ def main(argv):
     # accelerator left out of it is never initialised (nor its memory preallocated).
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", int(_DEVICES.value))
-  if not _TARGET.value:
-    # A deviceless compile cannot load a cached executable (each read would warn and recompile).
-    cli.setup_compilation_cache(_CONFIG.value)
+  cli.setup_compilation_cache(_CONFIG.value)  # a --target turns it off (memory.targets)
   # Imported after the device set is fixed (nothing they import may touch a device, but the
   # order keeps it so).
   from rloo_jax import algorithms, experiment, memory  # pylint: disable=import-outside-toplevel

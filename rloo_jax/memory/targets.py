@@ -97,9 +97,11 @@ device_description_str: "{kind}"
 def devices(target: Target) -> list:
   """The target's devices, from its compiler run deviceless on this host. Call before anything
   touches a device: the host's own backend is kept to the CPU, so an installed GPU plugin
-  neither looks for a GPU nor checks its CUDA libraries."""
+  neither looks for a GPU nor checks its CUDA libraries. The persistent compilation cache goes
+  off for the process: a deviceless compile cannot load a cached executable (each read warns)."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_enable_compilation_cache", False)
   try:
     if target.platform == "tpu":
       family = re.match(r"tpu-(\w+)-", target.name.lower()).group(1)
