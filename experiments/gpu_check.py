@@ -187,6 +187,7 @@ def memory_check(args) -> dict:
               first_iteration_s=round(iteration_s, 2), num_params=report["num_params"],
               reward_mean=float(metrics["reward_mean"]), loss=float(metrics["loss"]))
 
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="llama-3.2-1b")
@@ -194,7 +195,7 @@ def main():
   p.add_argument("--param_dtype", default="",
                  help="the decode's stored weights ('' = --dtype; float32: a training policy's)")
   p.add_argument("--num_layers", type=int, default=0, help="0: the preset's depth (smoke runs)")
-  p.add_argument("--attention", default="xla", help="config.model.attention (update, memory)")
+  p.add_argument("--attention", default="auto", help="config.model.attention (update, memory)")
   p.add_argument("--decode_layers", default="scanned,unstacked",
                  help="decode layouts timed (config.rloo.decode_layers), each its own entry")
   p.add_argument("--prompts", type=int, default=64)
