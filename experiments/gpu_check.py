@@ -111,27 +111,28 @@ def _decode_one(args, m, fns, params, prompts, lengths, unstack) -> dict:
               roofline_over_measured=_sig(roofline / measured))
 
 
-def _set_model(c, args):
+def _bench_job(c, args):
+  """`c` set to the flags' model and shape on the bench task (the synthetic reward); the task."""
+  c.task = "bench"
   c.model.update(preset=args.preset, dtype=args.dtype, attention=args.attention)
   if args.num_layers:  # the preset's family and widths at this depth
     m = presets.get(args.preset, num_layers=args.num_layers)
     c.model.update(preset="", **{k: getattr(m, k) for k in (
         "family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
         "intermediate_size")})
+  c.data.max_prompt_len = args.prompt_len
+  c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
+  c.rewards.fns = [bench_step.synthetic_reward]
+  c.rewards.weights = [1.0]
+  return bench_step.bench_task(presets.get(args.preset).vocab_size, args.prompt_len,
+                               fixed_length=True)
 
 
 def update_check(args) -> dict:
   c = base_config()
-  c.task = "bench"
   c.model.update(remat=args.remat, max_seq_len=args.prompt_len + args.new_tokens)
-  _set_model(c, args)
-  c.data.max_prompt_len = args.prompt_len
-  c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
+  task = _bench_job(c, args)
   c.train.update(num_epochs=1, num_minibatches=1, microbatch_size=args.microbatch_size)
-  c.rewards.fns = [bench_step.synthetic_reward]
-  c.rewards.weights = [1.0]
-  vocab = presets.get(args.preset).vocab_size
-  task = bench_step.bench_task(vocab, args.prompt_len, fixed_length=True)
   with tempfile.TemporaryDirectory() as workdir:
     algo, state = bench_step.build(c, task, workdir)
     data = bench_step.prompt_batches(task, args.prompts, args.prompt_len)
@@ -156,15 +157,8 @@ def memory_check(args) -> dict:
   device (the plan), then one real RLOO iteration from random weights, and the device's
   measured peak (`memory_stats()['peak_bytes_in_use']`) beside the plan's peak."""
   c = load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "arithmetic.py"))
-  c.task = "bench"
-  _set_model(c, args)
-  c.data.max_prompt_len = args.prompt_len
-  c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
+  task = _bench_job(c, args)
   c.mesh.update(data=1, fsdp=1)
-  c.rewards.fns = [bench_step.synthetic_reward]
-  c.rewards.weights = [1.0]
-  task = bench_step.bench_task(presets.get(args.preset).vocab_size, args.prompt_len,
-                               fixed_length=True)
   device = jax.devices()[0]
   with tempfile.TemporaryDirectory() as workdir:
     algo, state = bench_step.build(c, task, workdir)

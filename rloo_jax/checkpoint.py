@@ -176,17 +176,7 @@ class Checkpointer:
     new_form = without_reference(abstract_state)
     for s in steps:
       try:
-        target = new_form
-        try:
-          self._check_matches(s, target)
-        except CheckpointMismatchError as e:
-          if target is abstract_state:
-            raise
-          try:  # written before the reference moved out of the checkpoints
-            self._check_matches(s, abstract_state)
-          except CheckpointMismatchError:
-            raise e from None
-          target = abstract_state
+        target = self._written_form(s, new_form, abstract_state)
         restored = self.manager.restore(s, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
       except CheckpointMismatchError:
@@ -203,6 +193,21 @@ class Checkpointer:
         state = self._restore_reference(state, abstract_state.ref_params)
       return s, state, restored["meta"]
     return None
+
+  def _written_form(self, step: int, new_form, old_form):
+    """The form checkpoint `step` was written in: today's, without the reference, or the one
+    before the reference moved out of the checkpoints. Today's mismatch error if neither."""
+    try:
+      self._check_matches(step, new_form)
+      return new_form
+    except CheckpointMismatchError as e:
+      if new_form is old_form:
+        raise
+      try:
+        self._check_matches(step, old_form)
+      except CheckpointMismatchError:
+        raise e from None
+      return old_form
 
   def _quarantine(self, step: int):
     """Moves a bad checkpoint out of Orbax's way (so later saves of that step can succeed),

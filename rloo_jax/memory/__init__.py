@@ -108,9 +108,8 @@ def _attention_advice(algo, name: str, update, need: int, accelerator: bool) -> 
   exp = algo.exp
   c, m = exp.config, exp.model_config
   kind = c.model.get("attention", "auto")
-  tokens = c.data.max_prompt_len + c.rloo.max_new_tokens
-  if kind == "blockwise" or (kind == "auto"
-                             and tokens >= attention_ops.AUTO_BLOCKWISE_MIN_TOKENS):
+  tokens = c.data.max_prompt_len + c.rloo.max_new_tokens  # the keys a completion token reads
+  if attention_ops.resolve(kind, tokens) == "blockwise":
     return []
   mb = programs_lib.microbatch(c)
   rows = mb["microbatch_rows"] / exp.layout.batch_parallelism

@@ -242,10 +242,18 @@ def _blockwise(q, k, v, spec: AttentionSpec):
 AUTO_BLOCKWISE_MIN_TOKENS = 4096
 
 
+def resolve(name: str, keys: int) -> str:
+  """The kernel implementation `name` runs where a query reads up to `keys` keys: 'auto' is
+  'blockwise' from AUTO_BLOCKWISE_MIN_TOKENS keys (the scores would dominate a device's memory),
+  else 'xla'."""
+  if name != 'auto':
+    return name
+  return 'blockwise' if keys >= AUTO_BLOCKWISE_MIN_TOKENS else 'xla'
+
+
 def _auto(q, k, v, spec: AttentionSpec):
-  """'auto': 'blockwise' where a query reads AUTO_BLOCKWISE_MIN_TOKENS keys or more (the scores
-  would dominate a device's memory), else 'xla': a causal row's length, a group's prompt plus
-  one completion (xla never scores one completion against another), never the decode's one
+  """'auto' (`resolve`) on the keys a query reads: a causal row's length, a group's prompt plus
+  one completion (xla never scores one completion against another), none for the decode's one
   query a stream."""
   layout = spec.layout
   if isinstance(layout, SharedPrefixDecode):
@@ -254,7 +262,7 @@ def _auto(q, k, v, spec: AttentionSpec):
     keys = layout.prompt_mask_bp.shape[1] + layout.mask_bmt.shape[2]
   else:
     keys = q.shape[1]
-  return (_blockwise if keys >= AUTO_BLOCKWISE_MIN_TOKENS else _xla)(q, k, v, spec)
+  return (_blockwise if resolve('auto', keys) == 'blockwise' else _xla)(q, k, v, spec)
 
 
 # config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash, Pallas splash) is one
