@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import advantage, loss, sampler, sampler_args
+from rloo_jax import advantage, head_loss, loss, sampler, sampler_args
 from rloo_jax.data import pipeline
 
 # Fields of a data batch that are not reward-function fields.
@@ -55,8 +55,28 @@ def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, t: int):
                      head_slice=(s - t, t))
 
 
+class _DenseHead:
+  """The log-prob methods of rows whose hidden states come out [N, T, E], one per completion
+  token (`packing.PackedMicrobatch` has the same two for packed rows)."""
+
+  def logprobs(self, fns, params, *, chunk_size: int, with_entropy: bool = False):
+    """(log-probs [N, T], entropies [N, T] or None) of the completions, float32, from the final
+    hidden states in chunks of `chunk_size` positions (`loss.chunked_logprobs`): no [N, T, V]
+    logits exist, forward or backward."""
+    return loss.chunked_logprobs(fns.head, fns.head_params(params), self.hidden(fns, params),
+                                 self.completions_nt, self.cmask_nt, chunk_size=chunk_size,
+                                 with_entropy=with_entropy)
+
+  def linear_loss(self, fns, params, coef_nt, *, chunk_size: int):
+    """(sum of coef_nt * log-probs, log-probs [N, T], entropies [N, T]): the head's gradient
+    taken in the log-prob pass (`head_loss.linear_logprob_loss`)."""
+    return head_loss.linear_logprob_loss(fns.head, fns.head_params(params),
+                                         self.hidden(fns, params), self.completions_nt, coef_nt,
+                                         chunk_size=chunk_size, with_entropy=True)
+
+
 @struct.dataclass
-class SequenceRows:
+class SequenceRows(_DenseHead):
   """B*k rows of [left-padded prompt | completion]; S = P + T."""
   tokens_ns: jax.Array            # int32 [N, S]
   positions_ns: jax.Array         # int32 [N, S]
@@ -94,7 +114,7 @@ class SequenceRows:
 
 
 @struct.dataclass
-class GroupedRows:
+class GroupedRows(_DenseHead):
   """Each prompt once beside its k completions (`Transformer.grouped`)."""
   prompt_tokens_bp: jax.Array         # int32 [B, P], left-padded
   prompt_positions_bp: jax.Array      # int32 [B, P]
@@ -139,12 +159,9 @@ class GroupedRows:
 
 
 def logprobs(rows, fns, params, *, chunk_size: int, with_entropy: bool = False):
-  """(log-probs [N, T], entropies [N, T] or None) of the rows' completions, float32, from the
-  final hidden states in chunks of `chunk_size` positions (`loss.chunked_logprobs`): no [N, T, V]
-  logits exist, forward or backward."""
-  return loss.chunked_logprobs(fns.head, fns.head_params(params), rows.hidden(fns, params),
-                               rows.completions_nt, rows.cmask_nt, chunk_size=chunk_size,
-                               with_entropy=with_entropy)
+  """(log-probs [N, T], entropies [N, T] or None) of the rows' completions, float32: the rows'
+  own `logprobs`."""
+  return rows.logprobs(fns, params, chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def _split_units(rows, m: int, rows_per_unit):

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import advantage, head_loss, loss, platform, rollout
+from rloo_jax import advantage, loss, packing, platform, rollout
 from rloo_jax.models import lora
 from rloo_jax.optim import apply_if_finite
 
@@ -46,6 +46,8 @@ def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
   slices of the rows with a `lax.scan`, so one microbatch's activations live at a time; with 1
   it is `fn(rows)`. Exact for anything that sums over rows (the losses, given a whole-minibatch
   `loss.normalizer`)."""
+  if isinstance(rows, packing.PackedRows):
+    return rows.accumulate(fn, lambda mb: constrain(mb, rows_sharding))
   if microbatches == 1:
     return fn(rows)
   split = rows.microbatches(microbatches, k)
@@ -94,9 +96,7 @@ def gradients(params, rows, frozen=None, *, fns, spec: loss.LossSpec, k: int, ch
         return loss.policy_loss(spec, logp, mb.old_logp_nt, mb.cmask_nt, mb.advantages_n,
                                 entropy, normalizer=norm)
       coef = loss.linear_coefficients(spec, mb.cmask_nt, mb.advantages_n, normalizer=norm)
-      value, logp, entropy = head_loss.linear_logprob_loss(
-          fns.head, fns.head_params(full), mb.hidden(fns, full), mb.completions_nt, coef,
-          chunk_size=chunk_size, with_entropy=True)
+      value, logp, entropy = mb.linear_loss(fns, full, coef, chunk_size=chunk_size)
       # The metrics from the same log-probs (no gradient); policy_loss among them equals value.
       _, metrics = loss.policy_loss(spec, jnp.where(mb.cmask_nt, logp, 0.0), mb.old_logp_nt,
                                     mb.cmask_nt, mb.advantages_n, entropy, normalizer=norm)

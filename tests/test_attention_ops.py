@@ -280,6 +280,67 @@ def test_blockwise_equals_xla_on_long_padded_rows(name, monkeypatch):
            np.asarray(valid))
 
 
+def _packed_row(groups, length):
+  """A packed row (`rloo_jax.packing`'s layout) of groups given as (prompt, [completion lengths]):
+  (segment, shared, key_ok, positions, group, part), each [length]; the tail is padding."""
+  segment, shared, group, part, positions = [], [], [], [], []
+  for g, (p, lengths) in enumerate(groups):
+    base = g * 10
+    segment += [base] * p
+    shared += [base] * p
+    part += [0] * p
+    positions += list(range(p))
+    for j, n in enumerate(lengths):
+      segment += [base + 1 + j] * n
+      shared += [base] * n
+      part += [1 + j] * n
+      positions += list(range(p, p + n))
+    group += [g] * (p + sum(lengths))
+  pad = length - len(segment)
+  big = 2 ** 30
+  as_i32 = lambda x, fill: np.asarray(x + [fill] * pad, np.int32)  # noqa: E731
+  return (as_i32(segment, big), as_i32(shared, big),
+          np.asarray([True] * len(group) + [False] * pad), as_i32(positions, 0),
+          as_i32(group, -1), as_i32(part, -1))
+
+
+@pytest.mark.parametrize('name', SPECS)
+def test_packed_rows_read_their_own_completion_and_their_groups_prompt(name, impl):
+  """Causal rows with segments: several groups (a prompt, then its completions) in one row; each
+  token reads its own completion's earlier tokens and its group's prompt, nothing of another
+  group or completion, against the dense reference."""
+  rng = np.random.default_rng(11)
+  rows = [_packed_row([(3, [2, 4]), (2, [3, 1, 2]), (4, [])], 23),
+          _packed_row([(1, [5, 2]), (5, [3, 3])], 23)]
+  seg, shared, ok, pos, group, part = (jnp.asarray(np.stack(x)) for x in zip(*rows))
+  idx = jnp.arange(23)
+  key_ok = (ok[:, None, :] & (idx[:, None] >= idx[None, :])[None]
+            & (group[:, :, None] == group[:, None, :])
+            & ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])))
+  allowed = _allowed(pos, pos, key_ok, name)
+  spec = _spec(name, attention_ops.Causal(ok, pos, seg, shared), impl)
+  _check(lambda q, k, v: attention_ops.attend(q, k, v, spec),
+         lambda q, k, v: _dense(q, k, v, allowed, name),
+         (_rand(rng, B, 23, H, G, D), _rand(rng, B, 23, H, D), _rand(rng, B, 23, H, D)),
+         np.asarray(ok))
+
+
+def test_blockwise_packed_rows_never_read_another_groups_blocks(monkeypatch):
+  """Two groups in one row, each in blocks of its own (blocks of 8): NaN values in the first
+  leave the second's output as with finite ones, so its blocks were never read."""
+  monkeypatch.setattr(attention_blockwise, 'BLOCK', 8)
+  rng = np.random.default_rng(8)
+  seg, shared, ok, pos, group, _ = (jnp.asarray(np.stack([x, x])) for x in
+                                    _packed_row([(4, [6, 6]), (8, [4, 4, 8])], 40))
+  spec = _spec('plain', attention_ops.Causal(ok, pos, seg, shared), 'blockwise')
+  q, k, v = _rand(rng, B, 40, H, G, D), _rand(rng, B, 40, H, D), _rand(rng, B, 40, H, D)
+  first = np.asarray(group[0] == 0)
+  v_nan = jnp.where(jnp.asarray(first)[None, :, None, None], jnp.nan, v)
+  want, got = attention_ops.attend(q, k, v, spec), attention_ops.attend(q, k, v_nan, spec)
+  assert np.all(np.isnan(np.asarray(got)[:, first]))
+  np.testing.assert_array_equal(np.asarray(got)[:, ~first], np.asarray(want)[:, ~first])
+
+
 def test_blockwise_prompt_group_never_reads_another_completions_blocks(monkeypatch):
   """Completion 1 in blocks of its own (prompt 8, completions 16, blocks 8) with NaN values: the
   prompt and completions 0 and 2 come out as with finite ones, so its blocks were never read

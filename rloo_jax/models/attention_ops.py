@@ -30,10 +30,16 @@ _MASKED = -1e30
 class Causal:
   """Rows attending causally in index order, keys masked where `mask_bt` is False, so padding
   may sit anywhere in a row. `positions_bt` (queries' and keys' alike) is read only by a
-  sliding window. q [B,S,Hkv,G,D], k and v [B,S,Hkv,D]."""
+  sliding window. q [B,S,Hkv,G,D], k and v [B,S,Hkv,D].
+
+  Packed rows (`rloo_jax.packing`): with `segment_bt` (int, never decreasing along a row), a
+  query reads only keys of its own segment or of its `shared_bt` one: a group's completions
+  share their prompt's segment, so several groups sit in one row, each prompt computed once."""
 
   mask_bt: jax.Array
   positions_bt: jax.Array | None = None
+  segment_bt: jax.Array | None = None
+  shared_bt: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +120,17 @@ def _in_window(q_pos, k_pos, window):
   return (q_pos[..., :, None] - k_pos[..., None, :]) < window
 
 
-def _causal(q_bshgd, k_bthd, v_bthd, spec: AttentionSpec, mask_bt, positions_bt=None):
+def _causal(q_bshgd, k_bthd, v_bthd, spec: AttentionSpec, mask_bt, positions_bt=None,
+            segment_bt=None, shared_bt=None):
   s, t = q_bshgd.shape[1], k_bthd.shape[1]
   scores = spec.logits(jnp.einsum('bshgd,bthd->bhgst', q_bshgd, k_bthd,
                                   preferred_element_type=jnp.float32))
   causal_st = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
   mask = causal_st[None, None, None] & mask_bt.astype(bool)[:, None, None, None, :]
+  if segment_bt is not None:
+    seg_k = segment_bt[:, None, :]
+    same = (seg_k == segment_bt[:, :, None]) | (seg_k == shared_bt[:, :, None])
+    mask = mask & same[:, None, None]
   if spec.window is not None:
     mask = mask & _in_window(positions_bt, positions_bt, spec.window)[:, None, None]
   probs = _softmax_f32(scores, mask).astype(v_bthd.dtype)
@@ -195,7 +206,8 @@ def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec):
 def _xla(q, k, v, spec: AttentionSpec):
   layout = spec.layout
   if isinstance(layout, Causal):
-    return _causal(q, k, v, spec, layout.mask_bt, layout.positions_bt)
+    return _causal(q, k, v, spec, layout.mask_bt, layout.positions_bt, layout.segment_bt,
+                   layout.shared_bt)
   if isinstance(layout, PromptGroup):
     return _prompt_group(q, k, v, spec)
   if isinstance(layout, SharedPrefixDecode):
@@ -212,7 +224,8 @@ def _blockwise(q, k, v, spec: AttentionSpec):
   run = functools.partial(attention_blockwise.attend, window=spec.window, scale=spec.scale,
                           softcap=spec.softcap)
   if isinstance(layout, Causal):
-    return run(q, k, v, layout.mask_bt, positions_bs=layout.positions_bt)
+    return run(q, k, v, layout.mask_bt, layout.segment_bt, layout.positions_bt,
+               shared_bs=layout.shared_bt)
   if not isinstance(layout, PromptGroup):
     raise TypeError(f'attention layout {type(layout).__name__} has no blockwise implementation')
   b, m, t = layout.mask_bmt.shape

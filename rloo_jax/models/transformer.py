@@ -160,15 +160,17 @@ class Transformer(nnx.Module):
                          jax.tree.map(lambda v, l=l: v[l], xs), rotary, self._spec(layout, window))
     return x, carry, None
 
-  def _trunk(self, tokens_bs, positions_bs, mask_bs, gather=None, keep_kv=False):
+  def _trunk(self, tokens_bs, positions_bs, mask_bs, gather=None, keep_kv=False, segments=None):
     """Every layer over the full sequence: pre-norm final hidden states, and with keep_kv each
-    layer's K/V stacked [L, B, S, Hkv, D]."""
+    layer's K/V stacked [L, B, S, Hkv, D]. `segments`: (segment_bs, shared_bs) of packed rows
+    (`attention_ops.Causal`)."""
     def body(block, x, carry, _, rotary, spec):
       x, kv = block(x, rotary, spec)
       return x, carry, kv if keep_kv else None
 
     x, _, kv = self._scan(body, self._embed(tokens_bs, positions_bs), positions_bs,
-                          attention_ops.Causal(mask_bs, positions_bs), gather=gather)
+                          attention_ops.Causal(mask_bs, positions_bs, *(segments or ())),
+                          gather=gather)
     return x, kv
 
   def prefill(self, tokens_bp, positions_bp, mask_bp, gather=None):
@@ -180,10 +182,12 @@ class Transformer(nnx.Module):
     return (self._head(_last_valid(x, mask_bp))[:, 0],
             PrefixKV(k_lbphd=k, v_lbphd=v, positions_bp=positions))
 
-  def hidden(self, tokens_bs, positions_bs, mask_bs, head_slice=None, gather=None):
+  def hidden(self, tokens_bs, positions_bs, mask_bs, head_slice=None, gather=None,
+             segments=None):
     """Final hidden states before the final norm, [B, S, E]; with head_slice=(start, length)
-    (static ints) positions start..start+length-1 only: [B, length, E]."""
-    x = self._trunk(tokens_bs, positions_bs, mask_bs, gather)[0]
+    (static ints) positions start..start+length-1 only: [B, length, E]. `segments`: see
+    `_trunk`."""
+    x = self._trunk(tokens_bs, positions_bs, mask_bs, gather, segments=segments)[0]
     if head_slice is not None:
       start, length = head_slice
       x = jax.lax.slice_in_dim(x, start, start + length, axis=1)
@@ -325,9 +329,9 @@ def model_fns(graphdef, gather=None) -> ModelFns:
   def forward(params, tokens_bs, positions_bs, mask_bs, head_slice=None):
     return model(params)(tokens_bs, positions_bs, mask_bs, head_slice=head_slice, gather=gather)
 
-  def hidden(params, tokens_bs, positions_bs, mask_bs, head_slice=None):
+  def hidden(params, tokens_bs, positions_bs, mask_bs, head_slice=None, segments=None):
     return model(params).hidden(tokens_bs, positions_bs, mask_bs, head_slice=head_slice,
-                                gather=gather)
+                                gather=gather, segments=segments)
 
   def prefill(params, tokens_bp, positions_bp, mask_bp):
     return model(params).prefill(tokens_bp, positions_bp, mask_bp, gather=gather)
