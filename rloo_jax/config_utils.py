@@ -171,6 +171,12 @@ def base_config() -> ml_collections.ConfigDict:
       # gradient is the sum over its microbatches: this trades memory for passes, not the
       # algorithm (num_minibatches still sets the optimizer steps per epoch).
       microbatch_size=0,
+      # Packed updates (rloo_jax/packing.py): a minibatch's groups packed into rows of this many
+      # tokens, one row per batch shard a microbatch, so no column past a completion's end is
+      # computed; the same gradient. At least max_prompt_len - 1 + max_new_tokens (a group that
+      # fits no row is split, its prompt again in each row); needs shared_prefix and excludes
+      # microbatch_size. 0 = off.
+      microbatch_tokens=0,
       # Sequence positions per chunk of the log-prob computation: [N, chunk, V] logits live at
       # once instead of [N, T, V], the largest activation at a 150k vocab.
       logprob_chunk_size=32,

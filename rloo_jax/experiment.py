@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from rloo_jax import adapters, advantage, loss, rollout, sampler_args, sampling, tasks
+from rloo_jax import adapters, advantage, loss, packing, rollout, sampler_args, sampling, tasks
 from rloo_jax import sharding as sharding_lib
 from rloo_jax import config_utils
 from rloo_jax.config_utils import sequence_length
@@ -126,17 +126,21 @@ def _model_checks(config) -> Optional[transformer.TransformerConfig]:
 def _batch_checks(config) -> None:
   """Microbatches, log-prob chunks, trimming and rollout chunks (after the minibatch checks)."""
   r, t = config.rloo, config.train
-  _check_at_least(config, 0, "train.microbatch_size", "rloo.trim_bucket",
-                  "rloo.rollout_chunk_prompts")
-  _check_at_least(config, 1, "train.logprob_chunk_size")
-  if t.shared_prefix:
-    units, what = r.num_prompts // t.num_minibatches, (
-        "the minibatch's groups (config.rloo.num_prompts / config.train.num_minibatches, "
-        "whole groups with config.train.shared_prefix)")
-  else:
-    units, what = r.num_prompts * r.k // t.num_minibatches, (
-        "the minibatch's rows (config.rloo.num_prompts * config.rloo.k / "
-        "config.train.num_minibatches)")
+  _check_at_least(config, 0, "train.microbatch_size", "train.microbatch_tokens",
+                  "rloo.trim_bucket", "rloo.rollout_chunk_prompts")
+  budget = t.get("microbatch_tokens", 0)
+  if budget:
+    need = packing.min_tokens(config.data.max_prompt_len, r.max_new_tokens)
+    if not t.shared_prefix:
+      raise ValueError("config.train.microbatch_tokens packs whole groups: set "
+                       "config.train.shared_prefix=True, or microbatch_tokens=0")
+    if t.get("microbatch_size", 0):
+      raise ValueError("config.train.microbatch_tokens and config.train.microbatch_size both cut "
+                       "the update: set one of them to 0")
+    if budget < need:
+      raise ValueError(f"config.train.microbatch_tokens={budget} cannot hold a completion at "
+                       f"full length with its prompt: set it to at least {need} "
+                       "(data.max_prompt_len - 1 + rloo.max_new_tokens), or 0 (off)")
   _divisor_check("train.microbatch_size", t.get("microbatch_size", 0), units, what,
                  "the whole minibatch in one pass")
   _divisor_check("rloo.rollout_chunk_prompts", r.get("rollout_chunk_prompts", 0),

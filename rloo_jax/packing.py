@@ -32,59 +32,106 @@ from rloo_jax import head_loss, loss
 PAD_SEGMENT = 2**30
 
 
-def min_tokens(max_prompt_len: int, k: int, max_new_tokens: int) -> int:
-  """The smallest budget every group fits: its prompt and k completions at full length."""
-  return max_prompt_len - 1 + k * max_new_tokens
-
-
-def group_tokens(prompt_lengths_b, lengths_n, k: int) -> np.ndarray:
-  """Tokens each group takes in a packed row (prompt lengths [B], completion lengths [B*k])."""
-  lengths_bk = np.asarray(lengths_n).reshape(-1, k)
-  return np.asarray(prompt_lengths_b) - 1 + lengths_bk.sum(1)
+def min_tokens(max_prompt_len: int, max_new_tokens: int) -> int:
+  """The smallest budget any completion fits in, with its prompt."""
+  return max_prompt_len - 1 + max_new_tokens
 
 
 class Plan(NamedTuple):
-  """Where each group goes: row `shard_b` (0..rows-1) of microbatch `microbatch_b`, from column
-  `offset_b`, the `slot_b`-th group of its row; `count` microbatches in use."""
-  shard_b: np.ndarray
-  microbatch_b: np.ndarray
-  offset_b: np.ndarray
-  slot_b: np.ndarray
+  """Where everything goes. A piece is a group's prompt (but its last token) followed by some of
+  its completions in one row: a group goes whole into one piece where a row has room, else its
+  completions spread over rows, the prompt again in each. Pieces [N] (the first `pieces` valid):
+  group, shard (row of its microbatch), microbatch, offset (column), slot (its order in the row).
+  Completions [N]: shard, microbatch, start column, order within their piece. `count`
+  microbatches in use."""
+  piece_group: np.ndarray
+  piece_shard: np.ndarray
+  piece_microbatch: np.ndarray
+  piece_offset: np.ndarray
+  piece_slot: np.ndarray
+  shard_n: np.ndarray
+  microbatch_n: np.ndarray
+  start_n: np.ndarray
+  piece_n: np.ndarray        # the piece each completion is in
+  order_n: np.ndarray        # its order within that piece
+  pieces: int
   count: int
+  tokens: int                # tokens packed (prompts once per piece, completions)
 
 
 def plan(prompt_lengths_b, lengths_n, *, k: int, budget: int, rows: int) -> Plan:
-  """First-fit-decreasing of the groups into rows of `budget` tokens, `rows` rows a microbatch."""
-  sizes = group_tokens(prompt_lengths_b, lengths_n, k)
-  if sizes.max() > budget:
-    raise ValueError(f"a group of {int(sizes.max())} tokens does not fit "
-                     f"config.train.microbatch_tokens={budget}; set it to at least "
-                     "max_prompt_len - 1 + k * max_new_tokens")
-  free: list[int] = []
-  where = np.zeros((len(sizes), 3), np.int64)  # bin, offset, slot
-  groups: list[int] = []
-  for b in np.argsort(-sizes, kind="stable"):
-    fits = np.nonzero(np.asarray(free) >= sizes[b])[0] if free else ()
+  """First-fit-decreasing of the groups into rows of `budget` tokens, `rows` rows a microbatch;
+  a group that fits no row whole is split (its largest completions first), its prompt repeated
+  in each row it reaches."""
+  p1_b = np.asarray(prompt_lengths_b, np.int64) - 1
+  len_bk = np.asarray(lengths_n, np.int64).reshape(-1, k)
+  b_count, n = len(p1_b), len_bk.size
+  if (p1_b[:, None] + len_bk).max() > budget:
+    raise ValueError(f"a completion of {int((p1_b[:, None] + len_bk).max())} tokens with its "
+                     f"prompt does not fit config.train.microbatch_tokens={budget}; set it to at "
+                     "least max_prompt_len - 1 + max_new_tokens")
+  free = np.zeros(n, np.int64)  # per row; a new row opens at index `opened`
+  slots = np.zeros(n, np.int64)
+  opened = 0
+  pieces = {name: np.zeros(n, np.int64) for name in ("group", "row", "offset", "slot")}
+  row_n, start_n, piece_n, order_n = (np.zeros(n, np.int64) for _ in range(4))
+  count = 0
+
+  def first_fit(need):
+    """The first open row with `need` tokens free, else a new one."""
+    nonlocal opened
+    fits = np.nonzero(free[:opened] >= need)[0]
     if len(fits):
-      i = int(fits[0])
-    else:
-      i = len(free)
-      free.append(budget)
-      groups.append(0)
-    where[b] = (i, budget - free[i], groups[i])
-    free[i] -= int(sizes[b])
-    groups[i] += 1
-  bins = where[:, 0]
+      return int(fits[0])
+    free[opened] = budget
+    opened += 1
+    return opened - 1
+
+  def open_piece(b, r):
+    nonlocal count
+    for name, v in (("group", b), ("row", r), ("offset", budget - free[r]), ("slot", slots[r])):
+      pieces[name][count] = v
+    slots[r] += 1
+    free[r] -= p1_b[b]
+    count += 1
+    return count - 1
+
+  def put(b, j, piece, r, order):
+    i = b * k + j
+    row_n[i], start_n[i], piece_n[i], order_n[i] = r, budget - free[r], piece, order
+    free[r] -= len_bk[b, j]
+
+  for b in np.argsort(-(p1_b + len_bk.sum(1)), kind="stable"):
+    whole = p1_b[b] + len_bk[b].sum()
+    if whole <= budget:
+      r = first_fit(whole)
+      piece = open_piece(b, r)
+      for j in range(k):
+        put(b, j, piece, r, j)
+      continue
+    here: dict[int, list[int]] = {}  # row -> [piece, completions placed]
+    for j in np.argsort(-len_bk[b], kind="stable"):
+      # A row already holding this group's prompt needs room for the completion only.
+      prompt = np.ones(opened, bool)
+      prompt[list(here)] = False
+      fits = np.nonzero(free[:opened] >= prompt * p1_b[b] + len_bk[b, j])[0]
+      r = int(fits[0]) if len(fits) else first_fit(budget + 1)
+      if r not in here:
+        here[r] = [open_piece(b, r), 0]
+      put(b, j, here[r][0], r, here[r][1])
+      here[r][1] += 1
   i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
-  return Plan(i32(bins % rows), i32(bins // rows), i32(where[:, 1]), i32(where[:, 2]),
-              -(-len(free) // rows))
+  prow = pieces["row"]
+  return Plan(i32(pieces["group"]), i32(prow % rows), i32(prow // rows), i32(pieces["offset"]),
+              i32(pieces["slot"]), i32(row_n % rows), i32(row_n // rows), i32(start_n),
+              i32(piece_n), i32(order_n), count, -(-opened // rows),
+              int(p1_b[pieces["group"][:count]].sum() + len_bk.sum()))
 
 
 def padding_fraction(prompt_lengths_b, lengths_n, *, k: int, budget: int, rows: int) -> float:
   """The fraction of the packed microbatches' tokens that are padding."""
   p = plan(prompt_lengths_b, lengths_n, k=k, budget=budget, rows=rows)
-  used = group_tokens(prompt_lengths_b, lengths_n, k).sum()
-  return float(1.0 - used / (p.count * rows * budget))
+  return float(1.0 - p.tokens / (p.count * rows * budget))
 
 
 @struct.dataclass
@@ -172,60 +219,64 @@ class PackedRows:
     return jax.lax.fori_loop(0, self.count_d[0], body, zeros)
 
 
-def pack(rows, shard_b, microbatch_b, offset_b, slot_b, count, *, k: int, budget: int,
-         rows_per_microbatch: int, max_microbatches: int) -> PackedRows:
-  """`rollout.GroupedRows` (a minibatch) packed by a `plan`'s arrays. Pure; jit it with the
-  static keywords. Completion masks must be prefixes (tokens up to and including EOS)."""
+def pack(rows, pl, *, k: int, budget: int, rows_per_microbatch: int,
+         max_microbatches: int) -> PackedRows:
+  """`rollout.GroupedRows` (a minibatch) packed by a `plan`'s arrays (`pl`, a Plan of arrays).
+  Pure; jit it with the static keywords. Completion masks must be prefixes (tokens up to and
+  including EOS)."""
   b, p = rows.prompt_tokens_bp.shape
   n, t = rows.completions_nt.shape
-  d, m, l = rows_per_microbatch, max_microbatches, budget
-  total = d * m * l
-  rep = lambda x: jnp.repeat(x, k, axis=0)  # noqa: E731
-  p_b = rows.prompt_mask_bp.sum(1).astype(jnp.int32)
-  len_n = rows.cmask_nt.sum(1).astype(jnp.int32)
-  row_b = shard_b * m + microbatch_b
-  base_b = row_b * l + offset_b
-  # The prompt but its last token: left-padded column c holds prompt token c - (P - p_b).
-  rel_bp = jnp.arange(p)[None, :] - (p - p_b)[:, None]
-  dest_bp = jnp.where((rel_bp >= 0) & (rel_bp < p_b[:, None] - 1), base_b[:, None] + rel_bp,
-                      total)
-  # Completion j's segment: [prompt's last token | its tokens but the last], after the earlier
-  # completions of its group.
-  len_bk = len_n.reshape(b, k)
-  before_n = (jnp.cumsum(len_bk, axis=1) - len_bk).reshape(n)
-  start_n = rep(base_b + p_b - 1) + before_n
+  m, l = max_microbatches, budget
+  total = rows_per_microbatch * m * l
+  i32 = jnp.int32
+  p_b = rows.prompt_mask_bp.sum(1).astype(i32)
+  len_n = rows.cmask_nt.sum(1).astype(i32)
+  # Pieces: the prompt but its last token; left-padded column c holds token c - (P - p).
+  g_i = pl.piece_group
+  p_i = p_b[g_i]
+  base_i = (pl.piece_shard * m + pl.piece_microbatch) * l + pl.piece_offset
+  rel_ip = jnp.arange(p)[None, :] - (p - p_i)[:, None]
+  keep_ip = (jnp.arange(n) < pl.pieces)[:, None] & (rel_ip >= 0) & (rel_ip < p_i[:, None] - 1)
+  dest_ip = jnp.where(keep_ip, base_i[:, None] + rel_ip, total)
+  # Completion n's segment: [its prompt's last token | its tokens but the last].
   cols = jnp.arange(t)[None, :]
-  dest_nt = jnp.where(cols < len_n[:, None], start_n[:, None] + cols, total)
-  first = lambda x_bp: rep(x_bp[:, p - 1])[:, None]  # noqa: E731
+  row_start_n = (pl.shard_n * m + pl.microbatch_n) * l + pl.start_n
+  dest_nt = jnp.where(cols < len_n[:, None], row_start_n[:, None] + cols, total)
+  group_n = jnp.arange(n) // k
+  first = lambda x_bp: x_bp[group_n, p - 1][:, None]  # noqa: E731
   seg_tokens = jnp.concatenate([first(rows.prompt_tokens_bp), rows.completions_nt[:, :t - 1]], 1)
   seg_positions = jnp.concatenate([first(rows.prompt_positions_bp),
                                    rows.completion_positions_nt[:, :t - 1]], 1)
-  prompt_seg_b = slot_b * (k + 1)
-  own_seg_n = rep(prompt_seg_b) + 1 + jnp.tile(jnp.arange(k, dtype=jnp.int32), b)
-  full_nt = lambda x: jnp.broadcast_to(x[:, None], (n, t))  # noqa: E731
-  full_bp = lambda x: jnp.broadcast_to(x[:, None], (b, p))  # noqa: E731
+  prompt_seg_i = pl.piece_slot * (k + 1)
+  shared_n = prompt_seg_i[pl.piece_n]
+  full = lambda x, cols: jnp.broadcast_to(x[:, None], (x.shape[0], cols))  # noqa: E731
 
-  def scatter(prompt_bp, completion_nt, fill, dtype):
+  def scatter(prompt_ip, completion_nt, fill, dtype):
     out = jnp.full((total,), fill, dtype)
-    out = out.at[dest_bp.reshape(-1)].set(prompt_bp.reshape(-1).astype(dtype), mode="drop")
+    out = out.at[dest_ip.reshape(-1)].set(prompt_ip.reshape(-1).astype(dtype), mode="drop")
     out = out.at[dest_nt.reshape(-1)].set(completion_nt.reshape(-1).astype(dtype), mode="drop")
-    return out.reshape(d, m, l)
+    return out.reshape(rows_per_microbatch, m, l)
 
-  i32 = jnp.int32
   return PackedRows(
-      tokens_dml=scatter(rows.prompt_tokens_bp, seg_tokens, 0, i32),
-      positions_dml=scatter(rows.prompt_positions_bp, seg_positions, 0, i32),
-      key_ok_dml=scatter(jnp.ones((b, p), bool), jnp.ones((n, t), bool), False, bool),
-      segment_dml=scatter(full_bp(prompt_seg_b), full_nt(own_seg_n), PAD_SEGMENT, i32),
-      shared_dml=scatter(full_bp(prompt_seg_b), full_nt(rep(prompt_seg_b)), PAD_SEGMENT, i32),
-      target_dml=scatter(jnp.zeros((b, p), i32), rows.completions_nt, 0, i32),
-      pred_dml=scatter(jnp.full((b, p), n * t, i32),
+      tokens_dml=scatter(rows.prompt_tokens_bp[g_i], seg_tokens, 0, i32),
+      positions_dml=scatter(rows.prompt_positions_bp[g_i], seg_positions, 0, i32),
+      key_ok_dml=scatter(jnp.ones((n, p), bool), jnp.ones((n, t), bool), False, bool),
+      segment_dml=scatter(full(prompt_seg_i, p), full(shared_n + 1 + pl.order_n, t),
+                          PAD_SEGMENT, i32),
+      shared_dml=scatter(full(prompt_seg_i, p), full(shared_n, t), PAD_SEGMENT, i32),
+      target_dml=scatter(jnp.zeros((n, p), i32), rows.completions_nt, 0, i32),
+      pred_dml=scatter(jnp.full((n, p), n * t, i32),
                        jnp.arange(n * t, dtype=i32).reshape(n, t), n * t, i32),
-      microbatch_n=rep(microbatch_b).astype(i32),
-      start_n=(rep(shard_b * l + offset_b + p_b - 1) + before_n).astype(i32),
-      count_d=jnp.full((d,), count, i32),
+      microbatch_n=pl.microbatch_n.astype(i32),
+      start_n=(pl.shard_n * l + pl.start_n).astype(i32),
+      count_d=jnp.full((rows_per_microbatch,), pl.count, i32),
       completions_nt=rows.completions_nt, cmask_nt=rows.cmask_nt, old_logp_nt=rows.old_logp_nt,
       advantages_n=rows.advantages_n)
+
+
+_DEVICE_FIELDS = ("piece_group", "piece_shard", "piece_microbatch", "piece_offset",
+                  "piece_slot", "shard_n", "microbatch_n", "start_n", "piece_n", "order_n",
+                  "pieces", "count")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +291,9 @@ class Packer:
   def __post_init__(self):
     static = dict(k=self.k, budget=self.budget, rows_per_microbatch=self.rows_per_microbatch,
                   max_microbatches=self.max_microbatches)
-    sh = self.rows_sharding
     object.__setattr__(self, "_pack", jax.jit(
-        lambda rows, *plan_arrays: pack(rows, *plan_arrays, **static), out_shardings=sh))
+        lambda rows, arrays: pack(rows, _Arrays(**arrays), **static),
+        out_shardings=self.rows_sharding))
 
   def plan(self, rows) -> Plan:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
@@ -255,12 +306,27 @@ class Packer:
     if pl.count > self.max_microbatches:
       raise ValueError(f"{pl.count} packed microbatches exceed the {self.max_microbatches} "
                        "allotted")
-    return self._pack(rows, pl.shard_b, pl.microbatch_b, pl.offset_b, pl.slot_b,
-                      np.int32(pl.count))
+    return self._pack(rows, {f: np.asarray(getattr(pl, f), np.int32) for f in _DEVICE_FIELDS})
 
   def abstract(self, rows) -> PackedRows:
     """The PackedRows shapes for (abstract) grouped rows: what the memory planner lowers."""
-    b = rows.prompt_tokens_bp.shape[0]
-    arr = jax.ShapeDtypeStruct((b,), jnp.int32)
-    return jax.eval_shape(self._pack, rows, arr, arr, arr, arr,
-                          jax.ShapeDtypeStruct((), jnp.int32))
+    n = rows.completions_nt.shape[0]
+    arrays = {f: jax.ShapeDtypeStruct(() if f in ("pieces", "count") else (n,), jnp.int32)
+              for f in _DEVICE_FIELDS}
+    return jax.eval_shape(self._pack, rows, arrays)
+
+
+class _Arrays(NamedTuple):
+  """A Plan's device-side fields (`_DEVICE_FIELDS`), as arrays."""
+  piece_group: jax.Array
+  piece_shard: jax.Array
+  piece_microbatch: jax.Array
+  piece_offset: jax.Array
+  piece_slot: jax.Array
+  shard_n: jax.Array
+  microbatch_n: jax.Array
+  start_n: jax.Array
+  piece_n: jax.Array
+  order_n: jax.Array
+  pieces: jax.Array
+  count: jax.Array

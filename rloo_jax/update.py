@@ -127,8 +127,11 @@ class TrainStep:
   """
 
   def __init__(self, *, fns, tx, spec: loss.LossSpec, k: int, chunk_size: int, microbatches: int,
-               state_shardings, rows_sharding, replicated, fused_head: bool = True):
+               state_shardings, rows_sharding, replicated, fused_head: bool = True,
+               packer: packing.Packer | None = None):
     params_sh = state_shardings.params
+    # config.train.microbatch_tokens: each minibatch packed (`packing.Packer`) before the step.
+    self.packer = packer
     # Whether the head's gradient is computed in the log-prob pass (`gradients`' fused_head).
     self.fused_head = fuses_head(spec, fused_head)
     # LoRA: the frozen base is a third, read-only argument of the gradient program.
@@ -146,12 +149,16 @@ class TrainStep:
         out_shardings=(state_shardings, replicated), donate_argnums=0, sharding=replicated)
 
   def __call__(self, state, rows):
+    if self.packer is not None:
+      rows = self.packer(rows)
     grads, value, metrics = self.grad_fn(*self._grad_args(state, rows))
     state, guard = self.apply_fn(state, grads, value)
     return state, dict(metrics, loss=value, **guard)
 
   def lower(self, state, rows) -> dict:
     """{'update_gradients', 'update_apply'}: both programs lowered on (abstract) arguments."""
+    if self.packer is not None:
+      rows = self.packer.abstract(rows)
     grads, value, _ = jax.eval_shape(self.grad_fn, *self._grad_args(state, rows))
     return {"update_gradients": self.grad_fn.lower(*self._grad_args(state, rows)),
             "update_apply": self.apply_fn.lower(state, grads, value)}

@@ -12,59 +12,100 @@ from test_head_loss import _rows
 from test_trim import tiny_config
 
 
-def test_the_plan_fills_rows_first_fit_decreasing_and_refuses_a_group_too_big():
-  # Groups of 3 + 7, 3 + 3, 3 + 5, 3 + 2 tokens (prompt 4 minus 1, k=2 completions).
-  p = np.array([4, 4, 4, 4])
-  lengths = np.array([3, 4, 1, 2, 2, 3, 1, 1])
-  sizes = packing.group_tokens(p, lengths, 2)
-  np.testing.assert_array_equal(sizes, [10, 6, 8, 5])
-  pl = packing.plan(p, lengths, k=2, budget=16, rows=1)
-  # Decreasing: 10 -> bin 0, 8 -> bin 1, 6 -> bin 0 (10 + 6 = 16), 5 -> bin 1.
-  np.testing.assert_array_equal(pl.microbatch_b, [0, 0, 1, 1])
-  np.testing.assert_array_equal(pl.offset_b, [0, 10, 0, 8])
-  np.testing.assert_array_equal(pl.slot_b, [0, 1, 0, 1])
-  assert pl.count == 2
-  two = packing.plan(p, lengths, k=2, budget=16, rows=2)
-  np.testing.assert_array_equal(two.shard_b, [0, 0, 1, 1])
+def _check_plan(pl, p_b, len_n, k, budget):
+  """Every completion placed once after its piece's prompt, in its piece's row; no row past the
+  budget; the pieces of a row in slot order and nothing overlapping."""
+  extent = {}  # (shard, microbatch) -> [(start, end, piece)]
+  for i in range(pl.pieces):
+    key = (pl.piece_shard[i], pl.piece_microbatch[i])
+    end = pl.piece_offset[i] + p_b[pl.piece_group[i]] - 1
+    extent.setdefault(key, []).append((pl.piece_offset[i], end, i))
+  for n in range(len(len_n)):
+    i = pl.piece_n[n]
+    assert pl.piece_group[i] == n // k
+    key = (pl.shard_n[n], pl.microbatch_n[n])
+    assert key == (pl.piece_shard[i], pl.piece_microbatch[i])
+    assert pl.start_n[n] >= pl.piece_offset[i] + p_b[n // k] - 1
+    extent[key].append((pl.start_n[n], pl.start_n[n] + len_n[n], i))
+  for spans in extent.values():
+    spans.sort()
+    assert spans[-1][1] <= budget
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    slots = [pl.piece_slot[i] for _, _, i in spans]
+    assert slots == sorted(slots)
+  assert pl.tokens == sum(p_b[pl.piece_group[i]] - 1 for i in range(pl.pieces)) + sum(len_n)
+  return extent
+
+
+def test_the_plan_fills_rows_first_fit_decreasing_and_refuses_a_completion_too_big():
+  # Groups of 3 + 7, 3 + 3, 3 + 5, 3 + 2 tokens (prompts of 4 but the last token, k=2).
+  p_b = np.array([4, 4, 4, 4])
+  len_n = np.array([3, 4, 1, 2, 2, 3, 1, 1])
+  pl = packing.plan(p_b, len_n, k=2, budget=16, rows=1)
+  # Decreasing: 10 -> row 0, 8 -> row 1, 6 -> row 0 (10 + 6 = 16), 5 -> row 1.
+  np.testing.assert_array_equal(pl.piece_group[:4], [0, 2, 1, 3])
+  np.testing.assert_array_equal(pl.piece_microbatch[:4], [0, 1, 0, 1])
+  np.testing.assert_array_equal(pl.piece_offset[:4], [0, 0, 10, 8])
+  np.testing.assert_array_equal(pl.start_n, [3, 6, 13, 14, 3, 5, 11, 12])
+  assert (pl.pieces, pl.count, pl.tokens) == (4, 2, 29)
+  _check_plan(pl, p_b, len_n, 2, 16)
+  two = packing.plan(p_b, len_n, k=2, budget=16, rows=2)
+  np.testing.assert_array_equal(two.piece_shard[:4], [0, 1, 0, 1])
   assert two.count == 1
-  assert packing.padding_fraction(p, lengths, k=2, budget=16, rows=1) == pytest.approx(
+  assert packing.padding_fraction(p_b, len_n, k=2, budget=16, rows=1) == pytest.approx(
       1 - 29 / 32)
-  with pytest.raises(ValueError, match=r"group of 10 tokens does not fit "
-                                       r"config.train.microbatch_tokens=9; set it to at least"):
-    packing.plan(p, lengths, k=2, budget=9, rows=1)
+  with pytest.raises(ValueError, match=r"a completion of 7 tokens with its prompt does not fit "
+                                       r"config.train.microbatch_tokens=6; set it to at least"):
+    packing.plan(p_b, len_n, k=2, budget=6, rows=1)
+
+
+def test_a_group_that_fits_no_row_is_split_its_prompt_in_each_row():
+  rng = np.random.default_rng(0)
+  k, budget = 4, 20
+  p_b = rng.integers(2, 7, 9)
+  len_n = rng.integers(1, budget - 5, 9 * k)
+  for rows in (1, 2, 3):
+    pl = packing.plan(p_b, len_n, k=k, budget=budget, rows=rows)
+    assert pl.pieces > 9  # some groups split
+    extent = _check_plan(pl, p_b, len_n, k, budget)
+    fill = {key: sum(e - s for s, e, _ in spans) for key, spans in extent.items()}
+    # First fit: at most one row less than half full.
+    assert sum(v <= budget / 2 for v in fill.values()) <= 1
+    assert pl.count == -(-len(fill) // rows)
 
 
 def _packer(algo, rows, budget):
-  b = rows.prompt_tokens_bp.shape[0]
-  return packing.Packer(k=algo.k, budget=budget, rows_per_microbatch=1, max_microbatches=b)
+  return packing.Packer(k=algo.k, budget=budget, rows_per_microbatch=1,
+                        max_microbatches=rows.completions_nt.shape[0])
 
 
-def test_packed_rows_hold_each_group_once_with_its_segments(tmp_path):
-  config = tiny_config()
-  algo = RLOO(experiment.build(config, str(tmp_path)))
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_packed_rows_hold_each_completion_after_its_prompt(tmp_path, split):
+  algo = RLOO(experiment.build(tiny_config(), str(tmp_path)))
   state = algo.init_state(models.create(algo.exp.model_config)[1])
   rows = _rows(algo, state)
   k = algo.k
   p_b = np.asarray(rows.prompt_mask_bp.sum(1))
   len_n = np.asarray(rows.cmask_nt.sum(1))
-  budget = int(packing.group_tokens(p_b, len_n, k).max()) + 3
+  whole = p_b - 1 + len_n.reshape(-1, k).sum(1)
+  budget = int(whole.min()) if split else int(whole.max()) + 3
   packer = _packer(algo, rows, budget)
   pl = packer.plan(rows)
+  assert (pl.pieces > len(p_b)) == split
   packed = packer(rows, pl)
   tokens = np.asarray(packed.tokens_dml)[0]
-  used = np.asarray(packed.key_ok_dml)[0]
-  assert used.sum() == packing.group_tokens(p_b, len_n, k).sum()
-  for b in range(len(p_b)):
-    row, off = tokens[pl.microbatch_b[b]], pl.offset_b[b]
-    prompt = np.asarray(rows.prompt_tokens_bp[b])[-p_b[b]:]
-    np.testing.assert_array_equal(row[off:off + p_b[b] - 1], prompt[:-1])
-    at = off + p_b[b] - 1
-    for j in range(k):
-      n = b * k + j
-      seg = row[at:at + len_n[n]]
-      np.testing.assert_array_equal(seg, np.r_[prompt[-1], np.asarray(
-          rows.completions_nt[n])[:len_n[n] - 1]])
-      at += len_n[n]
+  assert np.asarray(packed.key_ok_dml).sum() == pl.tokens
+  for i in range(pl.pieces):
+    g = pl.piece_group[i]
+    prompt = np.asarray(rows.prompt_tokens_bp[g])[-p_b[g]:]
+    off = pl.piece_offset[i]
+    np.testing.assert_array_equal(tokens[pl.piece_microbatch[i], off:off + p_b[g] - 1],
+                                  prompt[:-1])
+  for n in range(len(len_n)):
+    prompt = np.asarray(rows.prompt_tokens_bp[n // k])
+    seg = tokens[pl.microbatch_n[n], pl.start_n[n]:pl.start_n[n] + len_n[n]]
+    np.testing.assert_array_equal(seg, np.r_[prompt[-1], np.asarray(
+        rows.completions_nt[n])[:len_n[n] - 1]])
   # Segment ids never decrease along a row (the blockwise kernel's precondition).
   assert (np.diff(np.asarray(packed.segment_dml), axis=-1) >= 0).all()
 
@@ -86,13 +127,14 @@ def test_a_packed_minibatch_has_the_unpacked_loss_metrics_and_gradient(
     rows = rows.replace(old_logp_nt=rows.old_logp_nt - 0.1 * rows.cmask_nt)
   p_b = np.asarray(rows.prompt_mask_bp.sum(1))
   len_n = np.asarray(rows.cmask_nt.sum(1))
-  budget = int(packing.group_tokens(p_b, len_n, algo.k).max()) + 2
+  # Split groups and whole ones: some rows hold a prompt twice.
+  budget = int(np.median(p_b - 1 + len_n.reshape(-1, algo.k).sum(1)))
   packer = _packer(algo, rows, budget)
-  packed = packer(rows)
-  assert int(packed.count_d[0]) >= 2  # the sum runs over several microbatches
+  pl = packer.plan(rows)
+  assert pl.count >= 2 and pl.pieces > len(p_b)
   run = lambda r: update.gradients(state.params, r, fns=exp.fns, spec=exp.loss_spec,  # noqa
                                    k=algo.k, chunk_size=5, fused_head=fused)
-  (g0, v0, m0), (g1, v1, m1) = run(rows), run(packed)
+  (g0, v0, m0), (g1, v1, m1) = run(rows), run(packer(rows, pl))
   assert float(jnp.abs(v0)) > 0
   np.testing.assert_allclose(v1, v0, rtol=1e-5, atol=1e-7)
   assert set(m1) == set(m0)

@@ -76,6 +76,9 @@ def validate(config) -> None:
                      f"{loss.AGGREGATIONS}")
   if p.critic_init not in ("policy", "random"):
     raise ValueError(f"config.ppo.critic_init = {p.critic_init!r}; choose 'policy' or 'random'")
+  if config.train.get("microbatch_tokens", 0):
+    raise ValueError("config.train.microbatch_tokens (packed updates) is RLOO's; PPO's update "
+                     "reads unpacked rows: set it to 0")
 
 
 @struct.dataclass

@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from rloo_jax import adapters, platform, policy_init, rollout, update
+from rloo_jax import adapters, packing, platform, policy_init, rollout, update
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms.base import AlgorithmBase
 
@@ -85,6 +85,24 @@ def rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite: int, parts: 
   return m
 
 
+def packer_of(exp):
+  """config.train.microbatch_tokens' `packing.Packer` (None: off): one packed row per batch shard
+  a microbatch. First fit leaves at most one row less than half full, so a minibatch of N
+  completions of up to P - 1 + T tokens each (prompt included) takes at most
+  2 N (P - 1 + T) / budget + 1 rows (and never more than N)."""
+  c = exp.config
+  budget = int(c.train.get("microbatch_tokens", 0) or 0)
+  if not budget:
+    return None
+  shards = exp.layout.batch_parallelism
+  n = c.rloo.num_prompts * c.rloo.k // c.train.num_minibatches
+  most = min(n, 2 * n * packing.min_tokens(c.data.max_prompt_len, c.rloo.max_new_tokens)
+             // budget + 1)
+  return packing.Packer(k=int(c.rloo.k), budget=budget, rows_per_microbatch=shards,
+                        max_microbatches=-(-most // shards),
+                        rows_sharding=exp.layout.batch_sharding)
+
+
 class RLOO(AlgorithmBase):
   """The algorithm object the loop drives: state, jitted programs and one iteration."""
 
@@ -102,7 +120,7 @@ class RLOO(AlgorithmBase):
         fns=exp.fns, tx=exp.tx, spec=exp.loss_spec, k=self.k, chunk_size=chunk,
         microbatches=update.microbatches(c, per="minibatch"), state_shardings=state_sh,
         rows_sharding=rows_sh, replicated=rep,
-        fused_head=bool(c.train.get("fused_head_grad", True)))
+        fused_head=bool(c.train.get("fused_head_grad", True)), packer=packer_of(exp))
     # The scoring pass as two programs: the reference's log-probs (the heavy one, dispatched as
     # soon as the completions exist, so it runs while the host scores the rewards) and the KL,
     # penalised rewards and advantages (a few [B, k] operations once the rewards are in).
