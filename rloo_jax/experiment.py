@@ -128,6 +128,7 @@ def _batch_checks(config) -> None:
   r, t = config.rloo, config.train
   _check_at_least(config, 0, "train.microbatch_size", "train.microbatch_tokens",
                   "rloo.trim_bucket", "rloo.rollout_chunk_prompts")
+  _check_at_least(config, 1, "train.logprob_chunk_size")
   budget = t.get("microbatch_tokens", 0)
   if budget:
     need = packing.min_tokens(config.data.max_prompt_len, r.max_new_tokens)
@@ -141,6 +142,14 @@ def _batch_checks(config) -> None:
       raise ValueError(f"config.train.microbatch_tokens={budget} cannot hold a completion at "
                        f"full length with its prompt: set it to at least {need} "
                        "(data.max_prompt_len - 1 + rloo.max_new_tokens), or 0 (off)")
+  if t.shared_prefix:
+    units, what = r.num_prompts // t.num_minibatches, (
+        "the minibatch's groups (config.rloo.num_prompts / config.train.num_minibatches, "
+        "whole groups with config.train.shared_prefix)")
+  else:
+    units, what = r.num_prompts * r.k // t.num_minibatches, (
+        "the minibatch's rows (config.rloo.num_prompts * config.rloo.k / "
+        "config.train.num_minibatches)")
   _divisor_check("train.microbatch_size", t.get("microbatch_size", 0), units, what,
                  "the whole minibatch in one pass")
   _divisor_check("rloo.rollout_chunk_prompts", r.get("rollout_chunk_prompts", 0),

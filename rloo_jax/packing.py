@@ -65,7 +65,7 @@ def plan(prompt_lengths_b, lengths_n, *, k: int, budget: int, rows: int) -> Plan
   in each row it reaches."""
   p1_b = np.asarray(prompt_lengths_b, np.int64) - 1
   len_bk = np.asarray(lengths_n, np.int64).reshape(-1, k)
-  b_count, n = len(p1_b), len_bk.size
+  n = len_bk.size
   if (p1_b[:, None] + len_bk).max() > budget:
     raise ValueError(f"a completion of {int((p1_b[:, None] + len_bk).max())} tokens with its "
                      f"prompt does not fit config.train.microbatch_tokens={budget}; set it to at "
@@ -302,6 +302,8 @@ class Packer:
                 budget=self.budget, rows=self.rows_per_microbatch)
 
   def __call__(self, rows, the_plan: Plan | None = None) -> PackedRows:
+    if isinstance(rows.cmask_nt, jax.core.Tracer):  # traced for shapes only (jax.eval_shape)
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.abstract(rows))
     pl = self.plan(rows) if the_plan is None else the_plan
     if pl.count > self.max_microbatches:
       raise ValueError(f"{pl.count} packed microbatches exceed the {self.max_microbatches} "

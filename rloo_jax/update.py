@@ -174,7 +174,11 @@ class TrainStep:
 def reference_logprobs(ref_params, rows, *, fns, k: int, chunk_size: int, microbatches: int = 1,
                        rows_sharding=None):
   """The reference policy's log-probs [N, T] of the rows' completions, float32, computed in
-  `microbatches` slices (the rows come back in their own order)."""
+  `microbatches` slices (the rows come back in their own order); packed rows, over their
+  microbatches (each gives its samples' log-probs, zero elsewhere)."""
+  if isinstance(rows, packing.PackedRows):
+    return rows.accumulate(lambda mb: mb.logprobs(fns, ref_params, chunk_size=chunk_size)[0],
+                           lambda mb: constrain(mb, rows_sharding))
   if microbatches == 1:
     return rollout.logprobs(rows, fns, ref_params, chunk_size=chunk_size)[0]
   split = rows.microbatches(microbatches, k)
@@ -185,6 +189,29 @@ def reference_logprobs(ref_params, rows, *, fns, k: int, chunk_size: int, microb
   per_unit = n // rows.num_units
   m = microbatches
   return logp.reshape(m, -1, per_unit, t).swapaxes(0, 1).reshape(n, t)
+
+
+class ReferencePass:
+  """`reference_logprobs` jitted, `ref(ref_params, rows) -> [N, T]`; with a `packing.Packer`
+  (config.train.microbatch_tokens) the rollout's rows are packed first."""
+
+  def __init__(self, *, fns, k: int, chunk_size: int, microbatches: int, ref_sharding,
+               rows_sharding, packer: packing.Packer | None = None):
+    self.packer = packer
+    self.fn = platform.jit_by_platform(
+        functools.partial(reference_logprobs, fns=fns, k=k, chunk_size=chunk_size,
+                          microbatches=microbatches, rows_sharding=rows_sharding),
+        in_shardings=(ref_sharding, rows_sharding), out_shardings=rows_sharding,
+        sharding=rows_sharding)
+
+  def __call__(self, ref_params, rows):
+    return self.fn(ref_params, rows if self.packer is None else self.packer(rows))
+
+  def lower(self, ref_params, rows):
+    return self.fn.lower(ref_params, rows if self.packer is None else self.packer.abstract(rows))
+
+  def _cache_size(self) -> int:
+    return self.fn._cache_size()  # pylint: disable=protected-access
 
 
 def score_rollout(ref_params, adv_state, rows, rewards_bk, usable_bk, *, fns, beta: float,

@@ -9,7 +9,7 @@ import pytest
 from rloo_jax import experiment, models, packing, update
 from rloo_jax.algorithms.rloo import RLOO
 from test_head_loss import _rows
-from test_trim import tiny_config
+from test_trim import MAX_NEW_TOKENS, tiny_config
 
 
 def _check_plan(pl, p_b, len_n, k, budget):
@@ -143,3 +143,65 @@ def test_a_packed_minibatch_has_the_unpacked_loss_metrics_and_gradient(
   scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_packed_reference_log_probs_equal_the_unpacked_ones(tmp_path, attention, monkeypatch):
+  """The scoring pass's log-probs, packed over several microbatches (split groups among them),
+  with either attention kernel (blockwise in blocks of 4, so rows run several)."""
+  from rloo_jax.models import attention_blockwise  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(attention_blockwise, "BLOCK", 4)
+  config = tiny_config()
+  config.model.attention = attention
+  algo = RLOO(experiment.build(config, str(tmp_path)))
+  exp = algo.exp
+  state = algo.init_state(models.create(exp.model_config)[1])
+  rows = _rows(algo, state)
+  p_b = np.asarray(rows.prompt_mask_bp.sum(1))
+  len_n = np.asarray(rows.cmask_nt.sum(1))
+  packer = _packer(algo, rows, int(np.median(p_b - 1 + len_n.reshape(-1, algo.k).sum(1))))
+  ref = lambda r: update.reference_logprobs(state.ref_params, r, fns=exp.fns, k=algo.k,  # noqa
+                                            chunk_size=5)
+  want, got = ref(rows), ref(packer(rows))
+  assert float(jnp.abs(want).max()) > 0
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(shared_prefix=False), r"microbatch_tokens packs whole groups: set "
+                                r"config.train.shared_prefix=True"),
+    (dict(microbatch_size=2), r"microbatch_tokens and config.train.microbatch_size both cut"),
+    (dict(microbatch_tokens=20), r"microbatch_tokens=20 cannot hold a completion at full length "
+                                 r"with its prompt: set it to at least"),
+])
+def test_bad_packing_settings_are_refused_naming_the_key(tmp_path, change, message):
+  from rloo_jax import algorithms  # pylint: disable=import-outside-toplevel
+  config = tiny_config()
+  config.train.microbatch_tokens = 10_000
+  config.train.update(change)
+  with pytest.raises(ValueError, match=message):
+    algorithms.validate(config, with_rewards=False)
+
+
+def _length_reward(prompts, completions, **_):
+  return [float(len(c)) for c in completions]
+
+
+def test_a_packed_run_trains_and_reports_the_loss_of_the_unpacked_one(tmp_path):
+  """One iteration of the tiny config, packed and not, from the same seed: the same rollout, so
+  the same loss and gradient norm in the step's metrics."""
+  from rloo_jax import algorithms  # pylint: disable=import-outside-toplevel
+  out = {}
+  for budget in (0, packing.min_tokens(16, MAX_NEW_TOKENS)):
+    config = tiny_config()
+    config.data.max_prompt_len = 16
+    config.train.num_iterations = 1
+    config.train.microbatch_tokens = budget
+    config.rewards.fns = [_length_reward]  # rewards that differ within a group
+    config.rewards.weights = [1.0]
+    out[budget] = algorithms.run(config, str(tmp_path / str(budget)))["last_metrics"]
+  plain, packed = out.values()
+  assert abs(plain["loss"]) > 1e-3 and plain["grad_norm"] > 1e-3
+  for key in ("loss", "grad_norm", "entropy", "kl", "reward_mean"):
+    np.testing.assert_allclose(packed[key], plain[key], rtol=1e-4, atol=1e-7, err_msg=key)

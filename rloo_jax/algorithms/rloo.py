@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from rloo_jax import adapters, packing, platform, policy_init, rollout, update
+from rloo_jax import adapters, packing, policy_init, rollout, update
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms.base import AlgorithmBase
 
@@ -85,9 +85,10 @@ def rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite: int, parts: 
   return m
 
 
-def packer_of(exp):
-  """config.train.microbatch_tokens' `packing.Packer` (None: off): one packed row per batch shard
-  a microbatch. First fit leaves at most one row less than half full, so a minibatch of N
+def packer_of(exp, *, per: str):
+  """config.train.microbatch_tokens' `packing.Packer` (None: off) for a minibatch (the update) or
+  the whole rollout (the reference pass): one packed row per batch shard a microbatch. First
+  fit leaves at most one row less than half full, so a minibatch of N
   completions of up to P - 1 + T tokens each (prompt included) takes at most
   2 N (P - 1 + T) / budget + 1 rows (and never more than N)."""
   c = exp.config
@@ -95,7 +96,7 @@ def packer_of(exp):
   if not budget:
     return None
   shards = exp.layout.batch_parallelism
-  n = c.rloo.num_prompts * c.rloo.k // c.train.num_minibatches
+  n = c.rloo.num_prompts * c.rloo.k // (c.train.num_minibatches if per == "minibatch" else 1)
   most = min(n, 2 * n * packing.min_tokens(c.data.max_prompt_len, c.rloo.max_new_tokens)
              // budget + 1)
   return packing.Packer(k=int(c.rloo.k), budget=budget, rows_per_microbatch=shards,
@@ -120,14 +121,15 @@ class RLOO(AlgorithmBase):
         fns=exp.fns, tx=exp.tx, spec=exp.loss_spec, k=self.k, chunk_size=chunk,
         microbatches=update.microbatches(c, per="minibatch"), state_shardings=state_sh,
         rows_sharding=rows_sh, replicated=rep,
-        fused_head=bool(c.train.get("fused_head_grad", True)), packer=packer_of(exp))
+        fused_head=bool(c.train.get("fused_head_grad", True)),
+        packer=packer_of(exp, per="minibatch"))
     # The scoring pass as two programs: the reference's log-probs (the heavy one, dispatched as
     # soon as the completions exist, so it runs while the host scores the rewards) and the KL,
     # penalised rewards and advantages (a few [B, k] operations once the rewards are in).
-    self.reference_fn = platform.jit_by_platform(functools.partial(
-        update.reference_logprobs, fns=exp.base_fns or exp.fns, k=self.k, chunk_size=chunk,
-        microbatches=update.microbatches(c, per="rollout"), rows_sharding=rows_sh),
-        in_shardings=(state_sh.ref_params, rows_sh), out_shardings=rows_sh, sharding=rows_sh)
+    self.reference_fn = update.ReferencePass(
+        fns=exp.base_fns or exp.fns, k=self.k, chunk_size=chunk,
+        microbatches=update.microbatches(c, per="rollout"), ref_sharding=state_sh.ref_params,
+        rows_sharding=rows_sh, packer=packer_of(exp, per="rollout"))
     self.advantage_fn = jax.jit(functools.partial(
         update.advantages_of, beta=float(c.kl.beta), kl_estimator=c.kl.estimator,
         kl_reduction=c.kl.reduction, estimator=c.advantage.estimator,

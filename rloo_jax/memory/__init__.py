@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from rloo_jax import experiment, sampler_args
+from rloo_jax import experiment, packing, sampler_args
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
 from rloo_jax.memory import speedups as speedups_lib
@@ -68,6 +68,8 @@ def _microbatch_advice(algo, name: str, update, need: int, accelerator: bool) ->
   c, out = exp.config, []
   grouped = bool(c.train.shared_prefix)
   mb = programs_lib.microbatch(c)
+  if mb["microbatch_tokens"]:
+    return _packed_advice(algo, name, update, need, accelerator)
   size, units = mb["microbatch_size"], mb["microbatch_size"] * mb["microbatches"]
   rows = lambda d: d * c.rloo.k if grouped else d
   valid = [d for d in programs_lib.divisors(units) if d < size
@@ -99,6 +101,22 @@ def _microbatch_advice(algo, name: str, update, need: int, accelerator: bool) ->
     out.append((update.temp, "--config.model.remat=full (keep only each layer's input for the "
                              f"backward; now {c.model.get('remat', 'none')!r})"))
   return out
+
+
+def _packed_advice(algo, name: str, update, need: int, accelerator: bool) -> list:
+  """Packed updates: the smallest token budget (one completion and its prompt a row), compiled."""
+  c = algo.exp.config
+  now = int(c.train.microbatch_tokens)
+  least = packing.min_tokens(c.data.max_prompt_len, c.rloo.max_new_tokens)
+  if now <= least:
+    return []
+  config = c.copy_and_resolve_references()
+  config.train.microbatch_tokens = least
+  temp = programs_lib.compile_at(algo, config, accelerator=accelerator, rebuild=True)[name].temp
+  if temp >= update.temp:
+    return []
+  return [(update.temp - temp, f"--config.train.microbatch_tokens={least} (now {now}: the "
+                               f"update's temporaries {_size(update.temp)} -> {_size(temp)})")]
 
 
 def _attention_advice(algo, name: str, update, need: int, accelerator: bool) -> list:
@@ -301,8 +319,10 @@ def format_table(r: dict) -> str:
                    for k, d, w in (("flops", 1e12, 10), ("bytes_accessed", 1e9, 10)))
     lines.append(f"  {PROGRAM_LABELS[name]:16}{gb}{p['compile_s']:11.1f}{cost}")
   f = r["flops"]
-  lines += [f"  microbatch: {r['microbatch_rows']} rows ({r['microbatch_groups']:g} groups), "
-            f"{r['microbatches']} per minibatch; {r['update_steps']} update steps an iteration",
+  mb = (f"packed rows of {r['microbatch_tokens']} tokens, one a batch shard"
+        if r["microbatch_tokens"] else f"{r['microbatch_rows']} rows "
+        f"({r['microbatch_groups']:g} groups), {r['microbatches']} per minibatch")
+  lines += [f"  microbatch: {mb}; {r['update_steps']} update steps an iteration",
             f"  model FLOPs per iteration: {r['flops_per_iteration']:.3e} (rollout "
             f"{f['rollout']:.3e}, reference {f['reference']:.3e}, update {f['update']:.3e}; "
             f"remat recompute {f['remat_recompute']:.3e} not included)",

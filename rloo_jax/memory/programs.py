@@ -107,7 +107,8 @@ def microbatch(config) -> dict:
   size = units // m
   rows = size * k if grouped else size
   return dict(microbatch_size=size, microbatch_rows=rows,
-              microbatch_groups=size if grouped else rows / k, microbatches=m)
+              microbatch_groups=size if grouped else rows / k, microbatches=m,
+              microbatch_tokens=int(c.train.get("microbatch_tokens", 0) or 0))
 
 
 def inputs(exp) -> Inputs:

@@ -71,6 +71,8 @@ def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak:
   grouped = bool(c.train.shared_prefix)
   mb = programs_lib.microbatch(c)
   size, m = mb["microbatch_size"], mb["microbatches"]
+  if mb["microbatch_tokens"]:  # packed: the budget, not a microbatch size, sets the rows
+    return []
   units = size * m
   rows = lambda d: d * c.rloo.k if grouped else d  # noqa: E731
   valid = [d for d in programs_lib.divisors(units) if d > size
