@@ -31,6 +31,7 @@ _LORA8B = ("configs/arithmetic.py --config.model.preset=llama-3-8b --config.mode
 # Long reasoning traces (docs/SCALE.md "Long completions"): a prompt of 1024 tokens, k = 8.
 _LONG = ("--config.data.max_prompt_len=1024 --config.model.remat=full "
          "--config.rloo.rollout_chunk_prompts=32 --config.rloo.max_new_tokens=")
+_PACKED = "--config.train.microbatch_size=0 --config.train.microbatch_tokens="
 # (name, config[:arg], devices, device memory GiB): the hardware of each config's docstring.
 ROWS = (
     ("tldr pythia-1b k=4", "configs/tldr.py:model=pythia-1b,k=4", 8, 80),
@@ -57,14 +58,16 @@ ROWS = (
     ("scale llama-3-70b lora 16 k=2 16x(512+512) fsdp=8", _SCALE + " --config.model.preset="
      "llama-3-70b --config.model.lora.rank=16 --config.rloo.num_prompts=16 --config.rloo.k=2 "
      "--config.data.max_prompt_len=512 --config.rloo.max_new_tokens=512", 8, 80),
-    ("long deepscaler 128x8x(1024+8192) microbatch 2", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
-     "--config.rloo.num_prompts=128 --config.train.microbatch_size=2 " + _LONG + "8192", 8, 72),
-    ("long qwen2.5-1.5b k=8 1024+24576", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
-     "--config.rloo.num_prompts=32 --config.train.microbatch_size=1 " + _LONG + "24576", 8, 72),
-    ("long qwen2.5-1.5b k=8 1024+32768", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
-     "--config.rloo.num_prompts=32 --config.train.microbatch_size=1 " + _LONG + "32768", 8, 72),
-    ("long qwen3-8b k=8 1024+16384", "configs/gsm8k.py:model=qwen3-8b,k=8 "
-     "--config.rloo.num_prompts=32 --config.train.microbatch_size=1 " + _LONG + "16384", 8, 72),
+    # Packed updates: microbatch_tokens per device, one completion and its prompt at the least.
+    ("long deepscaler 128x8x(1024+8192) packed 36860", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
+     "--config.rloo.num_prompts=128 " + _PACKED + "36860 " + _LONG + "8192", 8, 72),
+    ("long qwen2.5-1.5b k=8 1024+24576 packed 25599", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
+     "--config.rloo.num_prompts=32 " + _PACKED + "25599 " + _LONG + "24576", 8, 72),
+    ("long qwen2.5-1.5b k=8 1024+32768 packed 33791", "configs/gsm8k.py:model=qwen2.5-1.5b,k=8 "
+     "--config.rloo.num_prompts=32 " + _PACKED + "33791 " + _LONG + "32768", 8, 72),
+    ("long qwen3-8b k=8 1024+16384 packed 17407", "configs/gsm8k.py:model=qwen3-8b,k=8 "
+     "--config.rloo.num_prompts=32 " + _PACKED + "17407 " + _LONG + "16384 "
+     "--config.rloo.rollout_chunk_prompts=8", 8, 72),
 )
 
 

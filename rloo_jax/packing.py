@@ -28,8 +28,10 @@ import numpy as np
 
 from rloo_jax import head_loss, loss
 
-# The segment of a row's unused tail: above any group's, so ids never decrease along a row.
-PAD_SEGMENT = 2**30
+# A row's unused tail: each token a segment of its own (PAD_SEGMENT + its column), above any
+# group's, so ids never decrease along a row and the blockwise kernel visits one block per tail
+# block (one shared tail segment would make it attend the tail to itself, square in its length).
+PAD_SEGMENT = 2**29
 
 
 def min_tokens(max_prompt_len: int, max_new_tokens: int) -> int:
@@ -150,6 +152,9 @@ class PackedMicrobatch:
   cmask_nt: jax.Array
   old_logp_nt: jax.Array
   advantages_n: jax.Array
+  # The head runs `chunk_scale` times the positions a chunk of grouped rows would, over one row
+  # in place of a group's k: the same logits per chunk, in k times fewer, larger products.
+  chunk_scale: int = struct.field(pytree_node=False, default=1)
 
   def hidden(self, fns, params):
     """Hidden states [D, L, E] (before the final norm) of the packed rows."""
@@ -166,7 +171,8 @@ class PackedMicrobatch:
     """(log-probs [N, T], entropies [N, T] or None), float32, as `rollout.logprobs`."""
     logp, ent = loss.chunked_logprobs(fns.head, fns.head_params(params), self.hidden(fns, params),
                                       self.target_dl, self.pred_dl < self.cmask_nt.size,
-                                      chunk_size=chunk_size, with_entropy=with_entropy)
+                                      chunk_size=chunk_size * self.chunk_scale,
+                                      with_entropy=with_entropy)
     return self._to_nt(logp), None if ent is None else self._to_nt(ent)
 
   def linear_loss(self, fns, params, coef_nt, *, chunk_size: int):
@@ -175,7 +181,7 @@ class PackedMicrobatch:
     coef_dl = jnp.append(coef_nt.reshape(-1), 0.0)[self.pred_dl]
     value, logp, ent = head_loss.linear_logprob_loss(
         fns.head, fns.head_params(params), self.hidden(fns, params), self.target_dl, coef_dl,
-        chunk_size=chunk_size, with_entropy=True)
+        chunk_size=chunk_size * self.chunk_scale, with_entropy=True)
     return value, self._to_nt(logp), self._to_nt(ent)
 
 
@@ -199,6 +205,7 @@ class PackedRows:
   cmask_nt: jax.Array
   old_logp_nt: jax.Array
   advantages_n: jax.Array
+  chunk_scale: int = struct.field(pytree_node=False, default=1)
 
   def microbatch(self, i) -> PackedMicrobatch:
     rows = [x[:, i] for x in (self.tokens_dml, self.positions_dml, self.key_ok_dml,
@@ -206,7 +213,7 @@ class PackedRows:
     mine = self.microbatch_n == i
     return PackedMicrobatch(*rows, self.start_n, self.completions_nt,
                             self.cmask_nt & mine[:, None], self.old_logp_nt,
-                            jnp.where(mine, self.advantages_n, 0.0))
+                            jnp.where(mine, self.advantages_n, 0.0), self.chunk_scale)
 
   def accumulate(self, fn, constrain=lambda x: x):
     """The sum of `fn(microbatch)` (a pytree of arrays) over the microbatches in use."""
@@ -250,9 +257,10 @@ def pack(rows, pl, *, k: int, budget: int, rows_per_microbatch: int,
   prompt_seg_i = pl.piece_slot * (k + 1)
   shared_n = prompt_seg_i[pl.piece_n]
   full = lambda x, cols: jnp.broadcast_to(x[:, None], (x.shape[0], cols))  # noqa: E731
+  tail = PAD_SEGMENT + jnp.arange(total, dtype=i32) % l
 
   def scatter(prompt_ip, completion_nt, fill, dtype):
-    out = jnp.full((total,), fill, dtype)
+    out = jnp.broadcast_to(jnp.asarray(fill, dtype), (total,))
     out = out.at[dest_ip.reshape(-1)].set(prompt_ip.reshape(-1).astype(dtype), mode="drop")
     out = out.at[dest_nt.reshape(-1)].set(completion_nt.reshape(-1).astype(dtype), mode="drop")
     return out.reshape(rows_per_microbatch, m, l)
@@ -261,9 +269,8 @@ def pack(rows, pl, *, k: int, budget: int, rows_per_microbatch: int,
       tokens_dml=scatter(rows.prompt_tokens_bp[g_i], seg_tokens, 0, i32),
       positions_dml=scatter(rows.prompt_positions_bp[g_i], seg_positions, 0, i32),
       key_ok_dml=scatter(jnp.ones((n, p), bool), jnp.ones((n, t), bool), False, bool),
-      segment_dml=scatter(full(prompt_seg_i, p), full(shared_n + 1 + pl.order_n, t),
-                          PAD_SEGMENT, i32),
-      shared_dml=scatter(full(prompt_seg_i, p), full(shared_n, t), PAD_SEGMENT, i32),
+      segment_dml=scatter(full(prompt_seg_i, p), full(shared_n + 1 + pl.order_n, t), tail, i32),
+      shared_dml=scatter(full(prompt_seg_i, p), full(shared_n, t), tail, i32),
       target_dml=scatter(jnp.zeros((n, p), i32), rows.completions_nt, 0, i32),
       pred_dml=scatter(jnp.full((n, p), n * t, i32),
                        jnp.arange(n * t, dtype=i32).reshape(n, t), n * t, i32),
@@ -271,7 +278,7 @@ def pack(rows, pl, *, k: int, budget: int, rows_per_microbatch: int,
       start_n=(pl.shard_n * l + pl.start_n).astype(i32),
       count_d=jnp.full((rows_per_microbatch,), pl.count, i32),
       completions_nt=rows.completions_nt, cmask_nt=rows.cmask_nt, old_logp_nt=rows.old_logp_nt,
-      advantages_n=rows.advantages_n)
+      advantages_n=rows.advantages_n, chunk_scale=k)
 
 
 _DEVICE_FIELDS = ("piece_group", "piece_shard", "piece_microbatch", "piece_offset",

@@ -60,30 +60,26 @@ def attend(q_bshgd, k_bshd, v_bshd, key_ok_bs, segment_bs=None, positions_bs=Non
 
 
 def _block_ranges(segment_bs, shared_bs, blk: int, nb: int):
-  """The key blocks each query block reads, as two runs: [s0, s1) holding its rows' shared
-  segments and [max(lo, s1), i] from its rows' own segments' first block up to itself, each [nb]
-  int32 (over the batch: the union). Exact as a cover because a row's shared segment never starts
-  after its own (the prompt precedes its completions)."""
+  """The key blocks each query block reads, as two runs: [s0, s1), the blocks of its first row's
+  shared segment, and [max(lo, s1), i], from its first row's own segment's first block up to
+  itself; each [nb] int32 (over the batch: the union). A cover: every other row of the block has
+  the first row's shared segment, or its own and shared segments start inside the block (ids
+  never decrease, and a shared segment precedes the segments sharing it)."""
   b, s = segment_bs.shape
   rows = jnp.arange(s)
   own_start = jax.lax.cummax(
       jnp.where(jnp.concatenate([jnp.ones((b, 1), bool),
                                  segment_bs[:, 1:] != segment_bs[:, :-1]], 1), rows, 0), axis=1)
+  first_rows = shared_bs[:, ::blk]  # [B, nb]
   find = lambda side: jax.vmap(functools.partial(jnp.searchsorted, side=side))(segment_bs,
-                                                                              shared_bs)
+                                                                              first_rows)
   first, past = find('left'), find('right')
   present = past > first
-  big = nb * blk
-
-  def per_block(x, fill, reduce):
-    x = jnp.pad(x, [(0, 0), (0, nb * blk - s)], constant_values=fill)
-    return reduce(reduce(x.reshape(b, nb, blk), axis=2), axis=0)
-
-  s0_n = per_block(jnp.where(present, first, big), big, jnp.min) // blk
-  s1_n = (per_block(jnp.where(present, past - 1, -blk), -blk, jnp.max) // blk) + 1
-  lo_n = per_block(own_start, big, jnp.min) // blk
+  s0_n = jnp.min(jnp.where(present, first, nb * blk), axis=0) // blk
+  s1_n = jnp.max(jnp.where(present, past - 1, -blk), axis=0) // blk + 1
+  lo_n = jnp.min(own_start[:, ::blk], axis=0) // blk
   idx = jnp.arange(nb)
-  # A block with no shared run (only padding) reads nothing but itself.
+  # A block whose first rows share no segment reads only from its own segments.
   s1_n = jnp.where(s0_n < nb, jnp.minimum(s1_n, idx + 1), 0)
   s0_n = jnp.minimum(s0_n, s1_n)
   return s0_n, s1_n, jnp.minimum(jnp.maximum(lo_n, s1_n), idx + 1)
