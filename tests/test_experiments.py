@@ -53,8 +53,7 @@ def test_bench_step_reports_a_consistent_iteration():
                              new_tokens=new_tokens, iterations=2, dtype="float32",
                              shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
                              remat="full", microbatch_size=0, logprob_chunk_size=32,
-                             lora_rank=0, lora_targets="q,k,v,o,gate,up,down",
-                             reward_delay_ms=0.0, fixed_length=0)
+                             lora_rank=0, reward_delay_ms=0.0, fixed_length=0)
   assert r["trainable_params"] == r["params"]  # full fine-tuning: every parameter trains
   # The process held at least its float32 params (and a python + jax runtime).
   assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
