@@ -1,23 +1,13 @@
 r"""Our rollout against transformers' generate, each in a process of its own: bench_sampler.py
-run once per mode per round, the order alternating from round to round, and the median of the
-per-round ratios (the peer's seconds over ours).
-
-Why not bench_sampler's own round-robin: there both run in one process, and torch's OpenMP
-threads (spinning after each parallel region) and its allocations share the cores and caches
-with XLA's; at size (c)'s shape that slowed our rollout by about a fifth on a 2-core CPU.
-compare_peers runs its frameworks apart for the same reason.
-
-`--modes ours,peer` (default shared,hf: the trainer's default decode and HF generate);
-every other flag goes to bench_sampler.py unchanged. Both sides run with compare_peers'
-`--malloc_hugepages` setting (default 1: malloc madvises transparent huge pages). The hf mode
-needs torch and transformers beside jax: `--python .venv-hf/bin/python` (set up in
-docs/PERFORMANCE.md). One JSON line.
+run once per mode per round (`--modes ours,peer`, default shared,hf), the order alternating, and
+the median of the per-round ratios (the peer's seconds over ours). In one process torch's
+spinning OpenMP threads and allocations share the cores and caches with XLA's (at size (c)'s
+shape that slowed our rollout by about a fifth on a 2-core CPU). Every other flag goes to
+bench_sampler.py unchanged; both sides run with compare_peers' `--malloc_hugepages`. The hf mode
+needs torch and transformers beside jax (`--python .venv-hf/bin/python`, docs/PERFORMANCE.md).
 
     python experiments/compare_generate.py --python .venv-hf/bin/python --rounds 2 \
         --prompt_len=64 --new_tokens=64 --repeats=3
-    python experiments/compare_generate.py --python .venv-hf/bin/python --rounds 2 \
-        --prompt_len=64 --new_tokens=64 --prompts 4 --hidden 896 --layers 24 --heads 14 \
-        --kv_heads 14 --intermediate 3584 --vocab 151936 --repeats=2
 """
 import argparse
 import json

@@ -1,15 +1,12 @@
-r"""Loading a real-size checkpoint onto a mesh: a random Qwen2.5-1.5B-shaped checkpoint (the
-preset's architecture, float32, about 6 GB, written once with the tensor names and layout
-transformers uses) loaded with `hf.load_checkpoint(..., shardings=...)` onto N simulated CPU
-devices with fsdp=N. Prints one JSON line: the parameter bytes, the process's peak RSS during the
-load (and its ratio to the parameter bytes), and the seconds.
+r"""Loading a real-size checkpoint onto a mesh (docs/SCALE.md "Loading"): a random
+Qwen2.5-1.5B-shaped checkpoint (float32, about 6 GB, transformers' tensor names and layout),
+written once by a process of its own, loaded with `hf.load_checkpoint(..., shardings=...)` onto
+N simulated CPU devices with fsdp=N in a fresh process. One JSON line: the parameter bytes, the
+baseline (python + jax) and peak RSS, their ratios to the parameter bytes, the RSS after the load
+split into anonymous and file-backed memory, and the seconds.
 
     python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 8
-
-The checkpoint is written in a separate process first (its own memory does not count), and the
-load runs in a fresh process whose baseline RSS (python + jax, before the load) is reported too,
-and the RSS after the load split into anonymous (on CPU the loaded params live there: 1.0x) and
-file-backed memory (a memory-mapped checkpoint's pages). `--unsharded` loads with shardings=None.
+    python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 1 --unsharded
 """
 import argparse
 import json
