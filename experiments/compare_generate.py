@@ -19,17 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_peers import HUGEPAGES_TUNABLE, malloc_env, round_order, run_side  # noqa: E402
 
 
-def run_mode(python: str, mode: str, sampler_args: list, env=None) -> dict:
-  """bench_sampler.py with `--modes=mode` in a new process (`compare_peers.run_side`, no
-  memory limit, `env` added to its environment): its JSON line."""
-  result, failure = run_side(python, "bench_sampler.py", [*sampler_args, f"--modes={mode}"],
-                             mem_limit_gb=0, env=env or None)
-  if failure is not None:
-    raise SystemExit(f"bench_sampler.py --modes={mode} failed (exit {failure['returncode']}):\n"
-                     f"{failure['output_tail']}")
-  return result
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--modes", default="shared,hf", help="ours,peer: two bench_sampler modes")
@@ -37,8 +26,7 @@ def main():
   p.add_argument("--python", default=sys.executable,
                  help="the interpreter of both sides (one with torch for the hf mode)")
   p.add_argument("--malloc_hugepages", type=int, default=1, choices=(0, 1),
-                 help=f"1: both sides with GLIBC_TUNABLES={HUGEPAGES_TUNABLE}, as compare_peers "
-                      "runs them; 0: the machine's defaults")
+                 help=f"1: both sides with GLIBC_TUNABLES={HUGEPAGES_TUNABLE}")
   args, sampler_args = p.parse_known_args()
   modes = args.modes.split(",")
   if len(modes) != 2 or len(set(modes)) != 2:
@@ -50,19 +38,22 @@ def main():
   for i in range(args.rounds):
     order = round_order(i, modes)
     seconds, config = {}, None
-    for mode in order:
-      out = run_mode(args.python, mode, sampler_args, env)
+    for mode in order:  # a new process each, no memory limit
+      out, failure = run_side(args.python, "bench_sampler.py", [*sampler_args, f"--modes={mode}"],
+                              mem_limit_gb=0, env=env or None)
+      if failure is not None:
+        raise SystemExit(f"bench_sampler.py --modes={mode} failed (exit "
+                         f"{failure['returncode']}):\n{failure['output_tail']}")
       seconds[mode] = out["hf_generate_s" if mode == "hf" else f"{mode}_s"]  # median seconds
       config = out["config"]
     rounds.append(dict(order=order, seconds=seconds,
                        ratio=round(seconds[modes[1]] / seconds[modes[0]], 3)))
   ours, peer = modes
-  result = dict(ours=ours, peer=peer, rounds=rounds,
-                median_ours_s=statistics.median(r["seconds"][ours] for r in rounds),
-                median_peer_s=statistics.median(r["seconds"][peer] for r in rounds),
-                median_ratio=statistics.median(r["ratio"] for r in rounds),
-                env=env, config=config)
-  print(json.dumps(result), flush=True)
+  print(json.dumps(dict(ours=ours, peer=peer, rounds=rounds,
+                        median_ours_s=statistics.median(r["seconds"][ours] for r in rounds),
+                        median_peer_s=statistics.median(r["seconds"][peer] for r in rounds),
+                        median_ratio=statistics.median(r["ratio"] for r in rounds),
+                        env=env, config=config)), flush=True)
 
 
 if __name__ == "__main__":
