@@ -16,58 +16,17 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 # The checkout's package, so the command runs from a clone without an install.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def write_checkpoint(path: str, preset: str, shard_bytes: int = 2 * 2**30):
-  """A random checkpoint of `preset`'s architecture in transformers' Qwen2 layout, sharded."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  from rloo_jax.models import presets  # pylint: disable=import-outside-toplevel
-
-  c = presets.get(preset)
-  os.makedirs(path, exist_ok=True)
-  e, f, hq, hkv, d = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-  shapes = {"model.embed_tokens.weight": (c.vocab_size, e), "model.norm.weight": (e,)}
-  for i in range(c.num_layers):
-    p = f"model.layers.{i}."
-    shapes.update({
-        p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,),
-        p + "self_attn.q_proj.weight": (hq * d, e), p + "self_attn.q_proj.bias": (hq * d,),
-        p + "self_attn.k_proj.weight": (hkv * d, e), p + "self_attn.k_proj.bias": (hkv * d,),
-        p + "self_attn.v_proj.weight": (hkv * d, e), p + "self_attn.v_proj.bias": (hkv * d,),
-        p + "self_attn.o_proj.weight": (e, hq * d), p + "mlp.gate_proj.weight": (f, e),
-        p + "mlp.up_proj.weight": (f, e), p + "mlp.down_proj.weight": (e, f)})
-  rng = np.random.default_rng(0)
-  files, current, size, weight_map = [], {}, 0, {}
-
-  def flush():
-    nonlocal current, size
-    if current:
-      name = f"model-{len(files) + 1:05d}.safetensors"
-      save_file(current, os.path.join(path, name))
-      files.append(name)
-      weight_map.update({k: name for k in current})
-      current, size = {}, 0
-
-  for name, shape in shapes.items():
-    current[name] = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
-    size += current[name].nbytes
-    if size >= shard_bytes:
-      flush()
-  flush()
-  total = sum(int(np.prod(s)) * 4 for s in shapes.values())
-  with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh)
-  with open(os.path.join(path, "config.json"), "w") as fh:
-    json.dump({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": e,
-               "intermediate_size": f, "num_hidden_layers": c.num_layers,
-               "num_attention_heads": hq, "num_key_value_heads": hkv, "vocab_size": c.vocab_size,
-               "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
-               "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings,
-               "torch_dtype": "float32"}, fh)
+def write_checkpoint(path: str, preset: str):
+  """A random checkpoint of `preset`'s architecture, float32, in ~2 GiB safetensors shards,
+  written by the project's exporter (transformers' tensor names, layout and config.json)."""
+  from rloo_jax.models import hf_export, presets, transformer  # pylint: disable=C0415
+  config = presets.get(preset, dtype="float32", param_dtype="float32")
+  hf_export.save_pretrained(transformer.create(config, seed=0)[1], config, path, dtype="float32",
+                            max_shard_bytes=2 * 2**30)
 
 
 def _rss_now() -> dict:
