@@ -1,26 +1,20 @@
 r"""Sweep runner: one workdir per (run, seed), resumable, every algorithm through one entry point.
 
-A sweep file (configs/sweeps/*.py) defines
-    CONFIG = "configs/arithmetic.py"   # the base get_config file (optionally "path:arg")
-    COMMON = {...}                     # dotted overrides applied to every run
-    SEEDS = (0, 1, 2)
-    def get_sweep() -> list[dict]      # one dict per run: {"name": ..., dotted overrides...}
-A run's `algorithm` override (config.algorithm) picks the algorithm `rloo_jax.algorithms.run`
-trains: 'rloo' (the default: any registered advantage estimator, RAFT / GRPO / REINFORCE /
-vanilla included), 'ppo' (`rloo_jax.algorithms.ppo`) or 'dpo' (`rloo_jax.algorithms.dpo`).
+A sweep file (configs/sweeps/*.py) defines CONFIG (the base get_config file, "path[:arg]"),
+COMMON (dotted overrides for every run), SEEDS and get_sweep() -> [{"name": ..., dotted
+overrides...}]; a run's `algorithm` override picks what `rloo_jax.algorithms.run` trains: 'rloo'
+(the default, with any registered advantage estimator), 'ppo' or 'dpo'.
 
     python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/t1 \
         --seeds=0 --only=rloo_k4,ppo --sft_from=/tmp/rloo_arith   # --dry_run: list, train nothing
     python experiments/sweep.py --sweep=configs/sweeps/table1_tldr.py --root=runs/table1_tldr_1b \
         --config_arg=model=/ckpt/pythia-1b-tldr-sft,rm=/ckpt/pythia-1b-tldr-rm
 
-Layout: <root>/<name>/seed<s>/ holds the run's metrics.jsonl, summary.json and run.json (name,
-overrides, seed, wall time, command). A run with a summary.json is finished and skipped, so a
-killed sweep restarts where it stopped (an unfinished run resumes from its own checkpoints).
-All runs of a sweep start from one SFT policy, trained once in <root>/_shared (seed 0) or copied
-from `--sft_from` (a workdir whose sft/ was trained with the same base config): seeds vary the RL
-stage, and every method starts from the same point. Compiled executables are cached on disk in
-<root>/_jax_cache, so runs after the first skip most compilation.
+<root>/<name>/seed<s>/ holds a run's metrics.jsonl, summary.json and run.json (name, overrides,
+seed, wall time, command); a run with a summary.json is skipped, so a killed sweep restarts where
+it stopped. Every run starts from one SFT policy, trained once in <root>/_shared (seed 0) or
+copied from `--sft_from` (a workdir whose sft/ has the same base config). Compiled executables
+are cached in <root>/_jax_cache.
 """
 from __future__ import annotations
 
