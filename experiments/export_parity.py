@@ -29,8 +29,7 @@ def export_side(out_root):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from rloo_jax.models import hf, hf_export, transformer  # pylint: disable=import-outside-toplevel
 
-  families = sorted(f for f in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, f)))
-  for fam in families:
+  for fam in sorted(f for f in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, f))):
     src = os.path.join(FIXTURES, fam)
     config, graphdef, params = hf.load_model(src)
     leaves, treedef = jax.tree.flatten(params)
@@ -45,14 +44,12 @@ def export_side(out_root):
       hf_export.save_pretrained(params, config, out, dtype=dtype, tokenizer_dir=src)
       rounded = params if dtype == "float32" else jax.tree.map(
           lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
-      ours = {}
+      ours = {f"{side}_{k}": ref[f"{side}_{k}"] for side in ("right", "left")
+              for k in ("tokens", "positions", "mask")}
       for side in ("right", "left"):
-        args = [ref[f"{side}_{k}"] for k in ("tokens", "positions", "mask")]
-        ours[f"{side}_logits"] = np.asarray(fns.forward(rounded, *args))
-        for k in ("tokens", "positions", "mask"):
-          ours[f"{side}_{k}"] = ref[f"{side}_{k}"]
+        ours[f"{side}_logits"] = np.asarray(fns.forward(
+            rounded, *(ref[f"{side}_{k}"] for k in ("tokens", "positions", "mask"))))
       np.savez(os.path.join(out, "rloo_jax_logits.npz"), **ours)
-  return families
 
 
 def tokenizer_side(out_root, write_reference: bool):

@@ -160,6 +160,11 @@ def table1_win_rate(runs: dict) -> list[str]:
   return lines
 
 
+def smooth(x, w=5):
+  """Moving average over w points ('valid': w - 1 fewer), or x when it is shorter."""
+  return np.convolve(x, np.ones(w) / w, mode="valid") if x.size >= w else x
+
+
 def _plt():
   import matplotlib
   matplotlib.use("Agg")
@@ -187,8 +192,7 @@ def plot_curves(runs: dict, out_dir: str, prefix: str, eval_key: str = "eval/gre
     rs = runs[name]
     s, m = mean_curve(rs, "train/reward_mean")
     if s.size:
-      w = 5
-      sm = np.convolve(m, np.ones(w) / w, mode="valid") if m.size >= w else m
+      sm = smooth(m)
       axes[0].plot(s[len(s) - len(sm):], sm, label=f"{LABELS.get(name, name)} (n={len(rs)})")
     s, m = mean_curve(rs, eval_key)
     if s.size:
@@ -204,10 +208,7 @@ def plot_curves(runs: dict, out_dir: str, prefix: str, eval_key: str = "eval/gre
     _, kl = mean_curve(runs[name], "train/kl")
     _, r = mean_curve(runs[name], "train/reward_mean")
     if kl.size and r.size == kl.size:
-      w = 5
-      if kl.size >= w:
-        kl, r = (np.convolve(x, np.ones(w) / w, mode="valid") for x in (kl, r))
-      ax.plot(kl, r, label=LABELS.get(name, name))
+      ax.plot(smooth(kl), smooth(r), label=LABELS.get(name, name))
   ax.set(xlabel="KL(policy || SFT) per completion (k1, nats; moving avg 5)",
          ylabel="sampled reward", title="reward vs KL over training (mean over seeds)")
   paths.append(_finish(fig, [ax], os.path.join(out_dir, f"{prefix}_reward_vs_kl.png")))
