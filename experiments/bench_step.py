@@ -123,9 +123,8 @@ def main():
   c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix),
                  microbatch_size=args.microbatch_size,
                  logprob_chunk_size=args.logprob_chunk_size)
-  c.rewards.fns = [delayed(synthetic_reward, args.reward_delay_ms / 1e3)
-                   if args.reward_delay_ms else synthetic_reward]
-  c.rewards.weights = [1.0]
+  c.rewards.update(fns=[delayed(synthetic_reward, args.reward_delay_ms / 1e3)
+                        if args.reward_delay_ms else synthetic_reward], weights=[1.0])
   task = bench_task(args.vocab, args.prompt_len, bool(args.fixed_length))
   with tempfile.TemporaryDirectory() as workdir:
     algo, state = build(c, task, workdir)

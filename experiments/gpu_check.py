@@ -104,8 +104,7 @@ def _bench_job(c, args):
         "intermediate_size")})
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
-  c.rewards.fns = [bench_step.synthetic_reward]
-  c.rewards.weights = [1.0]
+  c.rewards.update(fns=[bench_step.synthetic_reward], weights=[1.0])
   return bench_step.bench_task(presets.get(args.preset).vocab_size, args.prompt_len,
                                fixed_length=True)
 

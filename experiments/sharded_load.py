@@ -60,9 +60,8 @@ def load(path: str, devices: int, sharded: bool = True) -> dict:
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   now = _rss_now()
   return {"num_params": config.num_params, "param_bytes": nbytes, "devices": devices,
-          "sharded": sharded,
-          "per_device_bytes": sharding.per_device_bytes(params), "load_s": round(seconds, 1),
-          "baseline_rss_bytes": baseline, "peak_rss_bytes": peak,
+          "sharded": sharded, "per_device_bytes": sharding.per_device_bytes(params),
+          "load_s": round(seconds, 1), "baseline_rss_bytes": baseline, "peak_rss_bytes": peak,
           "peak_rss_over_param_bytes": round(peak / nbytes, 3),
           "load_rss_over_param_bytes": round((peak - baseline) / nbytes, 3),
           **{f"after_{k}_over_param_bytes": round(v / nbytes, 3) for k, v in now.items()}}
@@ -78,17 +77,16 @@ def main():
   p.add_argument("--side", default="main", choices=("main", "write", "load"))
   args = p.parse_args()
   if args.side == "write":
-    return write_checkpoint(args.dir, args.preset)
-  if args.side == "load":
+    write_checkpoint(args.dir, args.preset)
+  elif args.side == "load":
     print(json.dumps(load(args.dir, args.devices, not args.unsharded)), flush=True)
-    return None
-  me = [sys.executable, os.path.abspath(__file__), "--dir", args.dir, "--preset", args.preset]
-  if not os.path.exists(os.path.join(args.dir, "config.json")):
-    subprocess.run(me + ["--side", "write"], check=True)
-  subprocess.run(me + ["--side", "load", "--devices", str(args.devices)] +
-                 ["--unsharded"] * args.unsharded, check=True)
-  return None
+  else:  # each side in a process of its own: the load's RSS is its own
+    me = [sys.executable, os.path.abspath(__file__), "--dir", args.dir, "--preset", args.preset]
+    if not os.path.exists(os.path.join(args.dir, "config.json")):
+      subprocess.run(me + ["--side", "write"], check=True)
+    subprocess.run(me + ["--side", "load", "--devices", str(args.devices)] +
+                   ["--unsharded"] * args.unsharded, check=True)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()
