@@ -37,8 +37,6 @@ from rloo_jax.models import hf_export, transformer  # noqa: E402
 
 MODES = {"shared": "shared", "unshared": "unshared", "unstacked": "unstacked",
          "hf": "hf_generate"}  # mode -> its key in the JSON
-CONFIG_FLAGS = ("prompt_len", "new_tokens", "prompts", "k", "vocab", "hidden", "layers", "heads",
-                "kv_heads", "intermediate", "dtype", "repeats")
 
 
 def parse_args(argv=None):
@@ -152,7 +150,7 @@ def main(argv=None):
                      ("hf_generate_over_unstacked", "hf", "unstacked")):
     result[name] = round(med[a] / med[b], 3) if a in med and b in med else None
   result.update({
-      "config": {**{f: getattr(args, f) for f in CONFIG_FLAGS}, "method": repr(method),
+      "config": {**{f: v for f, v in vars(args).items() if f != "modes"}, "method": repr(method),
                  "num_params": config.num_params, "jax": jax.__version__,
                  "backend": jax.default_backend(), "cpu_count": os.cpu_count()},
       "all_times_s": {m: [round(t, 4) for t in ts] for m, ts in times.items()},

@@ -130,19 +130,17 @@ def main():
     algo, state = build(c, task, workdir)
     exp = algo.exp
     data = prompt_batches(task, args.prompts, args.prompt_len)
-    for _ in range(2):  # compile and warm up
-      state, _ = algo.iteration(state, next(data))
     rows = []
-    for _ in range(args.iterations):
+    for i in range(2 + args.iterations):  # the first two compile and warm up
       state, m = algo.iteration(state, next(data))
-      rows.append(m)
+      rows += [m] if i >= 2 else []
   keys = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
   med = {k: float(np.median([r[k] for r in rows])) for k in keys}
   mean = lambda key: float(np.mean([r[key] for r in rows]))  # noqa: E731
   flops = model_flops_per_iteration(exp.model_config, args.prompts, args.prompt_len, args.k,
                                     args.new_tokens, bool(args.shared_prefix))
   total = sum(flops.values())
-  out = {
+  print(json.dumps({
       "framework": "rloo_jax", "jax": jax.__version__, "devices": str(jax.devices()[0].platform),
       "config": vars(args), "params": exp.model_config.num_params,
       "trainable_params": lora.num_params(exp.model_config) or exp.model_config.num_params,
@@ -161,8 +159,7 @@ def main():
       "fraction_of_peak": round(total / med["iteration_s"] / 1e9 / args.peak_gflops, 4),
       # The process's peak resident memory (Linux reports KiB): state, programs and runtime.
       "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-  }
-  print(json.dumps(out))
+  }))
 
 
 if __name__ == "__main__":

@@ -72,8 +72,8 @@ def plan(config: str, devices: int, memory_gb: float, target: str = "") -> dict:
            [f"--devices={devices}", f"--device_memory_gb={memory_gb}"])
   cmd = [sys.executable, "-m", "rloo_jax.plan", f"--config={config}", *overrides, *where,
          "--nospeedups"]
-  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1"))
   if out.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
   report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -120,8 +120,7 @@ def _cell(r: dict) -> str:
 
 def compare(rows, targets, estimate=True):
   """Each row as the CPU estimate and as each target's compiler makes it."""
-  print("| job | devices | " + ("CPU estimate | " if estimate else "") + " | ".join(targets)
-        + " |")
+  print("| job | devices | " + "CPU estimate | " * estimate + " | ".join(targets) + " |")
   print("|---|---|" + "---|" * (len(targets) + estimate))
   for name, config, devices, memory in rows:
     cells = [_cell(plan(config, devices, memory))] if estimate else []

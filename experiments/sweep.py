@@ -32,10 +32,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(spec: str):
-  from rloo_jax import config_utils  # like every rloo_jax import here: after the cache env is set
+  from rloo_jax import config_utils  # every rloo_jax import here is lazy: --help stays fast
   path, _, arg = spec.partition(":")
-  return config_utils.load_config_file(path if os.path.isabs(path) else os.path.join(REPO, path),
-                                       arg)
+  return config_utils.load_config_file(os.path.join(REPO, path), arg)  # an absolute path wins
 
 
 def apply_overrides(config, overrides: dict):
@@ -57,8 +56,7 @@ def apply_overrides(config, overrides: dict):
 
 
 def load_sweep(path: str):
-  spec = importlib.util.spec_from_file_location(
-      "sweep_module", path if os.path.isabs(path) else os.path.join(REPO, path))
+  spec = importlib.util.spec_from_file_location("sweep_module", os.path.join(REPO, path))
   m = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(m)
   runs = m.get_sweep()
@@ -111,9 +109,8 @@ def main(argv=None):
     if unknown:
       raise ValueError(f"--only names {sorted(unknown)} are not in {args.sweep}")
     runs = [r for r in runs if r["name"] in wanted]
-  spec = module.CONFIG
-  if args.config_arg is not None:
-    spec = f"{spec.partition(':')[0]}:{args.config_arg}"
+  spec = (module.CONFIG if args.config_arg is None
+          else f"{module.CONFIG.partition(':')[0]}:{args.config_arg}")
   base = apply_overrides(load_config(spec), getattr(module, "COMMON", {}))
   # One SFT policy for every method and seed of the sweep (seeds vary the RL stage only).
   base.sft.cache_key = base.sft.cache_key or "sweep"
