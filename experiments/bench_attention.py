@@ -1,12 +1,12 @@
 r"""Attention implementations side by side (`config.model.attention`): one layer's forward +
 backward through `attention_ops.attend` at growing lengths, one JSON line per (layout, length).
 
-Per implementation: `ms` (median of --repeats, after a compiling call), `temp_mib` (the compiled
-program's temporaries), and against 'xla' in float32 (`--check`) the largest absolute difference
-of the output and of the q, k, v gradients, each over its largest reference magnitude
-(`max_rel_err`; a GPU's float32 matmuls run TF32 unless `--precision highest`). Layouts:
-`causal` (S tokens, the first 5% padding) and `group` (a prompt of --prompt tokens, then S
-tokens as --m completions, token-major).
+Per implementation ('xla', 'blockwise'; bfloat16, one row): `ms` (median of --repeats, after a
+compiling call), `temp_mib` (the compiled program's temporaries), and against 'xla' in float32
+the largest absolute difference of the output and of the q, k, v gradients, each over its
+largest reference magnitude (`max_rel_err`; a GPU's float32 matmuls run TF32 unless `--precision
+highest`). Layouts: `causal` (S tokens, the first 5% padding) and `group` (a prompt of --prompt
+tokens, then S tokens as 8 completions, token-major); 'xla' is not run past XLA_MAX tokens.
 
     python experiments/bench_attention.py --lengths 1024,2048 --heads 2,6 --head_dim 64  # CPU
     python experiments/bench_attention.py          # a GPU: Qwen2.5-1.5B's heads, 1K-16K, bf16
@@ -22,8 +22,10 @@ import jax.numpy as jnp
 
 from rloo_jax.models import attention_ops as ops
 
+IMPLS, LAYOUTS, COMPLETIONS, XLA_MAX = ("xla", "blockwise"), ("causal", "group"), 8, 20000
 
-def layout(kind, b, s, prompt, m):
+
+def layout(kind, b, s, prompt, m=COMPLETIONS):
   """(layout, rows, the rows that have a key to read: a pad row's output is unused and differs
   by implementation)."""
   pad = s // 20
@@ -46,17 +48,17 @@ def program(impl, spec_layout, valid_bs, scale):
 
 def run(args, kind, s):
   hkv, g = (int(x) for x in args.heads.split(","))
-  lay, rows, valid = layout(kind, args.batch, s, args.prompt, args.m)
+  lay, rows, valid = layout(kind, 1, s, args.prompt)
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  kv = (args.batch, rows, hkv, args.head_dim)
-  shapes = [(args.batch, rows, hkv, g, args.head_dim), kv, kv]
+  kv = (1, rows, hkv, args.head_dim)
+  shapes = [(1, rows, hkv, g, args.head_dim), kv, kv]
   out = dict(layout=kind, tokens=rows, backend=jax.default_backend())
   ref = None
-  for impl in args.impls.split(","):
-    if impl == "xla" and rows > args.xla_max:
-      out[impl] = "skipped: --xla_max"
+  for impl in IMPLS:
+    if impl == "xla" and rows > XLA_MAX:
+      out[impl] = "skipped: XLA_MAX"
       continue
-    qkv = [jax.random.normal(kk, sh, args.dtype) for kk, sh in zip(keys, shapes)]
+    qkv = [jax.random.normal(kk, sh, jnp.bfloat16) for kk, sh in zip(keys, shapes)]
     fn = program(impl, lay, valid, args.head_dim ** -0.5)
     temp = fn.lower(*qkv).compile().memory_analysis().temp_size_in_bytes
     jax.block_until_ready(fn(*qkv))
@@ -66,38 +68,30 @@ def run(args, kind, s):
       jax.block_until_ready(fn(*qkv))
       times.append(time.perf_counter() - t0)
     out[impl] = dict(ms=round(1e3 * statistics.median(times), 3), temp_mib=round(temp / 2**20, 2))
-    if args.check:  # float32, against 'xla' (the reference)
-      f32 = [x.astype(jnp.float32) for x in qkv]
-      got = program(impl, lay, valid, args.head_dim ** -0.5)(*f32)
-      if impl == "xla":
-        ref = got
-      elif ref is not None:
-        # Of each of the value, dq, dk, dv: max|diff| / max|ref|.
-        out[impl]["max_rel_err"] = float(max(
-            jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))))
+    # float32, against 'xla' (the reference)
+    got = program(impl, lay, valid, args.head_dim ** -0.5)(*[x.astype(jnp.float32) for x in qkv])
+    if impl == "xla":
+      ref = got
+    elif ref is not None:
+      # Of each of the value, dq, dk, dv: max|diff| / max|ref|.
+      out[impl]["max_rel_err"] = float(max(
+          jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))))
   return out
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--impls", default="xla,blockwise")
-  p.add_argument("--layouts", default="causal,group")
   p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
   p.add_argument("--heads", default="2,6", help="kv heads, query heads per kv head (Qwen2.5-1.5B)")
   p.add_argument("--head_dim", type=int, default=128)
-  p.add_argument("--batch", type=int, default=1)
   p.add_argument("--prompt", type=int, default=1024, help="group: the prompt's tokens")
-  p.add_argument("--m", type=int, default=8, help="group: completions")
-  p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--xla_max", type=int, default=20000, help="longest rows 'xla' is run at")
-  p.add_argument("--check", type=int, default=1, help="float32 differences against 'xla'")
   p.add_argument("--precision", default="", help="jax_default_matmul_precision ('highest')")
   args = p.parse_args()
   if args.precision:
     jax.config.update("jax_default_matmul_precision", args.precision)
-  for kind in args.layouts.split(","):
+  for kind in LAYOUTS:
     for s in (int(x) for x in args.lengths.split(",")):
       print(json.dumps(run(args, kind, s)), flush=True)
 

@@ -1,21 +1,16 @@
-r"""The seed's hardware claims about RLOO vs PPO, measured side by side in one run.
-
-Prints ONE JSON line (and writes it to --out) with
-  memory      bytes of the persistent training state (params of every model held + optimizer
-              state) and of each compiled executable (XLA memory_analysis: arguments, outputs,
-              temporaries), for RLOO and for PPO at the same model and rollout batch; the peak
-              estimate is state + the largest executable's temporaries. Each trains on its own
-              rows (RLOO: grouped with config.train.shared_prefix; PPO: full rows). The seed
-              claims RLOO needs ~50% less memory.
-  speed       median seconds per full iteration (rollout -> rewards -> reference [+ critic] ->
-              update), iterations interleaved so machine load hits both alike. Claim: 1.4x faster.
-  variance    total variance (trace of covariance) of the RLOO policy-gradient estimate of one
-              prompt batch at k = 2 and k = 4, from repeated rollouts of the SFT policy on the real
-              model; per estimate and per sample (x k). Claim: > 40% less at k = 4.
-  prefix      rollout seconds with the prompt's KV cache shared by its k streams vs tiled k times.
+r"""The seed's hardware claims about RLOO vs PPO, measured side by side in one run, at the default
+arithmetic policy and one rollout batch (docs/RESULTS.md "RLOO vs PPO", rendered by
+make_results.py from the JSON line this prints and writes to --out):
+  memory    bytes of the persistent state (params of every model held + optimizer state) and of
+            each compiled program (XLA memory_analysis), each algorithm on its own rows (RLOO:
+            grouped as config.train.shared_prefix says; PPO: full rows); peak estimate = state +
+            the largest program's temporaries. Claim: RLOO needs ~50% less memory.
+  speed     median seconds per full iteration, the two interleaved. Claim: RLOO 1.4x faster.
+  variance  trace of the covariance of the RLOO gradient estimate of one prompt batch at k = 2
+            and k = 4 (SFT policy), per estimate and per sample (x k). Claim: > 40% less at k = 4.
+  prefix    rollout seconds with the prompt's KV cache shared by its k streams vs tiled k times.
 
     python experiments/bench_rloo_vs_ppo.py --sft=/work/runs/table1_arithmetic/_shared
-    python experiments/bench_rloo_vs_ppo.py --iterations=5 --repeats=24 --out=/tmp/bench.json
 
 Without --sft the policy is random (its rewards are all 0, so the variance part is skipped).
 """
@@ -25,6 +20,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import time
 
@@ -36,12 +32,6 @@ from rloo_jax import advantage, algorithms, config_utils, loop, loss, policy_ini
 from rloo_jax.models import transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def with_algorithm(config, name: str):
-  c = copy.deepcopy(config)
-  c.algorithm = name
-  return c
 
 
 def tree_bytes(tree) -> int:
@@ -57,15 +47,6 @@ def memory_of(jitted, *args) -> dict:
               temp=int(m.temp_size_in_bytes), alias=int(m.alias_size_in_bytes))
 
 
-def abstract_rollout(b, k, p, t):
-  """The rollout's outputs the rows are made of: prompts [B, P], lengths [B], completions, their
-  mask and log-probs [N, T] (N = B * k)."""
-  s = jax.ShapeDtypeStruct
-  n = b * k
-  return (s((b, p), jnp.int32), s((b,), jnp.int32), s((n, t), jnp.int32), s((n, t), jnp.bool_),
-          s((n, t), jnp.float32))
-
-
 def measure_memory(rloo, ppo, n, p, t):
   """Each algorithm's state and compiled scoring / update programs, on the rows each trains on
   (`rollout.make_rows` traced with its own layout; PPO's GAE targets from its own score_fn)."""
@@ -73,7 +54,10 @@ def measure_memory(rloo, ppo, n, p, t):
   b = n // k
   s = jax.ShapeDtypeStruct
   rloo_state, ppo_state = rloo.abstract_state(), ppo.abstract_state()
-  inputs = abstract_rollout(b, k, p, t)
+  # What the rows are made of: prompts [B, P], lengths [B], completions, their mask and
+  # log-probs [N, T] (N = B * k).
+  inputs = (s((b, p), jnp.int32), s((b,), jnp.int32), s((n, t), jnp.int32), s((n, t), jnp.bool_),
+            s((n, t), jnp.float32))
   rloo_rows = jax.eval_shape(lambda *a: rollout.make_rows(
       *a, k=k, shared_prefix=bool(rloo.exp.config.train.shared_prefix)), *inputs)
   seq_rows = jax.eval_shape(lambda *a: rollout.make_rows(*a, k=k, shared_prefix=False), *inputs)
@@ -119,8 +103,9 @@ def time_iterations(rloo, ppo, params, data, iterations: int):
       if i >= warmup:
         times[name].append(time.perf_counter() - t0)
   med = {k: statistics.median(v) for k, v in times.items()}
-  return dict(rloo_s=med["rloo"], ppo_s=med["ppo"], ppo_over_rloo=round(med["ppo"] / med["rloo"], 3),
-              samples=iterations, all_s={k: [round(x, 3) for x in v] for k, v in times.items()})
+  return dict(rloo_s=med["rloo"], ppo_s=med["ppo"], samples=iterations,
+              ppo_over_rloo=round(med["ppo"] / med["rloo"], 3),
+              all_s={k: [round(x, 3) for x in v] for k, v in times.items()})
 
 
 def gradient_variance(exp, params, batch, repeats: int, ks=(2, 4)):
@@ -153,12 +138,11 @@ def gradient_variance(exp, params, batch, repeats: int, ks=(2, 4)):
       grads.append(np.asarray(grad_fn(params, rows), np.float64))
     g = np.stack(grads)
     var = float(((g - g.mean(0)) ** 2).sum(1).mean() * repeats / (repeats - 1))
-    out[f"k{k}"] = dict(variance=var, variance_x_k=var * k, mean_grad_norm=float(np.linalg.norm(g.mean(0))))
-  out["k4_over_k2"] = round(out["k4"]["variance"] / out["k2"]["variance"], 3)
-  out["k4_over_k2_per_sample"] = round(out["k4"]["variance_x_k"] / out["k2"]["variance_x_k"], 3)
-  out["repeats"] = repeats
-  out["prompts"] = int(batch["prompt_tokens"].shape[0])
-  return out
+    out[f"k{k}"] = dict(variance=var, variance_x_k=var * k,
+                        mean_grad_norm=float(np.linalg.norm(g.mean(0))))
+  return dict(out, k4_over_k2=round(out["k4"]["variance"] / out["k2"]["variance"], 3),
+              k4_over_k2_per_sample=round(out["k4"]["variance_x_k"] / out["k2"]["variance_x_k"], 3),
+              repeats=repeats, prompts=int(batch["prompt_tokens"].shape[0]))
 
 
 def prefix_sharing(exp, params, batch, repeats: int):
@@ -169,8 +153,9 @@ def prefix_sharing(exp, params, batch, repeats: int):
       t0 = time.perf_counter()
       o = sampler.sample(exp.fns, params, batch["prompt_tokens"], batch["prompt_lengths"],
                          jax.random.PRNGKey(i), k=c.rloo.k, max_new_tokens=c.rloo.max_new_tokens,
-                         method=exp.method, eos_id=exp.tokenizer.eos_id, pad_id=exp.tokenizer.pad_id,
-                         mode=mode, max_seq_len=exp.model_config.max_seq_len)
+                         method=exp.method, eos_id=exp.tokenizer.eos_id,
+                         pad_id=exp.tokenizer.pad_id, mode=mode,
+                         max_seq_len=exp.model_config.max_seq_len)
       jax.block_until_ready(o.tokens_bkt)
       if i:
         times[mode].append(time.perf_counter() - t0)
@@ -184,24 +169,22 @@ def main():
   parser.add_argument("--sft", default="", help="a workdir holding sft/<steps> (else random init)")
   parser.add_argument("--iterations", type=int, default=5)
   parser.add_argument("--repeats", type=int, default=16, help="gradient estimates per k")
-  parser.add_argument("--num_prompts", type=int, default=32)
-  parser.add_argument("--k", type=int, default=4)
   parser.add_argument("--workdir", default="/tmp/bench_rloo_vs_ppo")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   c = config_utils.load_config_file(os.path.join(REPO, "configs", "arithmetic.py"))
-  c.rloo.update(k=args.k, num_prompts=args.num_prompts)
   c.train.update(num_iterations=args.iterations + 2, num_epochs=2, progress_bar=False)
   os.makedirs(args.workdir, exist_ok=True)
   if args.sft and not os.path.exists(os.path.join(args.workdir, "sft")):
-    import shutil
     shutil.copytree(os.path.join(args.sft, "sft"), os.path.join(args.workdir, "sft"))
   t_start = time.time()
-  rloo = algorithms.make(with_algorithm(c, "rloo"), args.workdir)
+  rloo = algorithms.make(c, args.workdir)
   exp = rloo.exp
-  ppo = algorithms.make(with_algorithm(c, "ppo"), args.workdir, task=exp.task)
+  ppo_config = copy.deepcopy(c)
+  ppo_config.algorithm = "ppo"
+  ppo = algorithms.make(ppo_config, args.workdir, task=exp.task)
   if args.sft:
     params = policy_init.initial_params(exp, log=lambda *a: None)
   else:
@@ -219,11 +202,10 @@ def main():
     small = {k: v[:8] for k, v in next(data).items()}
     out["variance"] = gradient_variance(exp, params, small, args.repeats)
   out["seconds"] = round(time.time() - t_start, 1)
-  line = json.dumps(out)
-  print(line)
+  print(json.dumps(out))
   if args.out:
     with open(args.out, "w") as f:
-      f.write(line + "\n")
+      f.write(json.dumps(out) + "\n")
 
 
 if __name__ == "__main__":

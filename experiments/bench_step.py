@@ -1,25 +1,16 @@
-r"""Seconds per RLOO iteration, split into rollout, reward, reference and update.
+r"""Seconds per RLOO iteration, split into rollout, reward, reference and update; one JSON line.
 
-Prints one JSON line. The workload follows issue 4's comparison with TRL: a Llama-shaped policy with
-random weights, vocab 256, 8 prompts of 16 tokens per iteration, k = 4, 32 new tokens, one gradient
-step per rollout batch, beta = 0.05, and a cheap synthetic reward (the same one TRL gets in
-experiments/bench_trl_rloo.py). For the FLOP/s figure, the model FLOPs the iteration executes are
-counted (`rloo_jax.memory.flops`, the memory planner's count): 2 x params per token fed forward, 6 x
-per token trained, attention added, and the prompt counted once per group when it is shared
-(`--shared_prefix 1`, the default, as in the trainer); rematerialisation is not counted.
+The workload of issue 4's comparison with TRL (workload.py's flags; docs/PERFORMANCE.md): a
+Llama with random weights, one gradient step per rollout batch, beta = 0.05, and a cheap
+synthetic reward (the one bench_trl_rloo.py and bench_tunix_rloo.py use too). FLOP/s: the model
+FLOPs the iteration executes (`rloo_jax.memory.flops`: the prompt once per group under
+`--shared_prefix 1`; remat not counted). Also what the timed iterations trained on (mean reward,
+KL, loss, advantage) and the tokens the trainer's throughput metrics imply; `peak_rss_gb` is the
+process's peak resident memory.
 
-The JSON also reports what the timed iterations trained on, to check a run for sense: the mean
-reward (in [0, 1]), KL, loss and advantage (zero over each group), and the token counts the
-trainer's throughput metrics imply (`update_tokens_per_iteration`,
-`generated_tokens_per_iteration`).
-
-    python experiments/bench_step.py --hidden 64 --layers 2
     python experiments/bench_step.py --hidden 256 --layers 4
     python experiments/bench_step.py --hidden 896 --layers 24 --heads 14 --vocab 151936 \
         --prompts 4 --prompt_len 64 --new_tokens 64 --iterations 2   # Qwen2.5-0.5B-shaped
-
-`peak_rss_gb` is the process's peak resident memory in GiB. The reference is stored in bfloat16
-(`--ref_dtype`, as runs at this scale store it) and the layers are rematerialised (`--remat`).
 """
 import argparse
 import json
@@ -55,6 +46,7 @@ class IdTokenizer:
   def decode(self, ids):
     return "".join(chr(0xE000 + int(i)) for i in ids)
 
+
 def synthetic_reward(prompts, completions, **fields):
   """Fraction of completion tokens with an even id: cheap, dense, and learnable."""
   return np.array([np.mean([(ord(c) - 0xE000) % 2 == 0 for c in s]) if s else 0.0
@@ -71,20 +63,16 @@ def delayed(reward, seconds: float):
   return fn
 
 
-def random_prompts(num, length, vocab, seed):
-  rng = np.random.default_rng(seed)
-  ids = rng.integers(3, vocab, size=(num, length))
-  return [{"prompt": "".join(chr(0xE000 + int(i)) for i in row), "answer": ""} for row in ids]
-
-
 def bench_task(vocab, prompt_len, fixed_length=False):
-  """The bench prompts; `fixed_length`: a tokenizer without an end token, so every completion
-  runs to max_new_tokens (the work of a side-by-side comparison does not depend on when a random
-  policy happens to sample id 2)."""
+  """512 random prompts of prompt_len ids; `fixed_length`: a tokenizer without an end token, so
+  every completion runs to max_new_tokens (the work of a side-by-side comparison does not depend
+  on when a random policy happens to sample id 2)."""
   tokenizer = IdTokenizer(vocab)
   if fixed_length:
     tokenizer.eos_id = None
-  return tasks.Task("bench", tokenizer, random_prompts(512, prompt_len, vocab, 0), [])
+  ids = np.random.default_rng(0).integers(3, vocab, size=(512, prompt_len))
+  return tasks.Task("bench", tokenizer, [{"prompt": tokenizer.decode(row), "answer": ""}
+                                         for row in ids], [])
 
 
 def prompt_batches(task, num_prompts, prompt_len):
@@ -101,33 +89,18 @@ def build(config, task, workdir):
   return algo, algo.init_state(transformer.create(base, seed=0)[1])
 
 
-def model_fields(hidden, layers, heads, prompt_len, new_tokens) -> dict:
-  """config.model values of the peers' comparison model at a size: a Llama with kv heads =
-  heads and an MLP of 4 x hidden (the vocabulary comes from the task's tokenizer); the same
-  shape bench_trl_rloo.py and bench_tunix_rloo.py build."""
-  return dict(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
-              head_dim=hidden // heads, intermediate_size=4 * hidden,
-              max_seq_len=prompt_len + new_tokens)
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   add_workload_flags(p)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                 help="activation dtype (params, log-probs, KL and loss stay float32)")
-  p.add_argument("--shared_prefix", type=int, default=1, choices=(0, 1),
-                 help="config.train.shared_prefix: each prompt computed once for its k samples")
-  p.add_argument("--ref_dtype", default="bfloat16", choices=("", "bfloat16", "float32"),
-                 help="config.model.ref_dtype: the frozen reference's storage ('' = the "
-                      "activation dtype); bfloat16, as a run at this scale stores it")
-  p.add_argument("--remat", default="full", help="config.model.remat: none | full | dots")
-  p.add_argument("--microbatch_size", type=int, default=0, help="config.train.microbatch_size")
-  p.add_argument("--logprob_chunk_size", type=int, default=32,
-                 help="config.train.logprob_chunk_size")
-  p.add_argument("--lora_rank", type=int, default=0,
-                 help="config.model.lora.rank (0: full fine-tuning)")
-  p.add_argument("--lora_targets", default="q,k,v,o,gate,up,down",
-                 help="config.model.lora.targets")
+                 help="activations (params, log-probs, KL and loss stay float32)")
+  # config.train.shared_prefix, config.model.ref_dtype ('': the activations'), remat, ...
+  p.add_argument("--shared_prefix", type=int, default=1, choices=(0, 1))
+  p.add_argument("--ref_dtype", default="bfloat16", choices=("", "bfloat16", "float32"))
+  p.add_argument("--remat", default="full", help="none | full | dots")
+  p.add_argument("--microbatch_size", type=int, default=0)
+  p.add_argument("--logprob_chunk_size", type=int, default=32)
+  p.add_argument("--lora_rank", type=int, default=0, help="0: full fine-tuning")
   p.add_argument("--reward_delay_ms", type=float, default=0.0,
                  help="host latency added to each reward call (a slow verifier or judge)")
   p.add_argument("--fixed_length", type=int, default=0, choices=(0, 1),
@@ -138,37 +111,36 @@ def main():
 
   c = base_config()
   c.task = "bench"
-  c.model.update(**model_fields(args.hidden, args.layers, args.heads, args.prompt_len,
-                                args.new_tokens),
+  # The peers' model (bench_trl_rloo.py, bench_tunix_rloo.py): kv heads = heads, MLP 4 x hidden.
+  c.model.update(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                 num_kv_heads=args.heads, head_dim=args.hidden // args.heads,
+                 intermediate_size=4 * args.hidden, max_seq_len=args.prompt_len + args.new_tokens,
                  dtype=args.dtype, ref_dtype=args.ref_dtype, remat=args.remat)
-  c.model.lora.update(rank=args.lora_rank, targets=args.lora_targets)
+  c.model.lora.rank = args.lora_rank
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.kl.beta = 0.05
   c.train.update(num_epochs=1, num_minibatches=1, shared_prefix=bool(args.shared_prefix),
                  microbatch_size=args.microbatch_size,
                  logprob_chunk_size=args.logprob_chunk_size)
-  c.rewards.fns = [delayed(synthetic_reward, args.reward_delay_ms / 1e3)
-                   if args.reward_delay_ms else synthetic_reward]
-  c.rewards.weights = [1.0]
+  c.rewards.update(fns=[delayed(synthetic_reward, args.reward_delay_ms / 1e3)
+                        if args.reward_delay_ms else synthetic_reward], weights=[1.0])
   task = bench_task(args.vocab, args.prompt_len, bool(args.fixed_length))
   with tempfile.TemporaryDirectory() as workdir:
     algo, state = build(c, task, workdir)
     exp = algo.exp
     data = prompt_batches(task, args.prompts, args.prompt_len)
-    for _ in range(2):  # compile and warm up
-      state, _ = algo.iteration(state, next(data))
     rows = []
-    for _ in range(args.iterations):
+    for i in range(2 + args.iterations):  # the first two compile and warm up
       state, m = algo.iteration(state, next(data))
-      rows.append(m)
+      rows += [m] if i >= 2 else []
   keys = ("rollout_s", "reward_s", "reference_s", "update_s", "iteration_s")
   med = {k: float(np.median([r[k] for r in rows])) for k in keys}
   mean = lambda key: float(np.mean([r[key] for r in rows]))  # noqa: E731
   flops = model_flops_per_iteration(exp.model_config, args.prompts, args.prompt_len, args.k,
                                     args.new_tokens, bool(args.shared_prefix))
   total = sum(flops.values())
-  out = {
+  print(json.dumps({
       "framework": "rloo_jax", "jax": jax.__version__, "devices": str(jax.devices()[0].platform),
       "config": vars(args), "params": exp.model_config.num_params,
       "trainable_params": lora.num_params(exp.model_config) or exp.model_config.num_params,
@@ -187,8 +159,7 @@ def main():
       "fraction_of_peak": round(total / med["iteration_s"] / 1e9 / args.peak_gflops, 4),
       # The process's peak resident memory (Linux reports KiB): state, programs and runtime.
       "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-  }
-  print(json.dumps(out))
+  }))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,12 @@
-r"""TRL's RLOOTrainer on the same workload as experiments/bench_step.py, for a side-by-side figure.
+r"""TRL's RLOOTrainer on the same workload as experiments/bench_step.py, for a side-by-side figure
+(docs/PERFORMANCE.md "Against TRL and Tunix"), in its own virtual environment (TRL needs torch):
 
-Runs in its own virtual environment (TRL needs torch; rloo_jax does not):
-
-    python -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 trl
+    bash experiments/setup_trl_venv.sh
     .venv-trl/bin/python experiments/bench_trl_rloo.py --hidden 64 --layers 2
-    .venv-trl/bin/python experiments/bench_trl_rloo.py --hidden 256 --layers 4
 
-It uses a random Llama (vocab 256), 8 prompts of 16 tokens per step, k = 4 generations, 32 new
-tokens, one gradient step per generation batch (steps_per_generation = num_iterations = 1), beta =
-0.05, and the same synthetic reward: the fraction of completion tokens with an even id. It prints
-one JSON line with the median seconds per training step, each step including its generation.
+A random Llama, k generations a prompt, one gradient step per generation batch
+(steps_per_generation = num_iterations = 1), beta = 0.05, the same synthetic reward. Prints one
+JSON line with the median seconds per training step, each step including its generation.
 """
 import argparse
 import json

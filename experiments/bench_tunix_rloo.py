@@ -1,26 +1,16 @@
-r"""Tunix's GRPOLearner with advantage_estimator='rloo' on experiments/bench_step.py's workload.
-
-Runs in its own virtual environment (google-tunix 0.1.7 and the jax / flax it resolves to; set up
-by experiments/setup_tunix_venv.sh):
+r"""Tunix's GRPOLearner with advantage_estimator='rloo' on experiments/bench_step.py's workload
+(docs/PERFORMANCE.md "Against TRL and Tunix"), in its own virtual environment:
 
     bash experiments/setup_tunix_venv.sh
     .venv-tunix/bin/python experiments/bench_tunix_rloo.py --hidden 64 --layers 2
 
-The policy is Tunix's own Llama3 module in the bench's shape (untied head, kv heads = heads,
-intermediate 4 x hidden, random weights, float32), trained by Tunix's vanilla rollout + GRPO
-learner: 8 prompts of 16 tokens a step, k = 4 generations (`num_generations`), 32 new tokens, one
-optimizer step per rollout batch (`num_iterations` = 1, no minibatches), beta = 0.05, Adam (lr
-3e-4, b2 0.95, global-norm clip 1.0, as bench_step's), temperature 1, and the same synthetic
-reward (the fraction of completion tokens with an even id). RLOO's leave-one-out advantage is
-Tunix's registered "rloo" estimator; GRPOConfig skips AlgorithmConfig's list check, which would
-reject it. Tunix puts the KL into the loss, not the reward: the same passes, the same work.
-
-Fixed-length completions: the tokenizer has no end token (eos_id -1 matches no id), so every
-completion runs to --new_tokens, as bench_step.py --fixed_length 1 does.
-
-Timing: the reward function runs once per step at the same point of it, so the gaps between its
-calls are whole steps; the first (the update's compilation) is dropped. Prints one JSON line with
-the median seconds per step.
+Tunix's own Llama3 module in the bench's shape (untied head, kv heads = heads, MLP 4 x hidden,
+random float32 weights), its vanilla rollout, one optimizer step per rollout batch, Adam as
+bench_step's (lr 3e-4, b2 0.95, clip 1.0), temperature 1, the same synthetic reward, and no end
+token (eos -1 matches no id: fixed-length completions). GRPOConfig skips AlgorithmConfig's list
+check, which would reject the registered "rloo" estimator. The reward function runs once per
+step, so the gaps between its calls are whole steps; the first (the update's compilation) is
+dropped. Prints one JSON line with the median seconds per step.
 """
 import argparse
 import json

@@ -1,23 +1,13 @@
 r"""Our rollout against transformers' generate, each in a process of its own: bench_sampler.py
-run once per mode per round, the order alternating from round to round, and the median of the
-per-round ratios (the peer's seconds over ours).
-
-Why not bench_sampler's own round-robin: there both run in one process, and torch's OpenMP
-threads (spinning after each parallel region) and its allocations share the cores and caches
-with XLA's; at size (c)'s shape that slowed our rollout by about a fifth on a 2-core CPU.
-compare_peers runs its frameworks apart for the same reason.
-
-`--modes ours,peer` (default shared,hf: the trainer's default decode and HF generate);
-every other flag goes to bench_sampler.py unchanged. Both sides run with compare_peers'
-`--malloc_hugepages` setting (default 1: malloc madvises transparent huge pages). The hf mode
-needs torch and transformers beside jax: `--python .venv-hf/bin/python` (set up in
-docs/PERFORMANCE.md). One JSON line.
+run once per mode per round (`--modes ours,peer`, default shared,hf), the order alternating, and
+the median of the per-round ratios (the peer's seconds over ours). In one process torch's
+spinning OpenMP threads and allocations share the cores and caches with XLA's (at size (c)'s
+shape that slowed our rollout by about a fifth on a 2-core CPU). Every other flag goes to
+bench_sampler.py unchanged; both sides run with compare_peers' `--malloc_hugepages`. The hf mode
+needs torch and transformers beside jax (`--python .venv-hf/bin/python`, docs/PERFORMANCE.md).
 
     python experiments/compare_generate.py --python .venv-hf/bin/python --rounds 2 \
         --prompt_len=64 --new_tokens=64 --repeats=3
-    python experiments/compare_generate.py --python .venv-hf/bin/python --rounds 2 \
-        --prompt_len=64 --new_tokens=64 --prompts 4 --hidden 896 --layers 24 --heads 14 \
-        --kv_heads 14 --intermediate 3584 --vocab 151936 --repeats=2
 """
 import argparse
 import json
@@ -29,17 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_peers import HUGEPAGES_TUNABLE, malloc_env, round_order, run_side  # noqa: E402
 
 
-def run_mode(python: str, mode: str, sampler_args: list, env=None) -> dict:
-  """bench_sampler.py with `--modes=mode` in a new process (`compare_peers.run_side`, no
-  memory limit, `env` added to its environment): its JSON line."""
-  result, failure = run_side(python, "bench_sampler.py", [*sampler_args, f"--modes={mode}"],
-                             mem_limit_gb=0, env=env or None)
-  if failure is not None:
-    raise SystemExit(f"bench_sampler.py --modes={mode} failed (exit {failure['returncode']}):\n"
-                     f"{failure['output_tail']}")
-  return result
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--modes", default="shared,hf", help="ours,peer: two bench_sampler modes")
@@ -47,8 +26,7 @@ def main():
   p.add_argument("--python", default=sys.executable,
                  help="the interpreter of both sides (one with torch for the hf mode)")
   p.add_argument("--malloc_hugepages", type=int, default=1, choices=(0, 1),
-                 help=f"1: both sides with GLIBC_TUNABLES={HUGEPAGES_TUNABLE}, as compare_peers "
-                      "runs them; 0: the machine's defaults")
+                 help=f"1: both sides with GLIBC_TUNABLES={HUGEPAGES_TUNABLE}")
   args, sampler_args = p.parse_known_args()
   modes = args.modes.split(",")
   if len(modes) != 2 or len(set(modes)) != 2:
@@ -60,19 +38,22 @@ def main():
   for i in range(args.rounds):
     order = round_order(i, modes)
     seconds, config = {}, None
-    for mode in order:
-      out = run_mode(args.python, mode, sampler_args, env)
+    for mode in order:  # a new process each, no memory limit
+      out, failure = run_side(args.python, "bench_sampler.py", [*sampler_args, f"--modes={mode}"],
+                              mem_limit_gb=0, env=env or None)
+      if failure is not None:
+        raise SystemExit(f"bench_sampler.py --modes={mode} failed (exit "
+                         f"{failure['returncode']}):\n{failure['output_tail']}")
       seconds[mode] = out["hf_generate_s" if mode == "hf" else f"{mode}_s"]  # median seconds
       config = out["config"]
     rounds.append(dict(order=order, seconds=seconds,
                        ratio=round(seconds[modes[1]] / seconds[modes[0]], 3)))
   ours, peer = modes
-  result = dict(ours=ours, peer=peer, rounds=rounds,
-                median_ours_s=statistics.median(r["seconds"][ours] for r in rounds),
-                median_peer_s=statistics.median(r["seconds"][peer] for r in rounds),
-                median_ratio=statistics.median(r["ratio"] for r in rounds),
-                env=env, config=config)
-  print(json.dumps(result), flush=True)
+  print(json.dumps(dict(ours=ours, peer=peer, rounds=rounds,
+                        median_ours_s=statistics.median(r["seconds"][ours] for r in rounds),
+                        median_peer_s=statistics.median(r["seconds"][peer] for r in rounds),
+                        median_ratio=statistics.median(r["ratio"] for r in rounds),
+                        env=env, config=config)), flush=True)
 
 
 if __name__ == "__main__":

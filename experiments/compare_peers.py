@@ -1,32 +1,12 @@
 r"""rloo_jax against TRL's RLOOTrainer and Tunix's GRPOLearner (RLOO advantages), side by side.
 
-Each round runs, one after the other, experiments/bench_step.py (this interpreter),
-experiments/bench_trl_rloo.py (TRL's virtual environment) and experiments/bench_tunix_rloo.py
-(Tunix's), in an order that rotates from round to round (ours, TRL, Tunix; then TRL, Tunix, ours;
-...), so each framework takes each place once in three rounds. All three run the same work:
-a Llama shape with random weights, float32, fixed-length completions (no end token), one optimizer
-step per rollout batch, beta 0.05, the synthetic even-id reward. This machine's speed drifts by
-tens of percent within minutes, so only runs of one round are compared: a round's ratio is the
-peer's median seconds per step over ours per iteration, and a size's figure is the median of its
-rounds' ratios.
-
-The sizes (--sizes, comma separated):
-  a  hidden 64, 2 layers, 4 heads, vocab 256, 8 prompts x k = 4, prompt 16, 32 new tokens
-  b  hidden 256, 4 layers, the same work
-  c  hidden 896, 24 layers, 14 heads, vocab 151,936, 4 prompts x k = 4, prompt 64, 64 new
-     (Qwen2.5-0.5B-shaped; slow: minutes a run)
-  t  tiny (hidden 32, 1 layer), for the test
-
-A peer whose interpreter is missing is skipped with the reason in the JSON; a peer run that fails
-is reported with its exit code, the tail of its output and `out_of_memory` (each subprocess runs
-under RLIMIT_DATA = --mem_limit_gb, so running out of memory is an allocation error, not the
-kernel's OOM killer on a shared machine), and that peer is not run again at that size. One JSON
-line per size, then a summary line.
-
-Every side runs with glibc's malloc asking for transparent huge pages (`--malloc_hugepages 1`,
-the default: GLIBC_TUNABLES=glibc.malloc.hugetlb=1, effective under the kernel's THP mode
-`madvise` or `always`), so no side faults in each fresh multi-MB buffer 4 KiB at a time, a cost
-an accelerator's allocators never pay; `--malloc_hugepages 0` measures the machine as it comes.
+Each round runs experiments/bench_step.py (this interpreter), bench_trl_rloo.py (TRL's virtual
+environment) and bench_tunix_rloo.py (Tunix's) one after the other, the order rotating from round
+to round, on the same work; a round's ratio is the peer's median seconds per step over ours per
+iteration, a size's figure the median of its rounds' ratios (docs/PERFORMANCE.md "Against TRL
+and Tunix": the work, the sizes, the huge-page and memory-limit settings). A peer without its
+interpreter is skipped, one that fails (out of memory under RLIMIT_DATA = --mem_limit_gb, or
+otherwise) is reported and not run again at that size. One JSON line per size, then a summary.
 
     bash experiments/setup_trl_venv.sh && bash experiments/setup_tunix_venv.sh
     python experiments/compare_peers.py --sizes a,b --rounds 3
@@ -44,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 WORK = dict(heads=4, vocab=256, prompts=8, prompt_len=16, k=4, new_tokens=32)
-SIZES = {
+SIZES = {  # (a), (b), (c) of docs/PERFORMANCE.md; t: tiny, for the test
     "a": dict(WORK, hidden=64, layers=2, iterations=8),
     "b": dict(WORK, hidden=256, layers=4, iterations=8),
     "c": dict(hidden=896, layers=24, heads=14, vocab=151936, prompts=4, prompt_len=64, k=4,
@@ -53,7 +33,14 @@ SIZES = {
               new_tokens=4, iterations=2),
 }
 SIDES = ("rloo_jax", "trl", "tunix")
+SCRIPTS = {"rloo_jax": "bench_step.py", "trl": "bench_trl_rloo.py", "tunix": "bench_tunix_rloo.py"}
+# Fixed-length completions (Tunix's bench has no end token to begin with); TRL's torch threads.
+TRL_THREADS = 2
+SIDE_ARGS = {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
+             "trl": ["--fixed_length", "1", "--threads", str(TRL_THREADS)]}
 HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError",
+             "can't allocate memory", "std::bad_alloc", "Cannot allocate memory")
 
 
 def malloc_env(hugepages: bool) -> dict:
@@ -73,18 +60,13 @@ def thp_mode() -> str:
   return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
 
 
-SCRIPTS = {"rloo_jax": "bench_step.py", "trl": "bench_trl_rloo.py", "tunix": "bench_tunix_rloo.py"}
-OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError",
-             "can't allocate memory", "std::bad_alloc", "Cannot allocate memory")
+def load():
+  return [round(x, 2) for x in os.getloadavg()]
 
 
 def bench_args(size):
-  """The flags every bench script shares (bench_step's names), at `size`."""
-  args = []
-  for name in ("hidden", "layers", "heads", "vocab", "prompts", "prompt_len", "k", "new_tokens",
-               "iterations"):
-    args += [f"--{name}", str(size[name])]
-  return args + ["--dtype", "float32"]
+  """The flags every bench script shares (workload.py's), at `size`."""
+  return [x for name, v in size.items() for x in (f"--{name}", str(v))] + ["--dtype", "float32"]
 
 
 def run_side(python, script, args, mem_limit_gb, env=None):
@@ -100,17 +82,11 @@ def run_side(python, script, args, mem_limit_gb, env=None):
   wall = round(time.perf_counter() - start, 2)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode == 0 and lines:
-    result = json.loads(lines[-1])
-    result["wall_s"] = wall
-    return result, None
+    return dict(json.loads(lines[-1]), wall_s=wall), None
   text = proc.stdout + proc.stderr
   return None, dict(returncode=proc.returncode, wall_s=wall,
                     out_of_memory=any(m in text for m in OOM_MARKS) or proc.returncode == -9,
                     mem_limit_gb=mem_limit_gb, output_tail=text[-1500:])
-
-
-def step_seconds(side, result):
-  return result["median"]["iteration_s"] if side == "rloo_jax" else result["median_step_s"]
 
 
 def round_order(r, sides):
@@ -118,37 +94,24 @@ def round_order(r, sides):
   return sides[r % len(sides):] + sides[:r % len(sides)]
 
 
-def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wait_policy,
-                 malloc=None):
+def compare_size(name, size, pythons, rounds, mem_limit_gb, omp_wait_policy, malloc):
   """One size's line: every round's seconds and ratios, the medians, and the peers' fate."""
-  args = bench_args(size)
-  # Fixed-length completions (Tunix's bench has no end token to begin with); TRL's threads.
-  side_args = {"rloo_jax": ["--fixed_length", "1"], "tunix": [],
-               "trl": ["--fixed_length", "1", "--threads", str(trl_threads)]}
   # Torch's OpenMP threads spin while they wait: with another process on one of the 2 cores a
   # 2-thread TRL step at size a took 2.9 s, 0.23 s with OMP_WAIT_POLICY=PASSIVE; on a quiet
   # machine passive waiting doubles it (0.27 s against 0.13-0.16 s). Pick by the load.
-  malloc = malloc or {}
   envs = {side: dict(malloc) for side in SIDES}
   if omp_wait_policy:
     envs["trl"]["OMP_WAIT_POLICY"] = omp_wait_policy
-  status = {}  # side -> why it is not run
-  for side in SIDES[1:]:
-    if side not in pythons:
-      status[side] = {"skipped": "not asked for (--peers)"}
-    elif not os.path.exists(pythons[side]):
-      status[side] = {"skipped": f"no interpreter at {pythons[side]}; set it up with "
-                                 f"experiments/setup_{side}_venv.sh"}
-  load_before = [round(x, 2) for x in os.getloadavg()]
+  status = {side: {"skipped": f"no interpreter at {pythons[side]}; set it up with "
+                              f"experiments/setup_{side}_venv.sh"}
+            for side in SIDES[1:] if not os.path.exists(pythons[side])}  # side -> why not run
+  load_before = load()
   per_round, last = [], {}
   for r in range(rounds):
-    row = {"order": []}
-    for side in round_order(r, list(SIDES)):
-      if side in status:
-        continue
-      row["order"].append(side)
-      python = sys.executable if side == "rloo_jax" else pythons[side]
-      result, failure = run_side(python, SCRIPTS[side], args + side_args[side], mem_limit_gb,
+    row = {"order": [side for side in round_order(r, list(SIDES)) if side not in status]}
+    for side in row["order"]:
+      result, failure = run_side(pythons.get(side, sys.executable), SCRIPTS[side],
+                                 bench_args(size) + SIDE_ARGS[side], mem_limit_gb,
                                  envs[side] or None)
       if failure is not None:
         if side == "rloo_jax":
@@ -156,31 +119,31 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
         status[side] = {"failed": failure, "round": r}
         continue
       last[side] = result
-      row[f"{side}_s"] = step_seconds(side, result)
+      row[f"{side}_s"] = (result["median"]["iteration_s"] if side == "rloo_jax"
+                          else result["median_step_s"])
       row[f"{side}_wall_s"] = result["wall_s"]
       if "peak_rss_gb" in result:  # bench_step's and Tunix's (TRL's bench does not say)
         row[f"{side}_peak_rss_gb"] = result["peak_rss_gb"]
-    ours = row["rloo_jax_s"]
     row["rloo_jax_split_s"] = last["rloo_jax"]["median"]
     for peer in SIDES[1:]:
       if f"{peer}_s" in row:
-        row[f"vs_{peer}"] = round(row[f"{peer}_s"] / ours, 3)
+        row[f"vs_{peer}"] = round(row[f"{peer}_s"] / row["rloo_jax_s"], 3)
     per_round.append(row)
 
-  def median_of(key):
-    xs = [row[key] for row in per_round if key in row]
+  def median_of(xs):
+    xs = list(xs)
     return round(statistics.median(xs), 5) if xs else None
 
   ours = last["rloo_jax"]
-  out = {"size": name, **{k: v for k, v in size.items()}, "dtype": "float32",
-         "fixed_length": True, "params": ours["params"], "rounds": rounds,
-         "trl_threads": trl_threads, "trl_env": envs["trl"], "env": malloc, "thp": thp_mode(),
-         "median_rloo_jax_iteration_s": median_of("rloo_jax_s"),
-         "median_rloo_jax_rollout_s": round(statistics.median(
-             row["rloo_jax_split_s"]["rollout_s"] for row in per_round), 5)}
+  out = {"size": name, **size, "dtype": "float32", "fixed_length": True,
+         "params": ours["params"], "rounds": rounds, "trl_threads": TRL_THREADS,
+         "trl_env": envs["trl"], "env": malloc, "thp": thp_mode(),
+         "median_rloo_jax_iteration_s": median_of(row["rloo_jax_s"] for row in per_round),
+         "median_rloo_jax_rollout_s": median_of(row["rloo_jax_split_s"]["rollout_s"]
+                                                for row in per_round)}
   for peer in SIDES[1:]:
-    out[f"median_{peer}_step_s"] = median_of(f"{peer}_s")
-    out[f"median_vs_{peer}"] = median_of(f"vs_{peer}")
+    for key, field in ((f"median_{peer}_step_s", f"{peer}_s"), (f"median_vs_{peer}", f"vs_{peer}")):
+      out[key] = median_of(row[field] for row in per_round if field in row)
     if peer in status:
       out[f"{peer}_status"] = status[peer]
   out["versions"] = {"jax": ours["jax"]}
@@ -188,14 +151,10 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, trl_threads, omp_wai
     out["versions"].update(trl=last["trl"]["trl"], torch=last["trl"]["torch"])
   if "tunix" in last:
     out["versions"].update(tunix=last["tunix"]["tunix"], tunix_jax=last["tunix"]["jax"])
-    if last["tunix"]["params"] != ours["params"]:
-      out["warning"] = f"Tunix's model has {last['tunix']['params']} params, ours {ours['params']}"
-  if "trl" in last and last["trl"]["params"] != ours["params"]:
-    out["warning"] = f"TRL's model has {last['trl']['params']} params, ours {ours['params']}"
-  out["load_before"] = load_before
-  out["load_after"] = [round(x, 2) for x in os.getloadavg()]
-  out["per_round"] = per_round
-  return out
+  for peer in ("tunix", "trl"):
+    if peer in last and last[peer]["params"] != ours["params"]:
+      out["warning"] = f"{peer}'s model has {last[peer]['params']} params, ours {ours['params']}"
+  return dict(out, load_before=load_before, load_after=load(), per_round=per_round)
 
 
 def main(argv=None):
@@ -204,47 +163,37 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--iterations", type=int, default=0,
                  help="timed iterations per run (0: each size's default, 8 at a/b, 2 at c)")
-  p.add_argument("--peers", default="trl,tunix", help="comma separated: trl, tunix (or '')")
   p.add_argument("--trl_python", default=os.path.join(REPO, ".venv-trl", "bin", "python"))
   p.add_argument("--tunix_python", default=os.path.join(REPO, ".venv-tunix", "bin", "python"))
-  p.add_argument("--trl_threads", type=int, default=2, help="torch threads of the TRL side")
   p.add_argument("--trl_omp_wait_policy", default="", choices=("", "PASSIVE", "ACTIVE"),
-                 help="OMP_WAIT_POLICY of the TRL side ('': torch's default, spinning); "
-                      "PASSIVE on a loaded machine")
-  p.add_argument("--mem_limit_gb", type=float, default=20.0,
-                 help="RLIMIT_DATA of every run, GiB (0: none)")
+                 help="OMP_WAIT_POLICY of the TRL side ('': torch's default, spinning)")
+  p.add_argument("--mem_limit_gb", type=float, default=20.0, help="RLIMIT_DATA, GiB (0: none)")
   p.add_argument("--malloc_hugepages", type=int, default=1, choices=(0, 1),
-                 help=f"1: every side with GLIBC_TUNABLES={HUGEPAGES_TUNABLE} (malloc madvises "
-                      "transparent huge pages); 0: the machine's defaults")
+                 help=f"1: every side with GLIBC_TUNABLES={HUGEPAGES_TUNABLE}")
   args = p.parse_args(argv)
   sizes = [s for s in args.sizes.split(",") if s]
   unknown = [s for s in sizes if s not in SIZES]
   if unknown:
     p.error(f"unknown sizes {unknown}; known: {sorted(SIZES)}")
-  peers = [s for s in args.peers.split(",") if s]
-  if set(peers) - set(SIDES[1:]):
-    p.error(f"unknown peers {sorted(set(peers) - set(SIDES[1:]))}")
-  pythons = {peer: getattr(args, f"{peer}_python") for peer in peers}
+  pythons = {"trl": args.trl_python, "tunix": args.tunix_python}
+  malloc = malloc_env(bool(args.malloc_hugepages))
   summary = {"summary": True, "rounds": args.rounds, "mem_limit_gb": args.mem_limit_gb,
-             "env": malloc_env(bool(args.malloc_hugepages)), "thp": thp_mode(),
-             "load_before": [round(x, 2) for x in os.getloadavg()], "sizes": {}}
+             "env": malloc, "thp": thp_mode(), "load_before": load(), "sizes": {}}
   for name in sizes:
-    size = dict(SIZES[name])
-    if args.iterations:
-      size["iterations"] = args.iterations
-    line = compare_size(name, size, pythons, args.rounds, args.mem_limit_gb, args.trl_threads,
-                        args.trl_omp_wait_policy, malloc_env(bool(args.malloc_hugepages)))
+    size = dict(SIZES[name], **({"iterations": args.iterations} if args.iterations else {}))
+    line = compare_size(name, size, pythons, args.rounds, args.mem_limit_gb,
+                        args.trl_omp_wait_policy, malloc)
     print(json.dumps(line), flush=True)
     summary["sizes"][name] = {
         k: line[k] for k in ("median_rloo_jax_iteration_s", "median_trl_step_s",
                              "median_tunix_step_s", "median_vs_trl", "median_vs_tunix")}
     for peer in SIDES[1:]:
-      if f"{peer}_status" in line:
-        st = line[f"{peer}_status"]
+      st = line.get(f"{peer}_status")
+      if st:
         summary["sizes"][name][f"{peer}_status"] = st.get("skipped") or (
             "out of memory" if st["failed"]["out_of_memory"]
             else f"failed (exit {st['failed']['returncode']})")
-  summary["load_after"] = [round(x, 2) for x in os.getloadavg()]
+  summary["load_after"] = load()
   print(json.dumps(summary), flush=True)
 
 

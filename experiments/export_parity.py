@@ -1,15 +1,10 @@
-r"""Exported checkpoints against transformers: every committed HF fixture with its weights
-perturbed (a "trained" policy), exported with `rloo_jax.models.hf_export.save_pretrained` in
-float32 and bfloat16, loaded by transformers' AutoModelForCausalLM, and its logits compared with
-rloo_jax's on the fixture's right- and left-padded batches (bfloat16: against rloo_jax on the
-same bfloat16-rounded weights). Also reports transformers' missing / unexpected keys, and loads
-each export's tokenizer with AutoTokenizer beside the source's: the class and the ids of a fixed
-prompt must be the source's. `--write_reference` stores those (class, ids) per family in
-tests/fixtures/export_tokenizers.json, which the suite checks without torch
-(tests/test_export.py).
-
-Two interpreters: this one (jax) exports and writes rloo_jax's logits; the TRL virtual
-environment's (torch + transformers, no jax) loads and compares. Prints one JSON line per export.
+r"""Exported checkpoints against transformers (docs/EXPORT.md): every committed HF fixture with
+its weights perturbed, exported by `hf_export.save_pretrained` in float32 and bfloat16, loaded by
+AutoModelForCausalLM, its logits compared with ours on the fixture's right- and left-padded
+batches (bfloat16: ours on the same rounded weights), with transformers' missing / unexpected
+keys; each export's tokenizer must load as the source's class with its ids (`--write_reference`
+stores those in tests/fixtures/export_tokenizers.json, which tests/test_export.py checks).
+This interpreter (jax) exports; the TRL venv's (torch) compares. One JSON line per export.
 
     python experiments/export_parity.py [--trl_python .venv-trl/bin/python] [--out /tmp/parity]
 """
@@ -34,8 +29,7 @@ def export_side(out_root):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from rloo_jax.models import hf, hf_export, transformer  # pylint: disable=import-outside-toplevel
 
-  families = sorted(f for f in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, f)))
-  for fam in families:
+  for fam in sorted(f for f in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, f))):
     src = os.path.join(FIXTURES, fam)
     config, graphdef, params = hf.load_model(src)
     leaves, treedef = jax.tree.flatten(params)
@@ -50,14 +44,12 @@ def export_side(out_root):
       hf_export.save_pretrained(params, config, out, dtype=dtype, tokenizer_dir=src)
       rounded = params if dtype == "float32" else jax.tree.map(
           lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
-      ours = {}
+      ours = {f"{side}_{k}": ref[f"{side}_{k}"] for side in ("right", "left")
+              for k in ("tokens", "positions", "mask")}
       for side in ("right", "left"):
-        args = [ref[f"{side}_{k}"] for k in ("tokens", "positions", "mask")]
-        ours[f"{side}_logits"] = np.asarray(fns.forward(rounded, *args))
-        for k in ("tokens", "positions", "mask"):
-          ours[f"{side}_{k}"] = ref[f"{side}_{k}"]
+        ours[f"{side}_logits"] = np.asarray(fns.forward(
+            rounded, *(ref[f"{side}_{k}"] for k in ("tokens", "positions", "mask"))))
       np.savez(os.path.join(out, "rloo_jax_logits.npz"), **ours)
-  return families
 
 
 def tokenizer_side(out_root, write_reference: bool):

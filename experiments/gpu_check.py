@@ -1,19 +1,14 @@
-r"""Issue 21's accelerator figures, in one short run: the decode loop's tokens/s against the HBM
-roofline, and the update step's MFU, on a preset's architecture with random weights.
+r"""Issue 21's accelerator figures in one short run, on a preset's architecture with random
+weights (docs/PERFORMANCE.md, docs/SCALE.md figure 8):
 
-- Decode: `sampler.start` (prefill + first token) then `sampler.decode_loop` timed apart, in the
-  run's dtype with the weights stored in it too (a bf16 model; `--param_dtype float32` for a
-  training policy's master weights, which the decode casts once), once per `--decode_layers`
-  layout (the layer scan; per-layer weights and KV buffers). A decode step's roofline: the bytes
-  it must read (every parameter once, the KV cache as the sampler lays it out) over
-  `--hbm_tbps`. Prints `decode_tokens_per_s`, `roofline_tokens_per_s` and their ratio
-  `roofline_over_measured` (issue 21: within 2x).
-- Update: RLOO iterations of bench_step.py's synthetic task at this shape (float32 master
-  weights, bf16 activations), `update_s` their median; MFU = the update's model FLOPs
-  (`memory.flops`, rematerialisation not counted) / update_s / `--peak_tflops` (issue 21: >= 40%).
-- Memory (`--checks memory`): the job `rloo_jax.plan` plans for configs/arithmetic.py at these
-  shape flags on one device, its programs compiled here, then one real iteration; the device's
-  measured peak beside the plan's (issue 37; docs/SCALE.md figure 8).
+- decode: `sampler.start` then `sampler.decode_loop` timed apart, once per `--decode_layers`
+  layout, in the run's dtype with the weights stored in it (`--param_dtype float32`: a training
+  policy's master weights, cast once). Roofline: the bytes a step must read (every weight once,
+  the KV cache as the sampler lays it out) over `--hbm_tbps`; `roofline_over_measured`.
+- update: RLOO iterations of bench_step.py's task at this shape; MFU = the update's model FLOPs
+  (`memory.flops`, remat not counted) / its median seconds / `--peak_tflops`.
+- memory: the job `rloo_jax.plan` plans for configs/arithmetic.py at these shape flags on one
+  device, then one real iteration; the device's measured peak beside the plan's.
 
 Defaults: Llama-3.2-1B, 64 prompts x k = 4 x (512 + 256), an H200 (4.8 TB/s, 989 TFLOP/s bf16).
 On a CPU only as a smoke run (tiny shapes, figures meaningless):
@@ -47,16 +42,17 @@ def _sig(x: float) -> float:
   return float(f"{x:.5g}")
 
 
-def timed(fn, repeats):
-  """(median seconds, last result) of `fn()` run to completion `repeats` times after one
-  untimed (compiling) run."""
-  out = jax.block_until_ready(fn())
+def median_s(run, repeats, setup=lambda: None) -> float:
+  """Median seconds of `run(setup())` over `repeats` calls after an untimed (compiling) one;
+  `setup` runs outside the timing (the decode loop donates its state: a fresh one each call)."""
+  jax.block_until_ready(run(setup()))
   times = []
   for _ in range(repeats):
+    x = jax.block_until_ready(setup())
     t0 = time.perf_counter()
-    out = jax.block_until_ready(fn())
+    jax.block_until_ready(run(x))
     times.append(time.perf_counter() - t0)
-  return statistics.median(times), out
+  return statistics.median(times)
 
 
 def decode_check(args) -> dict:
@@ -65,50 +61,36 @@ def decode_check(args) -> dict:
                   **({"num_layers": args.num_layers} if args.num_layers else {}))
   graphdef, params = transformer.create(m, seed=0)
   fns = transformer.model_fns(graphdef)
-  rng = np.random.default_rng(0)
-  prompts = jnp.asarray(rng.integers(3, m.vocab_size, (args.prompts, args.prompt_len)),
+  prompts = jnp.asarray(np.random.default_rng(0).integers(3, m.vocab_size, (args.prompts,
+                                                                           args.prompt_len)),
                         jnp.int32)
   lengths = jnp.full((args.prompts,), args.prompt_len, jnp.int32)
-  return {layout: _decode_one(args, m, fns, params, prompts, lengths, layout == "unstacked")
-          for layout in args.decode_layers.split(",")}
-
-
-def _decode_one(args, m, fns, params, prompts, lengths, unstack) -> dict:
   stops, pad = jnp.asarray([-1], jnp.int32), jnp.int32(0)  # no end token: every step runs
   method = sampling.Temperature(1.0)
-  start = lambda: sampler.start(  # noqa: E731
-      fns, params, prompts, lengths, jax.random.PRNGKey(0), stops, pad, k=args.k,
-      max_new_tokens=args.new_tokens, method=method, mode="shared", unstack_layers=unstack)
-  start_s, state = timed(start, args.repeats)
-  cache = state.cache
-  # The decode loop donates its state: a fresh start for every run, outside the timing.
-  loop = lambda s: sampler.decode_loop(fns, params, s, stops, pad, method=method,  # noqa: E731
-                                       mode="shared", unstack_layers=unstack)
-  jax.block_until_ready(loop(start()))
-  times = []
-  for _ in range(args.repeats):
-    s = jax.block_until_ready(start())
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(s).tokens_bkt)
-    times.append(time.perf_counter() - t0)
-  decode_s = statistics.median(times)
-  steps = args.new_tokens - 1
   # What a step must read: every weight once, as the decode reads it (cast to the activation
   # dtype, `models.decode_weights`).
   weight_bytes = sum(x.size * x.dtype.itemsize
                      for x in jax.tree.leaves(decode_weights.cast(m, params)))
-  kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)
-                 if hasattr(x, "dtype") and x.ndim >= 4)
-  step_roofline_s = (weight_bytes + kv_bytes) / (args.hbm_tbps * 1e12)
-  streams = args.prompts * args.k
-  measured = streams * steps / decode_s
-  roofline = streams / step_roofline_s
-  return dict(start_s=round(start_s, 5), decode_s=round(decode_s, 5), decode_steps=steps,
-              streams=streams, weight_gb=weight_bytes / 1e9, kv_cache_gb=kv_bytes / 1e9,
-              decode_step_ms=_sig(1e3 * decode_s / steps),
-              roofline_step_ms=_sig(1e3 * step_roofline_s),
-              decode_tokens_per_s=_sig(measured), roofline_tokens_per_s=_sig(roofline),
-              roofline_over_measured=_sig(roofline / measured))
+  out = {}
+  for layout in args.decode_layers.split(","):
+    kw = dict(method=method, mode="shared", unstack_layers=layout == "unstacked")
+    start = lambda: sampler.start(fns, params, prompts, lengths, jax.random.PRNGKey(0),  # noqa
+                                  stops, pad, k=args.k, max_new_tokens=args.new_tokens, **kw)
+    start_s = median_s(lambda _: start(), args.repeats)
+    decode_s = median_s(lambda s: sampler.decode_loop(fns, params, s, stops, pad, **kw).tokens_bkt,
+                        args.repeats, start)
+    kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(start).cache)
+                   if hasattr(x, "dtype") and x.ndim >= 4)
+    steps, streams = args.new_tokens - 1, args.prompts * args.k
+    step_roofline_s = (weight_bytes + kv_bytes) / (args.hbm_tbps * 1e12)
+    measured, roofline = streams * steps / decode_s, streams / step_roofline_s
+    out[layout] = dict(
+        start_s=round(start_s, 5), decode_s=round(decode_s, 5), decode_steps=steps,
+        streams=streams, weight_gb=weight_bytes / 1e9, kv_cache_gb=kv_bytes / 1e9,
+        decode_step_ms=_sig(1e3 * decode_s / steps), roofline_step_ms=_sig(1e3 * step_roofline_s),
+        decode_tokens_per_s=_sig(measured), roofline_tokens_per_s=_sig(roofline),
+        roofline_over_measured=_sig(roofline / measured))
+  return out
 
 
 def _bench_job(c, args):
@@ -122,8 +104,7 @@ def _bench_job(c, args):
         "intermediate_size")})
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
-  c.rewards.fns = [bench_step.synthetic_reward]
-  c.rewards.weights = [1.0]
+  c.rewards.update(fns=[bench_step.synthetic_reward], weights=[1.0])
   return bench_step.bench_task(presets.get(args.preset).vocab_size, args.prompt_len,
                                fixed_length=True)
 
@@ -136,11 +117,10 @@ def update_check(args) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     algo, state = bench_step.build(c, task, workdir)
     data = bench_step.prompt_batches(task, args.prompts, args.prompt_len)
-    state, _ = algo.iteration(state, next(data))  # compiles
     rows = []
-    for _ in range(args.iterations):
+    for i in range(1 + args.iterations):  # the first compiles
       state, metrics = algo.iteration(state, next(data))
-      rows.append(metrics)
+      rows += [metrics] if i else []
     m = algo.exp.model_config
   update_s = float(np.median([r["update_s"] for r in rows]))
   flops = model_flops_per_iteration(m, args.prompts, args.prompt_len, args.k, args.new_tokens)
@@ -152,10 +132,8 @@ def update_check(args) -> dict:
 
 
 def memory_check(args) -> dict:
-  """The job `python -m rloo_jax.plan --config=configs/arithmetic.py` plans with these shape flags
-  (one device), on the bench task at the preset's vocabulary: its programs compiled for this
-  device (the plan), then one real RLOO iteration from random weights, and the device's
-  measured peak (`memory_stats()['peak_bytes_in_use']`) beside the plan's peak."""
+  """The plan of configs/arithmetic.py's job at these shape flags on the bench task (one device),
+  then one real iteration; `memory_stats()['peak_bytes_in_use']` beside the plan's peak."""
   c = load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "arithmetic.py"))
   task = _bench_job(c, args)
   c.mesh.update(data=1, fsdp=1)
@@ -192,10 +170,8 @@ def main():
   p.add_argument("--attention", default="auto", help="config.model.attention (update, memory)")
   p.add_argument("--decode_layers", default="scanned,unstacked",
                  help="decode layouts timed (config.rloo.decode_layers), each its own entry")
-  p.add_argument("--prompts", type=int, default=64)
-  p.add_argument("--k", type=int, default=4)
-  p.add_argument("--prompt_len", type=int, default=512)
-  p.add_argument("--new_tokens", type=int, default=256)
+  for flag, default in (("prompts", 64), ("k", 4), ("prompt_len", 512), ("new_tokens", 256)):
+    p.add_argument(f"--{flag}", type=int, default=default)
   p.add_argument("--remat", default="dots")
   p.add_argument("--microbatch_size", type=int, default=16, help="groups (0: the minibatch)")
   p.add_argument("--repeats", type=int, default=3, help="timed decode runs")
@@ -210,12 +186,10 @@ def main():
     p.error(f"--decode_layers {args.decode_layers!r}: {sorted(bad)} not among scanned, unstacked")
   out = dict(config=vars(args), backend=jax.default_backend(),
              device=str(jax.devices()[0].device_kind))
-  if "decode" in args.checks:
-    out["decode"] = decode_check(args)
-  if "update" in args.checks:
-    out["update"] = update_check(args)
-  if "memory" in args.checks:
-    out["memory"] = memory_check(args)
+  for name, check in (("decode", decode_check), ("update", update_check),
+                      ("memory", memory_check)):
+    if name in args.checks:
+      out[name] = check(args)
   print(json.dumps(out), flush=True)
 
 

@@ -1,19 +1,15 @@
-r"""The memory plan of every paper config at the hardware its docstring names, in one table.
+r"""The memory plan of every paper config at the hardware its docstring names, in one table (and
+the scale jobs of docs/SCALE.md, `--only scale`, and its long-completion jobs, `--only long`).
 
 Each row is one `python -m rloo_jax.plan` run (a subprocess: the simulated device count is fixed
-when jax starts), compiled as for an accelerator; prints the table (peak GiB per device, the
-program at the peak, the reward model's resident GiB, fits) and one JSON line per row.
+when jax starts), compiled as for an accelerator: peak GiB per device, the program at the peak,
+the reward model's resident GiB, fits; one JSON line per row, counting XLA's "Involuntary full
+rematerialization" warnings (`involuntary_remat`). `--targets` compiles each row with each
+accelerator's own compiler too (`--target=<family>-<n>`, n the row's devices; `pip install -e
+".[plan]"`): update grads / update apply / peak GiB per device side by side.
 
-    python experiments/plan_configs.py                 # every row
     python experiments/plan_configs.py --only tldr     # rows whose name starts with it
-    python experiments/plan_configs.py --speedups      # and the faster settings that fit
-    python experiments/plan_configs.py --targets=tpu-v5p,h100   # beside each accelerator's compiler
-
---targets compiles each row again with each accelerator's own compiler (`--target=<family>-<n>`,
-n the row's devices; `pip install -e ".[plan]"`) and prints update grads / update apply / peak
-GiB per device for the CPU estimate and each target side by side. The scale jobs of docs/SCALE.md
-are rows too (`--only scale`), and the long-completion jobs (`--only long`); each JSON line
-counts XLA's "Involuntary full rematerialization" warnings (`involuntary_remat`).
+    python experiments/plan_configs.py --targets=tpu-v5p,h100 --no_estimate
 """
 import argparse
 import json
@@ -71,17 +67,16 @@ ROWS = (
 )
 
 
-def plan(config: str, devices: int, memory_gb: float, speedups: bool = False,
-         target: str = "") -> dict:
+def plan(config: str, devices: int, memory_gb: float, target: str = "") -> dict:
   """One `python -m rloo_jax.plan` run: for `target` (a family, e.g. 'h100') its compiler at the
   row's device count and the device's own memory, else the CPU estimate on `devices`."""
   config, *overrides = config.split()
   where = ([f"--target={target}-{devices}"] if target else
            [f"--devices={devices}", f"--device_memory_gb={memory_gb}"])
   cmd = [sys.executable, "-m", "rloo_jax.plan", f"--config={config}", *overrides, *where,
-         "--speedups" if speedups else "--nospeedups"]
-  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+         "--nospeedups"]
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1"))
   if out.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
   report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -94,34 +89,27 @@ def plan(config: str, devices: int, memory_gb: float, speedups: bool = False,
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--only", default="", help="run the rows whose name starts with this")
-  p.add_argument("--speedups", action="store_true",
-                 help="also each row's faster settings that fit (memory.speedups: more compiles)")
   p.add_argument("--targets", default="",
                  help="comma-separated accelerator families (tpu-v5e, tpu-v5p, tpu-v6e, h100, "
                       "h200): each row also compiled by that compiler, side by side")
   p.add_argument("--no_estimate", action="store_true",
-                 help="with --targets: leave out the CPU estimate column (its compiles are the "
-                      "slowest)")
+                 help="with --targets: no CPU estimate column (its compiles are the slowest)")
   args = p.parse_args()
   rows = [r for r in ROWS if r[0].startswith(args.only)]
   if args.targets:
     return compare(rows, [t for t in args.targets.split(",") if t], not args.no_estimate)
-  print("| config | devices | peak GiB / device | at | reward model GiB | fits |"
-        + (" faster, and fits |" if args.speedups else ""))
-  print("|---|---|---|---|---|---|" + ("---|" if args.speedups else ""))
+  print("| config | devices | peak GiB / device | at | reward model GiB | fits |")
+  print("|---|---|---|---|---|---|")
   for name, config, devices, memory in rows:
-    r = plan(config, devices, memory, args.speedups)
+    r = plan(config, devices, memory)
     at = max(r["programs"], key=lambda n: r["programs"][n]["peak_gb"])
     print(f"| {name} | {devices} x {memory} GiB | {r['peak_gb_per_device']:.1f} | {at} | "
-          f"{r.get('reward_model_gb', 0):.2f} | {'yes' if r['fits'] else 'NO'} |"
-          + (f" {'; '.join(x['setting'] for x in r['speedups']) or '-'} |"
-             if args.speedups else ""), flush=True)
+          f"{r.get('reward_model_gb', 0):.2f} | {'yes' if r['fits'] else 'NO'} |", flush=True)
     print(json.dumps(dict(name=name, config=config, devices=devices, device_memory_gb=memory,
                           peak_gb_per_device=r["peak_gb_per_device"], program=at,
                           reward_model_gb=r.get("reward_model_gb", 0), fits=r["fits"],
-                          advice=r["advice"], speedups=r["speedups"],
-                          command=r["command"], involuntary_remat=r["involuntary_remat"])),
-          flush=True)
+                          advice=r["advice"], command=r["command"],
+                          involuntary_remat=r["involuntary_remat"])), flush=True)
 
 
 def _cell(r: dict) -> str:
@@ -135,8 +123,7 @@ def _cell(r: dict) -> str:
 
 def compare(rows, targets, estimate=True):
   """Each row as the CPU estimate and as each target's compiler makes it."""
-  print("| job | devices | " + ("CPU estimate | " if estimate else "") + " | ".join(targets)
-        + " |")
+  print("| job | devices | " + "CPU estimate | " * estimate + " | ".join(targets) + " |")
   print("|---|---|" + "---|" * (len(targets) + estimate))
   for name, config, devices, memory in rows:
     cells = [_cell(plan(config, devices, memory))] if estimate else []

@@ -1,13 +1,10 @@
 """Runs a notebook of notebooks/ top to bottom in a real kernel and prints its result lines
 (tables, accuracies, greedy answers, verdicts, exported files) and the seconds it took.
 
-    python experiments/run_notebook.py              # quickstart.ipynb at its full size (the
-                                                    # README's default experiment, then the
-                                                    # example JSONL task)
+    python experiments/run_notebook.py              # quickstart.ipynb at full size (the README's
+                                                    # default experiment, then the JSONL task)
     RLOO_QUICKSTART_SIZE=test python experiments/run_notebook.py   # the CI size
-    python experiments/run_notebook.py gsm8k        # notebooks/gsm8k.ipynb: Qwen2.5-0.5B from the
-                                                    # hub, GSM8K from GitHub (network, accelerator)
-    RLOO_GSM8K_OFFLINE=1 python experiments/run_notebook.py gsm8k  # its offline fixture run
+    RLOO_GSM8K_OFFLINE=1 python experiments/run_notebook.py gsm8k  # gsm8k.ipynb's offline run
 """
 import os
 import sys

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# The virtual environment of experiments/bench_tunix_rloo.py (the Tunix side of
-# experiments/compare_peers.py): google-tunix 0.1.7 from PyPI, with the jax / flax / optax / orbax
-# / qwix it resolved to when compare_peers' figures were taken (tunix 0.1.7 asks only for
-# flax>=0.11.1, orbax-checkpoint>=0.12.0, qwix>=0.1.6 and a jax; these pins keep the figures
-# reproducible). CPU jax: the comparison runs on this machine's CPU.
+# The virtual environment of experiments/bench_tunix_rloo.py (the Tunix side of compare_peers.py):
+# google-tunix 0.1.7 with the versions it resolved to when compare_peers' figures were taken
+# (pinned, so the figures stay reproducible; tunix itself asks for less). CPU jax.
 #
 #   bash experiments/setup_tunix_venv.sh [VENV_DIR]     # default: .venv-tunix at the repo root
 #   python experiments/compare_peers.py --tunix_python .venv-tunix/bin/python

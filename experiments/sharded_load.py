@@ -1,15 +1,12 @@
-r"""Loading a real-size checkpoint onto a mesh: a random Qwen2.5-1.5B-shaped checkpoint (the
-preset's architecture, float32, about 6 GB, written once with the tensor names and layout
-transformers uses) loaded with `hf.load_checkpoint(..., shardings=...)` onto N simulated CPU
-devices with fsdp=N. Prints one JSON line: the parameter bytes, the process's peak RSS during the
-load (and its ratio to the parameter bytes), and the seconds.
+r"""Loading a real-size checkpoint onto a mesh (docs/SCALE.md "Loading"): a random
+Qwen2.5-1.5B-shaped checkpoint (float32, about 6 GB, transformers' tensor names and layout),
+written once by a process of its own, loaded with `hf.load_checkpoint(..., shardings=...)` onto
+N simulated CPU devices with fsdp=N in a fresh process. One JSON line: the parameter bytes, the
+baseline (python + jax) and peak RSS, their ratios to the parameter bytes, the RSS after the load
+split into anonymous and file-backed memory, and the seconds.
 
     python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 8
-
-The checkpoint is written in a separate process first (its own memory does not count), and the
-load runs in a fresh process whose baseline RSS (python + jax, before the load) is reported too,
-and the RSS after the load split into anonymous (on CPU the loaded params live there: 1.0x) and
-file-backed memory (a memory-mapped checkpoint's pages). `--unsharded` loads with shardings=None.
+    python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 1 --unsharded
 """
 import argparse
 import json
@@ -19,58 +16,17 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 # The checkout's package, so the command runs from a clone without an install.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def write_checkpoint(path: str, preset: str, shard_bytes: int = 2 * 2**30):
-  """A random checkpoint of `preset`'s architecture in transformers' Qwen2 layout, sharded."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  from rloo_jax.models import presets  # pylint: disable=import-outside-toplevel
-
-  c = presets.get(preset)
-  os.makedirs(path, exist_ok=True)
-  e, f, hq, hkv, d = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-  shapes = {"model.embed_tokens.weight": (c.vocab_size, e), "model.norm.weight": (e,)}
-  for i in range(c.num_layers):
-    p = f"model.layers.{i}."
-    shapes.update({
-        p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,),
-        p + "self_attn.q_proj.weight": (hq * d, e), p + "self_attn.q_proj.bias": (hq * d,),
-        p + "self_attn.k_proj.weight": (hkv * d, e), p + "self_attn.k_proj.bias": (hkv * d,),
-        p + "self_attn.v_proj.weight": (hkv * d, e), p + "self_attn.v_proj.bias": (hkv * d,),
-        p + "self_attn.o_proj.weight": (e, hq * d), p + "mlp.gate_proj.weight": (f, e),
-        p + "mlp.up_proj.weight": (f, e), p + "mlp.down_proj.weight": (e, f)})
-  rng = np.random.default_rng(0)
-  files, current, size, weight_map = [], {}, 0, {}
-
-  def flush():
-    nonlocal current, size
-    if current:
-      name = f"model-{len(files) + 1:05d}.safetensors"
-      save_file(current, os.path.join(path, name))
-      files.append(name)
-      weight_map.update({k: name for k in current})
-      current, size = {}, 0
-
-  for name, shape in shapes.items():
-    current[name] = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
-    size += current[name].nbytes
-    if size >= shard_bytes:
-      flush()
-  flush()
-  total = sum(int(np.prod(s)) * 4 for s in shapes.values())
-  with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh)
-  with open(os.path.join(path, "config.json"), "w") as fh:
-    json.dump({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": e,
-               "intermediate_size": f, "num_hidden_layers": c.num_layers,
-               "num_attention_heads": hq, "num_key_value_heads": hkv, "vocab_size": c.vocab_size,
-               "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
-               "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings,
-               "torch_dtype": "float32"}, fh)
+def write_checkpoint(path: str, preset: str):
+  """A random checkpoint of `preset`'s architecture, float32, in ~2 GiB safetensors shards,
+  written by the project's exporter (transformers' tensor names, layout and config.json)."""
+  from rloo_jax.models import hf_export, presets, transformer  # pylint: disable=C0415
+  config = presets.get(preset, dtype="float32", param_dtype="float32")
+  hf_export.save_pretrained(transformer.create(config, seed=0)[1], config, path, dtype="float32",
+                            max_shard_bytes=2 * 2**30)
 
 
 def _rss_now() -> dict:
@@ -104,9 +60,8 @@ def load(path: str, devices: int, sharded: bool = True) -> dict:
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   now = _rss_now()
   return {"num_params": config.num_params, "param_bytes": nbytes, "devices": devices,
-          "sharded": sharded,
-          "per_device_bytes": sharding.per_device_bytes(params), "load_s": round(seconds, 1),
-          "baseline_rss_bytes": baseline, "peak_rss_bytes": peak,
+          "sharded": sharded, "per_device_bytes": sharding.per_device_bytes(params),
+          "load_s": round(seconds, 1), "baseline_rss_bytes": baseline, "peak_rss_bytes": peak,
           "peak_rss_over_param_bytes": round(peak / nbytes, 3),
           "load_rss_over_param_bytes": round((peak - baseline) / nbytes, 3),
           **{f"after_{k}_over_param_bytes": round(v / nbytes, 3) for k, v in now.items()}}
@@ -122,17 +77,16 @@ def main():
   p.add_argument("--side", default="main", choices=("main", "write", "load"))
   args = p.parse_args()
   if args.side == "write":
-    return write_checkpoint(args.dir, args.preset)
-  if args.side == "load":
+    write_checkpoint(args.dir, args.preset)
+  elif args.side == "load":
     print(json.dumps(load(args.dir, args.devices, not args.unsharded)), flush=True)
-    return None
-  me = [sys.executable, os.path.abspath(__file__), "--dir", args.dir, "--preset", args.preset]
-  if not os.path.exists(os.path.join(args.dir, "config.json")):
-    subprocess.run(me + ["--side", "write"], check=True)
-  subprocess.run(me + ["--side", "load", "--devices", str(args.devices)] +
-                 ["--unsharded"] * args.unsharded, check=True)
-  return None
+  else:  # each side in a process of its own: the load's RSS is its own
+    me = [sys.executable, os.path.abspath(__file__), "--dir", args.dir, "--preset", args.preset]
+    if not os.path.exists(os.path.join(args.dir, "config.json")):
+      subprocess.run(me + ["--side", "write"], check=True)
+    subprocess.run(me + ["--side", "load", "--devices", str(args.devices)] +
+                   ["--unsharded"] * args.unsharded, check=True)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

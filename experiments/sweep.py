@@ -1,28 +1,20 @@
 r"""Sweep runner: one workdir per (run, seed), resumable, every algorithm through one entry point.
 
-A sweep file (configs/sweeps/*.py) defines
-    CONFIG = "configs/arithmetic.py"   # the base get_config file (optionally "path:arg")
-    COMMON = {...}                     # dotted overrides applied to every run
-    SEEDS = (0, 1, 2)
-    def get_sweep() -> list[dict]      # one dict per run: {"name": ..., dotted overrides...}
-A run's `algorithm` override (config.algorithm) picks the algorithm `rloo_jax.algorithms.run`
-trains: 'rloo' (the default: any registered advantage estimator, RAFT / GRPO / REINFORCE /
-vanilla included), 'ppo' (`rloo_jax.algorithms.ppo`) or 'dpo' (`rloo_jax.algorithms.dpo`).
+A sweep file (configs/sweeps/*.py) defines CONFIG (the base get_config file, "path[:arg]"),
+COMMON (dotted overrides for every run), SEEDS and get_sweep() -> [{"name": ..., dotted
+overrides...}]; a run's `algorithm` override picks what `rloo_jax.algorithms.run` trains: 'rloo'
+(the default, with any registered advantage estimator), 'ppo' or 'dpo'.
 
-    python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/table1_arithmetic
-    python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/table1_arithmetic \
-        --seeds=0 --only=rloo_k4,ppo --sft_from=/tmp/rloo_arith
-    python experiments/sweep.py --sweep=configs/sweeps/ablations_arithmetic.py --root=runs/ablations --dry_run
+    python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/t1 \
+        --seeds=0 --only=rloo_k4,ppo --sft_from=/tmp/rloo_arith   # --dry_run: list, train nothing
     python experiments/sweep.py --sweep=configs/sweeps/table1_tldr.py --root=runs/table1_tldr_1b \
         --config_arg=model=/ckpt/pythia-1b-tldr-sft,rm=/ckpt/pythia-1b-tldr-rm
 
-Layout: <root>/<name>/seed<s>/ holds the run's metrics.jsonl, summary.json and run.json (name,
-overrides, seed, wall time, command). A run with a summary.json is finished and skipped, so a
-killed sweep restarts where it stopped (an unfinished run resumes from its own checkpoints).
-All runs of a sweep start from one SFT policy, trained once in <root>/_shared (seed 0) or copied
-from `--sft_from` (a workdir whose sft/ was trained with the same base config): seeds vary the RL
-stage, and every method starts from the same point. Compiled executables are cached on disk in
-<root>/_jax_cache, so runs after the first skip most compilation.
+<root>/<name>/seed<s>/ holds a run's metrics.jsonl, summary.json and run.json (name, overrides,
+seed, wall time, command); a run with a summary.json is skipped, so a killed sweep restarts where
+it stopped. Every run starts from one SFT policy, trained once in <root>/_shared (seed 0) or
+copied from `--sft_from` (a workdir whose sft/ has the same base config). Compiled executables
+are cached in <root>/_jax_cache.
 """
 from __future__ import annotations
 
@@ -37,22 +29,12 @@ import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGORITHMS = ("rloo", "ppo", "dpo")
-
-
-def load_module(path: str, name: str = "sweep_module"):
-  path = path if os.path.isabs(path) else os.path.join(REPO, path)
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def load_config(spec: str):
-  from rloo_jax import config_utils  # like every rloo_jax import here: after the cache env is set
+  from rloo_jax import config_utils  # every rloo_jax import here is lazy: --help stays fast
   path, _, arg = spec.partition(":")
-  return config_utils.load_config_file(path if os.path.isabs(path) else os.path.join(REPO, path),
-                                       arg)
+  return config_utils.load_config_file(os.path.join(REPO, path), arg)  # an absolute path wins
 
 
 def apply_overrides(config, overrides: dict):
@@ -74,21 +56,14 @@ def apply_overrides(config, overrides: dict):
 
 
 def load_sweep(path: str):
-  m = load_module(path)
+  spec = importlib.util.spec_from_file_location("sweep_module", os.path.join(REPO, path))
+  m = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(m)
   runs = m.get_sweep()
   names = [r["name"] for r in runs]
   if len(set(names)) != len(names):
     raise ValueError(f"{path}: run names must be unique, got {names}")
   return m, runs
-
-
-def run_config(config, workdir: str, *, log=print) -> dict:
-  """Trains `config` in `workdir` with the algorithm its `algorithm` names; returns the summary."""
-  algorithm = config.get("algorithm", "rloo")
-  if algorithm not in ALGORITHMS:
-    raise ValueError(f"unknown config.algorithm {algorithm!r}; choose one of {ALGORITHMS}")
-  from rloo_jax import algorithms
-  return algorithms.run(config, workdir, log=log)
 
 
 def prepare_shared(base, root: str, sft_from: str, log):
@@ -121,9 +96,7 @@ def main(argv=None):
   parser.add_argument("--only", default="", help="comma-separated run names")
   parser.add_argument("--sft_from", default="", help="workdir whose sft/ to share")
   parser.add_argument("--config_arg", default=None,
-                      help="replaces the argument of the sweep's CONFIG (path:arg), e.g. "
-                           "model=/ckpt/pythia-1b-sft,rm=/ckpt/pythia-1b-rm: the same rows at "
-                           "any model size")
+                      help="replaces the argument of the sweep's CONFIG (path:arg)")
   parser.add_argument("--dry_run", action="store_true", help="validate and list, train nothing")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args(argv)
@@ -136,9 +109,8 @@ def main(argv=None):
     if unknown:
       raise ValueError(f"--only names {sorted(unknown)} are not in {args.sweep}")
     runs = [r for r in runs if r["name"] in wanted]
-  spec = module.CONFIG
-  if args.config_arg is not None:
-    spec = f"{spec.partition(':')[0]}:{args.config_arg}"
+  spec = (module.CONFIG if args.config_arg is None
+          else f"{module.CONFIG.partition(':')[0]}:{args.config_arg}")
   base = apply_overrides(load_config(spec), getattr(module, "COMMON", {}))
   # One SFT policy for every method and seed of the sweep (seeds vary the RL stage only).
   base.sft.cache_key = base.sft.cache_key or "sweep"
@@ -157,6 +129,7 @@ def main(argv=None):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
+  from rloo_jax import algorithms
   shared = prepare_shared(base, root, args.sft_from, log)
   failed = []
   for r, seed, config in configs:
@@ -166,12 +139,13 @@ def main(argv=None):
       continue
     os.makedirs(workdir, exist_ok=True)
     for sub in ("sft", "data"):
-      if os.path.isdir(os.path.join(shared, sub)) and not os.path.exists(os.path.join(workdir, sub)):
-        shutil.copytree(os.path.join(shared, sub), os.path.join(workdir, sub))
+      src, dst = os.path.join(shared, sub), os.path.join(workdir, sub)
+      if os.path.isdir(src) and not os.path.exists(dst):
+        shutil.copytree(src, dst)
     print(f"[sweep] {r['name']}/seed{seed}: running in {workdir}", flush=True)
     t0 = time.time()
     try:
-      summary = run_config(config, workdir, log=log)
+      summary = algorithms.run(config, workdir, log=log)
     except Exception:  # pylint: disable=broad-except
       traceback.print_exc()
       failed.append(f"{r['name']}/seed{seed}")
@@ -189,21 +163,11 @@ def main(argv=None):
 
 
 def validate_all(configs):
-  """Every run's config is checked before anything trains (registry names, shapes, sections)."""
-  from rloo_jax import experiment
-  from rloo_jax.algorithms import dpo, ppo
+  """Every run's config is checked before anything trains (registry names, shapes, sections):
+  what `algorithms.validate` checks, without building (no data, no compile, no reward model)."""
+  from rloo_jax import algorithms, experiment
   for config in configs:
-    algorithm = config.get("algorithm", "rloo")
-    if algorithm not in ALGORITHMS:
-      raise ValueError(f"unknown config.algorithm {algorithm!r}; choose one of {ALGORITHMS}")
-    # What `algorithms.make` checks before it builds, without building (no data, no compile).
-    if algorithm == "ppo":
-      config = ppo.with_defaults(config)
-      ppo.validate(config)
-    elif algorithm == "dpo":
-      config = dpo.with_defaults(config)
-      dpo.validate(config)
-    experiment.validate_config(config)
+    experiment.validate_config(algorithms.resolve(config)[1])
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def test_sweep_configs_are_valid(path):
   configs = [sweep.apply_overrides(base, dict(r, seed=0)) for r in runs]
   sweep.validate_all(configs)  # registry names, k, batch shapes, PPO / DPO sections
   for r, c in zip(runs, configs):
-    assert c.get("algorithm", "rloo") in sweep.ALGORITHMS, r["name"]
+    assert c.get("algorithm", "rloo") in algorithms.names(), r["name"]
     assert c.advantage.estimator in advantage.names(), r["name"]
     for key in r:  # every override names an existing setting (no silent typos)
       if key in ("name", "algorithm") or key.startswith(("dpo.", "ppo.")):

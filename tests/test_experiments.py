@@ -1,7 +1,7 @@
 """The benchmark and peer-comparison scripts of experiments/ run end to end at their smallest
 settings, and what they print makes sense: not only positive timings, but the numbers each script
-derives (tokens, rewards, losses, bias ratios, ratios of rounds) checked against what they must
-be. The user-facing tools (sweep, make_results, gpu_check): test_experiments_tools.py."""
+derives (tokens, rewards, losses, ratios of rounds) checked against what they must be. The
+user-facing tools (sweep, make_results, gpu_check): test_experiments_tools.py."""
 import json
 import math
 import os
@@ -53,8 +53,7 @@ def test_bench_step_reports_a_consistent_iteration():
                              new_tokens=new_tokens, iterations=2, dtype="float32",
                              shared_prefix=shared, peak_gflops=390.0, ref_dtype="bfloat16",
                              remat="full", microbatch_size=0, logprob_chunk_size=32,
-                             lora_rank=0, lora_targets="q,k,v,o,gate,up,down",
-                             reward_delay_ms=0.0, fixed_length=0)
+                             lora_rank=0, reward_delay_ms=0.0, fixed_length=0)
   assert r["trainable_params"] == r["params"]  # full fine-tuning: every parameter trains
   # The process held at least its float32 params (and a python + jax runtime).
   assert 4 * r["params"] / 2**30 < r["peak_rss_gb"] < 8, r["peak_rss_gb"]
@@ -151,31 +150,13 @@ def test_compare_peers_rounds_ratios_and_peer_failures(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# variance_k.py / bench_sampler.py
+# bench_sampler.py
 
 
 # The smallest sampler benchmark: one layer of hidden 32, 2 prompts x k = 2, 4 + 4 tokens.
 TINY_SAMPLER = ("--prompt_len", 4, "--new_tokens", 4, "--prompts", 2, "--k", 2, "--vocab", 64,
                 "--hidden", 32, "--layers", 1, "--heads", 2, "--kv_heads", 2, "--intermediate", 64,
                 "--repeats", 2)
-
-
-def test_variance_k_is_unbiased_and_falls_with_k():
-  r = run_json("variance_k.py", "--groups", 20000, "--ks", "2,4")
-  assert r["groups"] == 20000 and set(r["k"]) == {"2", "4"}
-  for k, s in ((int(k), s) for k, s in r["k"].items()):
-    # RLOO: the mean estimate projects onto the exact gradient with scale 1 (unbiased); the
-    # baseline that includes each sample shrinks it to (k - 1) / k.
-    assert s["rloo_scale"] == pytest.approx(1.0, abs=0.02)
-    assert s["expected_mean_baseline_scale"] == pytest.approx((k - 1) / k, abs=1e-4)
-    assert s["mean_baseline_scale"] == pytest.approx((k - 1) / k, abs=0.02)
-    assert s["rloo_max_z"] < 4.5
-    assert s["variance"] > 0 and s["variance_x_k"] == pytest.approx(s["variance"] * k, rel=1e-3)
-  assert r["k"]["4"]["variance"] < r["k"]["2"]["variance"]
-  # Per sample too: k = 4 spends its samples better than k = 2.
-  assert r["k"]["4"]["variance_x_k"] < r["k"]["2"]["variance_x_k"]
-  assert r["variance_ratio_k4_over_k2"] == pytest.approx(
-      r["k"]["4"]["variance"] / r["k"]["2"]["variance"], abs=1e-3)
 
 
 def test_bench_sampler_modes_agree():
