@@ -160,3 +160,11 @@ def test_sweep_trains_every_algorithm_from_one_sft_policy_and_resumes(tmp_path):
   assert "| RLOO k=4 | - | - | not run |" in md
   assert "Not run (no benchmark JSON given)." in md
   assert any(f.endswith(".png") for f in os.listdir(tmp_path / "docs" / "results"))
+
+
+def test_padding_packs_long_tailed_lengths_under_a_tenth():
+  """Issue 38's padding figure: log-normal completion lengths, today's trimmed grouped rows
+  beside packed ones (rloo_jax.packing's plan) at each budget."""
+  r = run_json("padding.py")  # 5 draws (seeded), the medians
+  assert r["padding"]["trimmed"] > 0.5
+  assert max(v for name, v in r["padding"].items() if name != "trimmed") <= 0.10
