@@ -112,6 +112,16 @@ def mesh_worker(workdir: str) -> dict:
   out["unstacked_fsdp"] = dict(state_diff=_max_diff(_host(state), ref_s1),
                                metric_diffs=_metric_diffs(m, ref_m1))
 
+  # Packed updates over (2, 4, 1): eight packed rows a microbatch, one a device, and the
+  # reference pass packed too; the same iteration as the unpacked one-device run.
+  c = mesh_config((2, 4, 1))
+  with c.unlocked():
+    c.train.microbatch_tokens = c.data.max_prompt_len - 1 + c.rloo.max_new_tokens
+  algo = RLOO(experiment.build(c, workdir, task=task))
+  state, m = algo.iteration(algo.init_state(params0), batch1)
+  out["packed"] = dict(state_diff=_max_diff(_host(state), ref_s1),
+                       metric_diffs=_metric_diffs(m, ref_m1))
+
   # A checkpoint written on (2, 4, 1) restores onto (8, 1, 1) and onto one device; both continue.
   for name, algo in (("8x1x1", algos[(8, 1, 1)]), ("1 device", algo1)):
     ckpt = Checkpointer(ckdir)
@@ -178,6 +188,13 @@ def test_one_iteration_matches_one_device(mesh_results, mesh):
 
 def test_fsdp_decode_on_layers_gathered_once_matches_one_device(mesh_results):
   r = mesh_results["unstacked_fsdp"]
+  assert r["state_diff"] < ATOL, r
+  bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
+  assert not bad, bad
+
+
+def test_packed_updates_over_eight_devices_match_one_unpacked_device(mesh_results):
+  r = mesh_results["packed"]
   assert r["state_diff"] < ATOL, r
   bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
   assert not bad, bad
