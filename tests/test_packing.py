@@ -205,3 +205,23 @@ def test_a_packed_run_trains_and_reports_the_loss_of_the_unpacked_one(tmp_path):
   assert abs(plain["loss"]) > 1e-3 and plain["grad_norm"] > 1e-3
   for key in ("loss", "grad_norm", "entropy", "kl", "reward_mean"):
     np.testing.assert_allclose(packed[key], plain[key], rtol=1e-4, atol=1e-7, err_msg=key)
+
+
+def test_the_planner_names_packed_microbatches_and_their_budgets(tmp_path):
+  """A packed job's plan: its microbatch line, a larger budget offered where the update fits,
+  and the smallest budget advised where it does not."""
+  from rloo_jax import memory  # pylint: disable=import-outside-toplevel
+  config = tiny_config()
+  least = packing.min_tokens(config.data.max_prompt_len, MAX_NEW_TOKENS)
+  config.train.microbatch_tokens = 2 * least
+  algo = RLOO(experiment.build(config, str(tmp_path)))
+  report = memory.plan(algo, names=("update",), speedups=True)
+  assert report["microbatch_tokens"] == 2 * least
+  offered = [s["setting"] for s in report["speedups"]]
+  assert f"--config.train.microbatch_tokens={8 * least}" in offered, offered
+  assert "packed rows of" in memory.format_table(report)
+  tight = memory.plan(algo, names=("update",),
+                      device_memory_gb=report["peak_gb_per_device"] * 0.9)
+  assert not tight["fits"]
+  assert any(f"--config.train.microbatch_tokens={least} (now {2 * least}" in a
+             for a in tight["advice"]), tight["advice"]

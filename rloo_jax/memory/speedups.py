@@ -72,7 +72,7 @@ def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak:
   mb = programs_lib.microbatch(c)
   size, m = mb["microbatch_size"], mb["microbatches"]
   if mb["microbatch_tokens"]:  # packed: the budget, not a microbatch size, sets the rows
-    return []
+    return _packed_budget(algo, limit, accelerator, hoisted)
   units = size * m
   rows = lambda d: d * c.rloo.k if grouped else d  # noqa: E731
   valid = [d for d in programs_lib.divisors(units) if d > size
@@ -104,6 +104,27 @@ def _microbatch(algo, limit: int, accelerator: bool, hoisted: int, current_peak:
                      f"{units // pick} microbatches a minibatch instead of {m}: bigger "
                      f"matmuls, and (FSDP) each layer gathered {units // pick} times a step "
                      f"instead of {m}; update peak {peak / GIB:.3g} GiB"))]
+
+
+def _packed_budget(algo, limit: int, accelerator: bool, hoisted: int) -> list:
+  """Packed rows of 2x, then 4x the token budget while the update fits: fewer, longer rows."""
+  c = algo.exp.config
+  now = int(c.train.microbatch_tokens)
+  pick = None
+  for budget in (2 * now, 4 * now):
+    config = c.copy_and_resolve_references()
+    config.train.microbatch_tokens = budget
+    peak = _update_peak(algo, config, accelerator, hoisted, rebuild=False)
+    if peak > HEADROOM * limit:
+      break
+    pick = (budget, peak)
+  if pick is None:
+    return []
+  budget, peak = pick
+  return [dict(setting=f"--config.train.microbatch_tokens={budget}", peak_gb=peak / GIB,
+               text=(f"--config.train.microbatch_tokens={budget} (now {now}): about "
+                     f"{budget // now}x fewer packed microbatches, each row longer; update peak "
+                     f"{peak / GIB:.3g} GiB"))]
 
 
 def _decode_layers(algo, limit: int, accelerator: bool) -> list:
