@@ -149,7 +149,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.loss = ml_collections.ConfigDict(dict(
       type="reinforce",  # reinforce (the paper's default) | ppo_clip
       clip_eps=0.2, clip_eps_high=0.0,  # 0 = same as clip_eps
-      ratio_level="sequence", aggregation="sequence_sum"))
+      ratio_level="sequence", aggregation="sequence_sum",
+      # The sampler-trainer gap's correction (loss.is_weights): none | tis | seq_tis | seq_mask
+      # | icepop, the ratio's cap, and icepop's lower bound. Metrics under mismatch/ either way.
+      is_correction="none", is_cap=2.0, is_low=0.5))
   # Rewards: weighted sum of any number of functions named by import path.
   c.rewards = ml_collections.ConfigDict(dict(
       fns=["rloo_jax.rewards.verifiers:arithmetic_exact_match"], weights=[1.0],

@@ -170,6 +170,17 @@ def validate_config(config) -> None:
   _check_choice("config.loss.type", config.loss.type, loss.LOSS_TYPES)
   _check_choice("config.loss.aggregation", config.loss.aggregation, loss.AGGREGATIONS)
   _check_choice("config.loss.ratio_level", config.loss.ratio_level, loss.RATIO_LEVELS)
+  _check_choice("config.loss.is_correction", config.loss.get("is_correction", "none"),
+                loss.IS_CORRECTIONS)
+  if config.loss.get("is_correction", "none") != "none":
+    cap, low = float(config.loss.get("is_cap", 2.0)), float(config.loss.get("is_low", 0.5))
+    if config.loss.type != "reinforce":
+      raise ValueError(f"config.loss.is_correction applies to loss.type='reinforce'; "
+                       f"{config.loss.type!r} already divides by the sampler's probabilities "
+                       "in its ratio: set is_correction='none'")
+    if not 0.0 <= low < 1.0 < cap:
+      raise ValueError(f"config.loss.is_cap={cap} and is_low={low}: the band must hold 1 "
+                       "(0 <= is_low < 1 < is_cap)")
   _check_choice("config.kl.estimator", config.kl.estimator, loss.KL_ESTIMATORS)
   _check_choice("config.kl.reduction", config.kl.reduction, ("sum", "mean"))
   _check_choice("config.rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask"))

@@ -40,6 +40,8 @@ LOSS_TYPES = ("reinforce", "ppo_clip")
 # gradient can be computed in the log-prob pass (`linear_coefficients`, `rloo_jax.head_loss`).
 LINEAR_LOSS_TYPES = ("reinforce",)
 RATIO_LEVELS = ("sequence", "token")
+# Corrections of the gap between the sampler's log-probs and the trainer's (`is_weights`).
+IS_CORRECTIONS = ("none", "tis", "seq_tis", "seq_mask", "icepop")
 
 
 def token_logprobs(logits_btv: Array, targets_bt: Array, mask_bt: Optional[Array] = None) -> Array:
@@ -215,18 +217,71 @@ def _entropy_metric(entropy_bt, mask_bt, norm: Normalizer):
   return {"entropy": masked_sum(entropy_bt, mask_bt) / norm.tokens}
 
 
+def is_weights(logp_bt: Array, sampler_logp_bt: Array, mask_bt: Array, correction: str,
+               cap: float = 2.0, low: float = 0.5):
+  """Importance weights [B, T] (no gradient) correcting for samples drawn by the sampler, whose
+  log-probs (`sampler_logp_bt`, recorded at sampling) differ from the trainer's (`logp_bt`: other
+  numerics, kernels or a staler policy), and whether each unit was truncated or masked:
+
+  - 'none': 1.
+  - 'tis': token-level truncated IS, min(rho_t, cap), rho_t = pi_trainer / pi_sampler.
+  - 'seq_tis': the sequence's ratio prod_t rho_t, truncated at cap, on every token.
+  - 'seq_mask': the sequence's ratio, or 0 for a sequence whose ratio exceeds cap.
+  - 'icepop': rho_t on tokens with low <= rho_t <= cap, 0 on the others.
+  Masked-out positions get weight 0 and count as neither."""
+  f32 = jnp.float32
+  log_rho = jnp.where(mask_bt, jax.lax.stop_gradient(logp_bt.astype(f32))
+                      - sampler_logp_bt.astype(f32), 0.0)
+  if correction == "none":
+    return mask_bt.astype(f32), jnp.zeros(mask_bt.shape, bool)
+  if correction in ("tis", "icepop"):
+    rho = jnp.exp(log_rho)
+    cut = (rho > cap) | ((rho < low) if correction == "icepop" else False)
+    w = jnp.where(cut, cap if correction == "tis" else 0.0, rho)
+    return jnp.where(mask_bt, w, 0.0), cut & mask_bt
+  if correction in ("seq_tis", "seq_mask"):
+    # Clamped in log space: a product over thousands of tokens overflows float32.
+    rho_b = jnp.exp(jnp.minimum(log_rho.sum(-1), 30.0))
+    cut_b = rho_b > cap
+    w_b = jnp.where(cut_b, cap if correction == "seq_tis" else 0.0, rho_b)
+    return jnp.where(mask_bt, w_b[:, None], 0.0), cut_b[:, None] & mask_bt
+  raise ValueError(f"unknown config.loss.is_correction {correction!r}; choose one of "
+                   f"{IS_CORRECTIONS}")
+
+
+def mismatch_metrics(logp_bt: Array, sampler_logp_bt: Array, mask_bt: Array, cut_bt: Array,
+                     norm: Normalizer) -> dict:
+  """The sampler-trainer gap of this batch's tokens (shares over microbatches, as the losses;
+  '_max' metrics combine by maximum): mean and max |log p_sampler - log p_trainer| a token, the
+  sequence-level KL(sampler || trainer) estimate (mean over sequences of sum_t log p_s - log p_t),
+  and the fractions of tokens and sequences a correction truncated or masked."""
+  f32 = jnp.float32
+  diff = jnp.where(mask_bt, sampler_logp_bt.astype(f32)
+                   - jax.lax.stop_gradient(logp_bt.astype(f32)), 0.0)
+  return {"mismatch/logp_abs_diff": jnp.sum(jnp.abs(diff)) / norm.tokens,
+          "mismatch/logp_abs_diff_max": jnp.max(jnp.abs(diff), initial=0.0),
+          "mismatch/kl_sampler_trainer": jnp.sum(diff) / norm.sequences,
+          "mismatch/corrected_tokens": masked_sum(cut_bt.astype(f32), mask_bt) / norm.tokens,
+          "mismatch/corrected_sequences": jnp.sum(jnp.any(cut_bt, -1).astype(f32))
+                                          / norm.sequences}
+
+
 def reinforce_loss(logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
                    aggregation: str = "sequence_sum", max_len: Optional[int] = None,
-                   entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None):
+                   entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None,
+                   weights_bt: Optional[Array] = None):
   """REINFORCE with the whole completion as one action: -A * log pi(y | x).
 
-  Advantages are constants (stop_gradient). Returns (loss, metrics); `entropy_bt` (per-token
+  Advantages are constants (stop_gradient), as are the importance weights `weights_bt`
+  (`is_weights`; None: 1) on each token's term. Returns (loss, metrics); `entropy_bt` (per-token
   entropies, e.g. from `token_entropy`) adds their masked mean as metrics['entropy']. With
   `normalizer`, the loss and metrics are shares to sum over microbatches (see `policy_loss`).
   """
   norm = _counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
   adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
   loss_bt = -adv[:, None] * logp_bt.astype(jnp.float32)
+  if weights_bt is not None:
+    loss_bt = jax.lax.stop_gradient(weights_bt) * loss_bt
   metrics = {"policy_loss": aggregate(loss_bt, mask_bt, aggregation, normalizer=norm),
              "clip_fraction": jnp.zeros((), jnp.float32)}
   metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
@@ -295,6 +350,10 @@ class LossSpec:
   ratio_level: str = "sequence"
   aggregation: str = "sequence_sum"
   max_len: Optional[int] = None
+  # `is_weights`: the correction of the sampler-trainer gap, its cap and (icepop) lower bound.
+  is_correction: str = "none"
+  is_cap: float = 2.0
+  is_low: float = 0.5
 
   def __post_init__(self):
     if self.max_len is not None and self.max_len < 1:
@@ -303,7 +362,9 @@ class LossSpec:
   @classmethod
   def from_config(cls, c, max_len: Optional[int] = None) -> "LossSpec":
     return cls(c.type, float(c.clip_eps), float(c.clip_eps_high) or None, c.ratio_level,
-               c.aggregation, None if max_len is None else int(max_len))
+               c.aggregation, None if max_len is None else int(max_len),
+               getattr(c, "is_correction", "none"), float(getattr(c, "is_cap", 2.0)),
+               float(getattr(c, "is_low", 0.5)))
 
 
 def normalizer(spec_or_aggregation: Union[LossSpec, str], mask_bt: Array,
@@ -339,15 +400,25 @@ def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Arr
   level; don't average them. Without `normalizer`, each is the batch's own (today's) value.
   """
   t = spec.max_len if spec.max_len is not None else mask_bt.shape[1]
+  norm = _counts(mask_bt, t) if normalizer is None else normalizer
+  # `old_logp_bt` are the sampler's log-probs: the behaviour policy of the correction and the
+  # gap the mismatch metrics measure.
+  weights, cut = is_weights(logp_bt, old_logp_bt, mask_bt, spec.is_correction, spec.is_cap,
+                            spec.is_low)
+  mismatch = mismatch_metrics(logp_bt, old_logp_bt, mask_bt, cut, norm)
   if spec.type == "reinforce":
-    return reinforce_loss(logp_bt, mask_bt, advantages_b, aggregation=spec.aggregation,
-                          max_len=t, entropy_bt=entropy_bt, normalizer=normalizer)
-  if spec.type == "ppo_clip":
-    return ppo_clip_loss(logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
-                         clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
-                         aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt,
-                         normalizer=normalizer)
-  raise ValueError(f"unknown config.loss.type {spec.type!r}; choose one of {LOSS_TYPES}")
+    value, metrics = reinforce_loss(
+        logp_bt, mask_bt, advantages_b, aggregation=spec.aggregation, max_len=t,
+        entropy_bt=entropy_bt, normalizer=norm,
+        weights_bt=None if spec.is_correction == "none" else weights)
+  elif spec.type == "ppo_clip":
+    value, metrics = ppo_clip_loss(
+        logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
+        clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
+        aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt, normalizer=norm)
+  else:
+    raise ValueError(f"unknown config.loss.type {spec.type!r}; choose one of {LOSS_TYPES}")
+  return value, {**metrics, **mismatch}
 
 
 def linear_coefficients(spec: LossSpec, mask_bt: Array, advantages_b: Array, *,
@@ -358,6 +429,10 @@ def linear_coefficients(spec: LossSpec, mask_bt: Array, advantages_b: Array, *,
     raise ValueError(f"config.loss.type {spec.type!r} is not linear in the log-probs (linear: "
                      f"{LINEAR_LOSS_TYPES}); its gradient needs the two-pass "
                      "loss.chunked_logprobs")
+  if spec.is_correction != "none":
+    raise ValueError(f"config.loss.is_correction={spec.is_correction!r} weighs each term by "
+                     "the trainer's log-probs, so the loss is not linear in them; its gradient "
+                     "needs the two-pass loss.chunked_logprobs")
   zeros = jnp.zeros(mask_bt.shape, jnp.float32)
   return jax.grad(lambda lp: policy_loss(spec, lp, zeros, mask_bt, advantages_b,
                                          normalizer=normalizer)[0])(zeros)

@@ -215,13 +215,15 @@ class PackedRows:
                             self.cmask_nt & mine[:, None], self.old_logp_nt,
                             jnp.where(mine, self.advantages_n, 0.0), self.chunk_scale)
 
-  def accumulate(self, fn, constrain=lambda x: x):
-    """The sum of `fn(microbatch)` (a pytree of arrays) over the microbatches in use."""
+  def accumulate(self, fn, constrain=lambda x: x, combine=None):
+    """`fn(microbatch)` (a pytree of arrays) over the microbatches in use, summed (or by
+    `combine(total, out)`)."""
+    combine = combine or (lambda total, out: jax.tree.map(jnp.add, total, out))
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                          jax.eval_shape(fn, self.microbatch(0)))
 
     def body(i, total):
-      return jax.tree.map(jnp.add, total, fn(constrain(self.microbatch(i))))
+      return combine(total, fn(constrain(self.microbatch(i))))
 
     return jax.lax.fori_loop(0, self.count_d[0], body, zeros)
 

@@ -41,13 +41,22 @@ def microbatches(config, *, per: str) -> int:
   return max(units // size, 1) if size else 1
 
 
+def combine(total, out):
+  """Two microbatches' (losses, gradients, metrics) as one: sums, but the maximum for a metric
+  named '..._max'."""
+  def pair(path, a, b):
+    key = getattr(path[-1], "key", "") if path else ""
+    return jnp.maximum(a, b) if isinstance(key, str) and key.endswith("_max") else a + b
+  return jax.tree_util.tree_map_with_path(pair, total, out)
+
+
 def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
   """Sums `fn(microbatch)` (a pytree of arrays: losses, gradients, metrics) over `microbatches`
   slices of the rows with a `lax.scan`, so one microbatch's activations live at a time; with 1
   it is `fn(rows)`. Exact for anything that sums over rows (the losses, given a whole-minibatch
   `loss.normalizer`)."""
   if isinstance(rows, packing.PackedRows):
-    return rows.accumulate(fn, lambda mb: constrain(mb, rows_sharding))
+    return rows.accumulate(fn, lambda mb: constrain(mb, rows_sharding), combine)
   if microbatches == 1:
     return fn(rows)
   split = rows.microbatches(microbatches, k)
@@ -55,8 +64,7 @@ def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
   zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, first))
 
   def body(total, mb):
-    out = fn(constrain(mb, rows_sharding))
-    return jax.tree.map(jnp.add, total, out), None
+    return combine(total, fn(constrain(mb, rows_sharding))), None
 
   return jax.lax.scan(body, zeros, split)[0]
 
@@ -64,7 +72,8 @@ def accumulate(fn, rows, *, microbatches: int, k: int, rows_sharding=None):
 def fuses_head(spec: loss.LossSpec, fused_head: bool) -> bool:
   """Whether `gradients` computes the head's gradient in the log-prob pass: asked for
   (config.train.fused_head_grad) and a loss linear in the log-probs."""
-  return bool(fused_head) and spec.type in loss.LINEAR_LOSS_TYPES
+  return (bool(fused_head) and spec.type in loss.LINEAR_LOSS_TYPES
+          and spec.is_correction == "none")
 
 
 def gradients(params, rows, frozen=None, *, fns, spec: loss.LossSpec, k: int, chunk_size: int,

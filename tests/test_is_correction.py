@@ -1,0 +1,131 @@
+"""The sampler-trainer gap (`loss.is_weights`, `loss.mismatch_metrics`, config.loss.is_correction):
+weights exactly 1 where the sampler is the trainer, the truncated and masked variants within their
+bounds, and on the enumerable toy policy a batch drawn from another policy corrected by its full
+sequence ratio has the exact on-policy gradient."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rloo_jax import advantage, experiment, loss, models, rollout, update
+from rloo_jax.algorithms.rloo import RLOO, rollout_rows
+from rloo_jax.toy import ToyPolicy
+from test_trim import first_batch, tiny_config
+
+pytestmark = pytest.mark.numerics
+CORRECTIONS = [c for c in loss.IS_CORRECTIONS if c != "none"]
+
+
+def _batch(seed=0, gap=0.0):
+  rng = np.random.default_rng(seed)
+  logp = -rng.random((6, 9)).astype(np.float32) * 3
+  mask = np.arange(9)[None, :] < rng.integers(1, 10, 6)[:, None]
+  old = logp + gap * rng.standard_normal(logp.shape).astype(np.float32)
+  adv = rng.standard_normal(6).astype(np.float32)
+  return jnp.asarray(logp), jnp.asarray(old), jnp.asarray(mask), jnp.asarray(adv)
+
+
+@pytest.mark.parametrize("correction", CORRECTIONS)
+def test_with_the_sampler_as_the_trainer_every_weight_is_exactly_one(correction):
+  logp, _, mask, adv = _batch()
+  w, cut = loss.is_weights(logp, logp, mask, correction)
+  np.testing.assert_array_equal(np.asarray(w), np.asarray(mask, np.float32))
+  assert not np.asarray(cut).any()
+  spec = loss.LossSpec("reinforce", is_correction=correction)
+  plain = loss.LossSpec("reinforce")
+  value, metrics = loss.policy_loss(spec, logp, logp, mask, adv)
+  assert float(value) == float(loss.policy_loss(plain, logp, logp, mask, adv)[0])
+  for name in ("logp_abs_diff", "logp_abs_diff_max", "kl_sampler_trainer", "corrected_tokens",
+               "corrected_sequences"):
+    assert float(metrics[f"mismatch/{name}"]) == 0.0, name
+
+
+def test_truncated_and_masked_weights_stay_within_their_bounds():
+  logp, old, mask, _ = _batch(gap=1.5)
+  rho = np.exp(np.asarray(logp) - np.asarray(old))
+  m = np.asarray(mask)
+  cap, low = 2.0, 0.5
+  w, cut = (np.asarray(x) for x in loss.is_weights(logp, old, mask, "tis", cap, low))
+  np.testing.assert_allclose(w[m], np.minimum(rho, cap)[m], rtol=1e-6)
+  np.testing.assert_array_equal(cut[m], (rho > cap)[m])
+  w, cut = (np.asarray(x) for x in loss.is_weights(logp, old, mask, "icepop", cap, low))
+  inside = (rho >= low) & (rho <= cap)
+  np.testing.assert_allclose(w[m], np.where(inside, rho, 0.0)[m], rtol=1e-6)
+  assert 0 < cut[m].sum() < m.sum()
+  seq = np.exp(np.where(m, np.asarray(logp) - np.asarray(old), 0.0).sum(-1))
+  w, _ = (np.asarray(x) for x in loss.is_weights(logp, old, mask, "seq_tis", cap, low))
+  np.testing.assert_allclose(w.max(-1), np.minimum(seq, cap), rtol=1e-5)
+  w, cut = (np.asarray(x) for x in loss.is_weights(logp, old, mask, "seq_mask", cap, low))
+  np.testing.assert_allclose(w.max(-1), np.where(seq > cap, 0.0, seq), rtol=1e-5)
+  assert (w <= cap).all() and (w[~m] == 0).all()
+  diff = np.where(m, np.asarray(old) - np.asarray(logp), 0.0)
+  metrics = loss.policy_loss(loss.LossSpec("reinforce", is_correction="seq_mask"), logp, old,
+                             mask, _batch()[3])[1]
+  np.testing.assert_allclose(metrics["mismatch/logp_abs_diff_max"], np.abs(diff).max(), rtol=1e-6)
+  np.testing.assert_allclose(metrics["mismatch/kl_sampler_trainer"], diff.sum() / 6, rtol=1e-5)
+  np.testing.assert_allclose(metrics["mismatch/corrected_sequences"],
+                             (cut.any(-1)).mean(), rtol=1e-6)
+
+
+def _token_logp(policy, theta, seqs_nl):
+  logits = theta[jnp.arange(policy.length), policy._prev(seqs_nl)]  # pylint: disable=protected-access
+  return jnp.take_along_axis(jax.nn.log_softmax(logits), seqs_nl[..., None], -1)[..., 0]
+
+
+def test_full_sequence_importance_sampling_gives_the_exact_on_policy_gradient():
+  """Every group of k = 2 sequences drawn by a sampler policy that differs from the trainer's,
+  weighted by its probability: the expected RLOO loss gradient with the sequence ratio
+  uncapped is minus the exact policy gradient; without the correction it is not."""
+  policy = ToyPolicy(vocab=3, length=3, seed=1)
+  sampler_theta = policy.theta + 0.4 * jax.random.normal(jax.random.PRNGKey(7),
+                                                         policy.theta.shape)
+  seqs = policy.sequences
+  pairs = jnp.asarray(list(itertools.product(range(len(seqs)), repeat=2)))
+  groups = seqs[pairs]  # [G, 2, L]
+  p_group = jnp.exp(policy.logp(sampler_theta, groups).sum(-1))
+  adv, _ = advantage.call("rloo", policy.reward(groups))
+  old = _token_logp(policy, sampler_theta, groups)
+  mask = jnp.ones(groups.shape, bool)
+
+  def expected_loss(theta, spec):
+    per_group = jax.vmap(lambda g, o, a: loss.policy_loss(
+        spec, _token_logp(policy, theta, g), o, mask[0], a)[0])(groups, old, adv)
+    return jnp.sum(p_group * per_group)
+
+  exact = np.asarray(policy.exact_gradient())
+  full = loss.LossSpec("reinforce", is_correction="seq_tis", is_cap=1e30)
+  got = np.asarray(jax.grad(expected_loss)(policy.theta, full))
+  np.testing.assert_allclose(-got, exact, atol=1e-5 * np.abs(exact).max())
+  biased = np.asarray(jax.grad(expected_loss)(policy.theta, loss.LossSpec("reinforce")))
+  assert np.abs(-biased - exact).max() > 0.05 * np.abs(exact).max()
+
+
+def test_a_corrected_update_runs_unfused_and_reports_the_gap(tmp_path):
+  """On the tiny model the sampler's float32 log-probs are the trainer's up to rounding: 'tis'
+  gives the uncorrected gradient, and the mismatch metrics measure a gap of rounding size."""
+  config = tiny_config()
+  algo = RLOO(experiment.build(config, str(tmp_path)))
+  state = algo.init_state(models.create(algo.exp.model_config)[1])
+  batch = first_batch(algo.exp)
+  out, _ = rollout.sample_batch(algo.exp, state.policy_params, batch, jax.random.PRNGKey(0),
+                                k=algo.k)
+  rows = rollout_rows(algo, batch, out)
+  rows = rows.replace(advantages_n=jnp.asarray(
+      np.random.default_rng(4).standard_normal(rows.advantages_n.shape), jnp.float32))
+  run = lambda spec: update.gradients(state.params, rows, fns=algo.exp.fns, spec=spec,  # noqa
+                                      k=algo.k, chunk_size=5)
+  tis = loss.LossSpec("reinforce", is_correction="tis")
+  assert not update.fuses_head(tis, True)
+  (g0, v0, m0), (g1, v1, m1) = run(algo.exp.loss_spec), run(tis)
+  np.testing.assert_allclose(v1, v0, rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5 * float(jnp.abs(b).max()))
+  assert 0.0 <= float(m1["mismatch/logp_abs_diff"]) < 1e-5
+  assert float(m1["mismatch/logp_abs_diff_max"]) >= float(m1["mismatch/logp_abs_diff"])
+  with pytest.raises(ValueError, match=r"config.loss.is_correction applies to "
+                                       r"loss.type='reinforce'"):
+    config.loss.update(type="ppo_clip", is_correction="tis")
+    experiment.validate_config(config)
