@@ -119,7 +119,7 @@ def test_a_corrected_update_runs_unfused_and_reports_the_gap(tmp_path):
                                       k=algo.k, chunk_size=5)
   tis = loss.LossSpec("reinforce", is_correction="tis")
   assert not update.fuses_head(tis, True)
-  (g0, v0, m0), (g1, v1, m1) = run(algo.exp.loss_spec), run(tis)
+  (g0, v0, _), (g1, v1, m1) = run(algo.exp.loss_spec), run(tis)
   np.testing.assert_allclose(v1, v0, rtol=1e-4)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5 * float(jnp.abs(b).max()))
