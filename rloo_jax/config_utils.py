@@ -147,7 +147,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))
   c.loss = ml_collections.ConfigDict(dict(
-      type="reinforce",  # reinforce (the paper's default) | ppo_clip
+      type="reinforce",  # reinforce (the paper's default) | ppo_clip | gspo | cispo
       clip_eps=0.2, clip_eps_high=0.0,  # 0 = same as clip_eps
       ratio_level="sequence", aggregation="sequence_sum",
       # The sampler-trainer gap's correction (loss.is_weights): none | tis | seq_tis | seq_mask

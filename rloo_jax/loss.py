@@ -35,7 +35,7 @@ Array = jax.Array
 
 AGGREGATIONS = ("sequence_sum", "sequence_mean", "token_mean", "fixed_length")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_TYPES = ("reinforce", "ppo_clip")
+LOSS_TYPES = ("reinforce", "ppo_clip", "gspo", "cispo")
 # The loss types linear in the log-probs: d loss / d logp does not depend on logp, so the head's
 # gradient can be computed in the log-prob pass (`linear_coefficients`, `rloo_jax.head_loss`).
 LINEAR_LOSS_TYPES = ("reinforce",)
@@ -336,6 +336,55 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
   return loss, metrics
 
 
+def gspo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
+              clip_eps: float, clip_eps_high: Optional[float] = None,
+              entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None):
+  """GSPO (Zheng et al., 2025): PPO's clipped surrogate on the length-normalised sequence ratio
+  s = (pi(y) / pi_old(y)) ** (1 / |y|), -mean_b min(s A, clip(s, 1 - eps, 1 + eps_high) A); the
+  gradient flows through s. Its clip range is small (the paper's eps: 3e-4 / 4e-4).
+  Returns (loss, metrics) as `ppo_clip_loss`."""
+  norm = _counts(mask_bt, mask_bt.shape[-1]) if normalizer is None else normalizer
+  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+  adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
+  log_ratio_bt = jnp.where(mask_bt, logp_bt.astype(jnp.float32) - old_logp_bt.astype(jnp.float32),
+                           0.0)
+  length_b = jnp.maximum(jnp.sum(mask_bt, -1), 1).astype(jnp.float32)
+  s_b = jnp.exp(jnp.clip(log_ratio_bt.sum(-1) / length_b, -20.0, 20.0))
+  unclipped, clipped = s_b * adv, jnp.clip(s_b, 1.0 - clip_eps, 1.0 + eps_high) * adv
+  loss = -jnp.sum(jnp.minimum(unclipped, clipped)) / norm.sequences
+  metrics = {"policy_loss": loss,
+             "clip_fraction": jnp.sum((clipped < unclipped).astype(jnp.float32)) / norm.sequences,
+             "approx_kl": masked_sum(jnp.exp(log_ratio_bt) - 1.0 - log_ratio_bt, mask_bt)
+                          / norm.tokens}
+  metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
+  return loss, metrics
+
+
+def cispo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
+               clip_eps: float, clip_eps_high: Optional[float] = None,
+               aggregation: str = "token_mean", max_len: Optional[int] = None,
+               entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None):
+  """CISPO (MiniMax-M1, 2025): REINFORCE with each token's importance weight clipped and held
+  constant, -sg(clip(r_t, 1 - eps, 1 + eps_high)) A log pi(y_t), reduced with `aggregation`: no
+  token loses its gradient, as PPO's clip drops it. Returns (loss, metrics), clip_fraction the
+  fraction of tokens whose weight was clipped."""
+  norm = _counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
+  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+  adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
+  logp = logp_bt.astype(jnp.float32)
+  log_ratio_bt = jnp.where(mask_bt, jax.lax.stop_gradient(logp) - old_logp_bt.astype(jnp.float32),
+                           0.0)
+  ratio = jnp.exp(log_ratio_bt)
+  weight = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+  loss = aggregate(-weight * adv[:, None] * logp, mask_bt, aggregation, normalizer=norm)
+  metrics = {"policy_loss": loss,
+             "clip_fraction": masked_sum((weight != ratio).astype(jnp.float32), mask_bt)
+                              / norm.tokens,
+             "approx_kl": masked_sum(ratio - 1.0 - log_ratio_bt, mask_bt) / norm.tokens}
+  metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
+  return loss, metrics
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
   """The static (hashable) part of the policy loss, resolved from config.loss once.
@@ -416,6 +465,15 @@ def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Arr
         logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
         clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
         aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt, normalizer=norm)
+  elif spec.type == "gspo":
+    value, metrics = gspo_loss(logp_bt, old_logp_bt, mask_bt, advantages_b,
+                               clip_eps=spec.clip_eps, clip_eps_high=spec.clip_eps_high,
+                               entropy_bt=entropy_bt, normalizer=norm)
+  elif spec.type == "cispo":
+    value, metrics = cispo_loss(logp_bt, old_logp_bt, mask_bt, advantages_b,
+                                clip_eps=spec.clip_eps, clip_eps_high=spec.clip_eps_high,
+                                aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt,
+                                normalizer=norm)
   else:
     raise ValueError(f"unknown config.loss.type {spec.type!r}; choose one of {LOSS_TYPES}")
   return value, {**metrics, **mismatch}

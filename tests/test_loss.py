@@ -248,7 +248,10 @@ SPECS = ([loss.LossSpec("reinforce", aggregation=a) for a in loss.AGGREGATIONS]
          + [loss.LossSpec("reinforce", aggregation="fixed_length", max_len=9)]
          + [loss.LossSpec("ppo_clip", ratio_level="sequence")]
          + [loss.LossSpec("ppo_clip", ratio_level="token", aggregation=a)
-            for a in loss.AGGREGATIONS])
+            for a in loss.AGGREGATIONS]
+         + [loss.LossSpec("gspo", clip_eps=0.05)]
+         + [loss.LossSpec("cispo", clip_eps=0.1, clip_eps_high=0.2, aggregation=a)
+            for a in ("token_mean", "sequence_sum")])
 
 
 @pytest.mark.parametrize("num_micro", [2, 4])

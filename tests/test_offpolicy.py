@@ -1,7 +1,8 @@
-"""The sampler-trainer gap (`loss.is_weights`, `loss.mismatch_metrics`, config.loss.is_correction):
-weights exactly 1 where the sampler is the trainer, the truncated and masked variants within their
-bounds, and on the enumerable toy policy a batch drawn from another policy corrected by its full
-sequence ratio has the exact on-policy gradient."""
+"""Off-policy corrections and the 2025-26 losses. The sampler-trainer gap (`loss.is_weights`,
+`loss.mismatch_metrics`, config.loss.is_correction): weights exactly 1 where the sampler is the
+trainer, the truncated and masked variants within their bounds, and on the enumerable toy policy a
+batch drawn from another policy corrected by its full sequence ratio has the exact on-policy
+gradient. GSPO and CISPO against values and gradients computed by hand."""
 
 import itertools
 
@@ -129,3 +130,41 @@ def test_a_corrected_update_runs_unfused_and_reports_the_gap(tmp_path):
                                        r"loss.type='reinforce'"):
     config.loss.update(type="ppo_clip", is_correction="tis")
     experiment.validate_config(config)
+
+
+def test_gspo_clips_the_length_normalised_sequence_ratio():
+  logp, old, mask, adv = _batch(seed=2, gap=0.3)
+  eps = 0.05
+  value, metrics = loss.policy_loss(loss.LossSpec("gspo", clip_eps=eps), logp, old, mask, adv)
+  m, a = np.asarray(mask), np.asarray(adv, np.float64)
+  d = np.where(m, np.asarray(logp, np.float64) - np.asarray(old, np.float64), 0.0)
+  s = np.exp(d.sum(-1) / m.sum(-1))
+  terms = np.minimum(s * a, np.clip(s, 1 - eps, 1 + eps) * a)
+  np.testing.assert_allclose(value, -terms.mean(), rtol=1e-5)
+  clipped = np.clip(s, 1 - eps, 1 + eps) * a < s * a
+  np.testing.assert_allclose(metrics["clip_fraction"], clipped.mean(), rtol=1e-6)
+  assert 0 < clipped.sum() < len(s)
+  # d loss / d logp_t = -A s / |y| / B where the sequence is not clipped, 0 where it is.
+  grad = np.asarray(jax.grad(lambda lp: loss.policy_loss(
+      loss.LossSpec("gspo", clip_eps=eps), lp, old, mask, adv)[0])(logp))
+  want = np.where(m & ~clipped[:, None], (-a * s / m.sum(-1))[:, None] / len(s), 0.0)
+  np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-7)
+
+
+def test_cispo_holds_its_clipped_weight_constant_and_keeps_every_tokens_gradient():
+  logp, old, mask, adv = _batch(seed=3, gap=0.3)
+  lo, hi = 0.1, 0.2
+  spec = loss.LossSpec("cispo", clip_eps=lo, clip_eps_high=hi, aggregation="token_mean")
+  value, metrics = loss.policy_loss(spec, logp, old, mask, adv)
+  m, a = np.asarray(mask), np.asarray(adv, np.float64)
+  r = np.exp(np.asarray(logp, np.float64) - np.asarray(old, np.float64))
+  w = np.clip(r, 1 - lo, 1 + hi)
+  np.testing.assert_allclose(value, np.sum(np.where(m, -w * a[:, None] * np.asarray(logp), 0))
+                             / m.sum(), rtol=1e-5)
+  np.testing.assert_allclose(metrics["clip_fraction"], ((w != r) & m).sum() / m.sum(),
+                             rtol=1e-6)
+  assert 0 < ((w != r) & m).sum() < m.sum()
+  grad = np.asarray(jax.grad(lambda lp: loss.policy_loss(spec, lp, old, mask, adv)[0])(logp))
+  np.testing.assert_allclose(grad, np.where(m, -w * a[:, None] / m.sum(), 0.0), rtol=1e-4,
+                             atol=1e-8)
+  assert (np.abs(grad[m]) > 0).all()  # clipped tokens too
