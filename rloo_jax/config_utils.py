@@ -194,6 +194,9 @@ def base_config() -> ml_collections.ConfigDict:
       # (~/.cache/rloo_jax/xla), a path, or '' (off); env JAX_COMPILATION_CACHE_DIR wins.
       compilation_cache_dir="auto",
       log_every=1, eval_every=25, eval_prompts=256, eval_batch_size=128,
+      # Evaluation's pass@k and maj@n from n sampled completions a prompt (0: off); a sample is
+      # correct when the first evaluation reward scores it at least eval_correct_at.
+      eval_samples=0, eval_correct_at=1.0,
       checkpoint_every=25, keep_checkpoints=3, progress_bar=True,
       # Guards (docs/RELIABILITY.md): this many update steps in a row with a non-finite loss or
       # gradient (each skipped, the state unchanged) stop the run; so do this many iterations

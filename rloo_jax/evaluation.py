@@ -11,6 +11,11 @@ reward function on its own, ties counted half, prompts either cannot score left 
 a `sampled_` prefix for sampled completions drawn with common random numbers). The reference's
 scores are computed once per reference (keyed on its content), so the reference evaluated
 against itself scores exactly 0.5.
+
+With config.train.eval_samples = n > 1 it also draws n samples a prompt and reports pass@k and
+maj@n with bootstrap intervals (`rloo_jax.passk`): a sample is correct when the first evaluation
+reward scores it at least config.train.eval_correct_at; its answer, for the vote, is the last
+number in its text (else the text).
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import rollout, sampling
-from rloo_jax.data import pipeline
+from rloo_jax import passk, rollout, sampling
+from rloo_jax.data import gsm8k_answer, pipeline
 from rloo_jax.rewards.preferences import win_rate_stats
 
 
@@ -136,7 +141,22 @@ class Evaluator:
                         f"{prefix}ties_vs_ref": stats["ties"],
                         f"{prefix}losses_vs_ref": stats["losses"],
                         f"{prefix}n_vs_ref": stats["n"]})
+    n = int(self.exp.config.train.get("eval_samples", 0) or 0)
+    if n > 1:
+      results.update(self.pass_at_k(params, n))
     return results
+
+  def pass_at_k(self, params, n: int) -> dict:
+    """pass@k (k = 1, 2, 4, ..., n) and maj@n of n sampled completions a prompt."""
+    texts, _, _, per_fn = self.completions(params, self.exp.method, k=n)
+    at = float(self.exp.config.train.get("eval_correct_at", 1.0))
+    correct = (np.nan_to_num(per_fn[self.rewards.first], nan=-np.inf) >= at).reshape(-1, n)
+    if len(texts) != correct.size:
+      raise ValueError("config.train.eval_samples: maj@n reads every sample's text, which only "
+                       "one process holds; evaluate with one process or set eval_samples=0")
+    number = lambda t: gsm8k_answer.extract_answer(t)  # noqa: E731
+    answers = [str(number(t)) if number(t) is not None else t.strip() for t in texts]
+    return passk.summarize(correct, [answers[i * n:(i + 1) * n] for i in range(len(correct))])
 
 
 def format_summary(summary: dict, *, label: Optional[str] = None) -> str:
@@ -150,6 +170,8 @@ def format_summary(summary: dict, *, label: Optional[str] = None) -> str:
           ("mean completion length (greedy)", "greedy_length")]
   if "win_rate_vs_ref" in a:
     rows.append((f"greedy win rate vs {start} (ties half)", "win_rate_vs_ref"))
+  rows += [(f"{key} (sampled)", key) for key in a if key.split("@")[0] in ("pass", "maj")
+           and not key.endswith(("_lo", "_hi"))]
   width = max(40, max(len(r[0]) for r in rows))
   lines = [f"\nheld-out evaluation on {summary['eval_prompts']} prompts, seed {summary['seed']}, "
            f"{summary['iterations']} {label} iterations",

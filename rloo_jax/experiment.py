@@ -203,7 +203,8 @@ def validate_config(config) -> None:
                   "train.checkpoint_every", "train.keep_checkpoints", "train.eval_batch_size",
                   "train.eval_prompts", "train.max_nonfinite_steps",
                   "train.max_unscorable_iterations", "sft.batch_size")
-  _check_at_least(config, 0, "train.num_iterations", "train.eval_every", "kl.beta",
+  _check_at_least(config, 0, "train.num_iterations", "train.eval_every", "train.eval_samples",
+                  "kl.beta",
                   "sft.steps", "optim.learning_rate", "optim.warmup_steps",
                   "optim.max_grad_norm", "loss.clip_eps")
   need = sequence_length(config)

@@ -32,6 +32,7 @@ RESUMABLE_KEYS = (
     "train.num_iterations", "train.eval_every", "train.log_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.progress_bar", "train.max_nonfinite_steps",
     "train.max_unscorable_iterations", "train.wandb_project", "rewards.timeout_s", "dpo.steps",
+    "train.eval_samples", "train.eval_correct_at",
     "dpo.eval_every",
     "sft.log_every", "sft.checkpoint_every",
     # How the same computation is laid out in memory (gradient accumulation, log-prob chunks,

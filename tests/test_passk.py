@@ -1,0 +1,56 @@
+"""pass@k and maj@n (`rloo_jax.passk`) against closed forms and brute force on known counts, and
+in the evaluation of a run (config.train.eval_samples)."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from rloo_jax import passk
+
+
+@pytest.mark.parametrize("n,c,k", [(5, 2, 2), (5, 0, 3), (5, 5, 1), (8, 3, 4), (10, 1, 1),
+                                   (4, 3, 2)])
+def test_pass_at_k_is_the_chance_a_k_subset_holds_a_correct_sample(n, c, k):
+  closed = 1 - math.comb(n - c, k) / math.comb(n, k)
+  subsets = list(itertools.combinations(range(n), k))
+  brute = sum(any(i < c for i in s) for s in subsets) / len(subsets)
+  assert passk.pass_at_k(n, c, k) == pytest.approx(closed, abs=1e-12)
+  assert passk.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+  assert passk.pass_at_k(n, c, 1) == pytest.approx(c / n)
+  with pytest.raises(ValueError, match="1 <= k <= n"):
+    passk.pass_at_k(n, c, n + 1)
+
+
+def test_majority_vote_takes_the_most_common_answer_ties_first_given():
+  assert passk.majority_correct(["3", "4", "4"], [True, False, False]) is False
+  assert passk.majority_correct(["3", "4", "3"], [True, False, True]) is True
+  assert passk.majority_correct(["4", "3"], [False, True]) is False  # tie: "4" came first
+  assert passk.ks_of(8) == [1, 2, 4, 8] and passk.ks_of(6) == [1, 2, 4, 6]
+
+
+def test_summary_means_over_prompts_with_intervals_around_them():
+  correct = np.array([[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], bool)
+  answers = [["1", "2", "2", "2"], ["5"] * 4, ["7", "8", "9", "7"]]
+  s = passk.summarize(correct, answers)
+  assert s["pass@1"] == pytest.approx((0.25 + 1 + 0) / 3)
+  assert s["pass@2"] == pytest.approx((0.5 + 1 + 0) / 3)
+  assert s["pass@4"] == pytest.approx(2 / 3)
+  assert s["maj@4"] == pytest.approx(1 / 3)
+  for key in ("pass@1", "pass@2", "pass@4", "maj@4"):
+    assert s[f"{key}_lo"] <= s[key] <= s[f"{key}_hi"]
+  assert s["pass@4_lo"] < s["pass@4_hi"]
+
+
+def test_a_run_evaluates_pass_at_k_when_asked(tmp_path):
+  from rloo_jax import algorithms, evaluation  # pylint: disable=import-outside-toplevel
+  from test_trim import tiny_config  # pylint: disable=import-outside-toplevel
+  config = tiny_config()
+  config.train.update(num_iterations=1, eval_samples=4)
+  summary = algorithms.run(config, str(tmp_path))
+  after = summary["after"]
+  for key in ("pass@1", "pass@2", "pass@4", "maj@4"):
+    assert 0.0 <= after[f"{key}_lo"] <= after[key] <= after[f"{key}_hi"] <= 1.0, key
+  assert after["pass@1"] <= after["pass@2"] <= after["pass@4"]
+  assert "pass@4 (sampled)" in evaluation.format_summary(summary)
