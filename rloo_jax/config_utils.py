@@ -159,7 +159,10 @@ def base_config() -> ml_collections.ConfigDict:
       nan_policy="mask",
       # Seconds each reward call may take before the run stops naming it; 0 = no deadline (a
       # function that relies on signals, which only the main thread receives).
-      timeout_s=600.0))
+      timeout_s=600.0,
+      # DAPO's overlong shaping (rewards/overlong.py): 0 below max_new_tokens - buffer, then
+      # down to -penalty at the cap; buffer 0 = off.
+      overlong_buffer=0, overlong_penalty=1.0))
 
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=3e-4, warmup_steps=10, schedule="constant", weight_decay=0.0, b1=0.9,

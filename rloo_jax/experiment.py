@@ -204,9 +204,12 @@ def validate_config(config) -> None:
                   "train.eval_prompts", "train.max_nonfinite_steps",
                   "train.max_unscorable_iterations", "sft.batch_size")
   _check_at_least(config, 0, "train.num_iterations", "train.eval_every", "train.eval_samples",
-                  "kl.beta",
+                  "rewards.overlong_buffer", "kl.beta",
                   "sft.steps", "optim.learning_rate", "optim.warmup_steps",
                   "optim.max_grad_norm", "loss.clip_eps")
+  if config.rewards.get("overlong_buffer", 0) > r.max_new_tokens:
+    raise ValueError(f"config.rewards.overlong_buffer={config.rewards.overlong_buffer} is longer "
+                     f"than the cap it counts back from (rloo.max_new_tokens={r.max_new_tokens})")
   need = sequence_length(config)
   if arch is not None and need > arch.max_seq_len:
     raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "

@@ -20,6 +20,7 @@ import numpy as np
 
 from rloo_jax import advantage, head_loss, loss, sampler, sampler_args
 from rloo_jax.data import pipeline
+from rloo_jax.rewards import overlong
 
 # Fields of a data batch that are not reward-function fields.
 _BATCH_KEYS = ("prompt_tokens", "prompt_lengths", "prompt", "index", "valid")
@@ -305,6 +306,12 @@ def timed_rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int,
                                           on_sampled=sampled)
   rewards_bk, usable_bk, num_nonfinite = advantage.prepare_rewards(
       raw_rewards_bk, nan_policy=exp.config.rewards.nan_policy)
+  r = exp.config.rewards
+  if r.get("overlong_buffer", 0):
+    shaped = r.get("overlong_penalty", 1.0) * overlong.penalty(
+        exp.layout.gather(out.lengths_bk), exp.config.rloo.max_new_tokens, r.overlong_buffer)
+    rewards_bk = np.where(usable_bk, rewards_bk + shaped, rewards_bk).astype(np.float32)
+    parts = dict(parts, overlong=shaped.reshape(-1))
   timings["reward_s"] = time.perf_counter() - t0 - timings["rollout_s"]
   return out, rewards_bk, usable_bk, num_nonfinite, parts, timings, dispatched[0]
 

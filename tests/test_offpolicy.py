@@ -168,3 +168,23 @@ def test_cispo_holds_its_clipped_weight_constant_and_keeps_every_tokens_gradient
   np.testing.assert_allclose(grad, np.where(m, -w * a[:, None] / m.sum(), 0.0), rtol=1e-4,
                              atol=1e-8)
   assert (np.abs(grad[m]) > 0).all()  # clipped tokens too
+
+
+def test_overlong_shaping_ramps_to_minus_one_at_the_cap_and_shapes_a_run(tmp_path):
+  from rloo_jax import algorithms  # pylint: disable=import-outside-toplevel
+  from rloo_jax.rewards import overlong  # pylint: disable=import-outside-toplevel
+  np.testing.assert_allclose(overlong.penalty([1, 12, 13, 14, 16], 16, 4),
+                             [0.0, 0.0, -0.25, -0.5, -1.0])
+  assert not overlong.penalty([16], 16, 0).any()
+  config = tiny_config()
+  config.train.num_iterations = 1
+  config.rewards.overlong_buffer = 4
+  m = algorithms.run(config, str(tmp_path))["last_metrics"]
+  # The untrained policy's completions: some run into the buffer or to the cap.
+  assert -1.0 <= m["reward/overlong"] < 0.0
+  assert m["reward_mean"] == pytest.approx(m["reward/arithmetic_exact_match"]
+                                           + m["reward/overlong"], abs=1e-6)
+  with pytest.raises(ValueError, match=r"config.rewards.overlong_buffer=99 is longer than the "
+                                       r"cap it counts back from"):
+    config.rewards.overlong_buffer = 99
+    experiment.validate_config(config)
