@@ -225,3 +225,46 @@ def test_the_planner_names_packed_microbatches_and_their_budgets(tmp_path):
   assert not tight["fits"]
   assert any(f"--config.train.microbatch_tokens={least} (now {2 * least}" in a
              for a in tight["advice"]), tight["advice"]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_packed_gemma2_rows_with_windows_and_soft_caps_equal_the_grouped_ones(attention,
+                                                                              monkeypatch):
+  """Sliding windows (3, alternate layers) and soft-capped scores through packed rows, split
+  groups among them: log-probs and their gradient equal the grouped 'xla' forward's."""
+  from rloo_jax import rollout  # pylint: disable=import-outside-toplevel
+  from rloo_jax.models import (TransformerConfig, attention_blockwise,  # noqa  pylint: disable=import-outside-toplevel
+                               create, model_fns)
+  monkeypatch.setattr(attention_blockwise, "BLOCK", 4)
+  config = TransformerConfig.gemma2(
+      vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+      intermediate_size=48, max_seq_len=64, sliding_window=3, attn_softcap=1.5,
+      final_softcap=2.0, query_pre_attn_scalar=12.0)
+  _, params = create(config)
+  rng = np.random.default_rng(5)
+  b, k, p, t = 3, 2, 6, 7
+  lengths_b = np.array([6, 3, 4])
+  len_n = np.array([7, 2, 5, 1, 3, 6])
+  cmask = np.arange(t)[None, :] < len_n[:, None]
+  rows = rollout.make_rows(
+      jnp.asarray(rng.integers(3, 61, (b, p))), jnp.asarray(lengths_b),
+      jnp.asarray(np.where(cmask, rng.integers(3, 61, (b * k, t)), 0)), jnp.asarray(cmask),
+      jnp.zeros((b * k, t)), k=k, shared_prefix=True)
+  budget = 12  # holds every completion with its prompt, not every group: some split
+  packer = packing.Packer(k=k, budget=budget, rows_per_microbatch=1, max_microbatches=b * k)
+  pl = packer.plan(rows)
+  assert pl.pieces > b
+  packed = packer(rows, pl)
+
+  def total(fns, r):
+    def f(prm):
+      lp = update.reference_logprobs(prm, r, fns=fns, k=k, chunk_size=4)
+      return jnp.sum(lp), lp
+    return jax.value_and_grad(f, has_aux=True)(params)
+
+  (_, want), g_want = total(model_fns(create(config)[0]), rows)
+  (_, got), g_got = total(model_fns(create(config.replace(attention=attention))[0]), packed)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for a, b_ in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5 * float(jnp.abs(b_).max()))
