@@ -19,15 +19,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from rloo_jax import adapters, advantage, loss, packing, rollout, sampler_args, sampling, tasks
+from rloo_jax import (adapters, advantage, config_utils, loss, offpolicy, packing, rollout,
+                      sampler_args, sampling, tasks)
 from rloo_jax import sharding as sharding_lib
-from rloo_jax import config_utils
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import chat, pipeline
 from rloo_jax.models import config as model_config_lib
 from rloo_jax.models import hf, lora, presets, transformer
 from rloo_jax.optim import make_optimizer
-from rloo_jax.rewards import RewardReturnError, RewardSet, RewardTimeoutError
+from rloo_jax.rewards import RewardReturnError, RewardSet, RewardTimeoutError, overlong
 from rloo_jax.adapters import reference_copy  # noqa: F401  (experiment.reference_copy: PPO's)
 
 
@@ -129,19 +129,7 @@ def _batch_checks(config) -> None:
   _check_at_least(config, 0, "train.microbatch_size", "train.microbatch_tokens",
                   "rloo.trim_bucket", "rloo.rollout_chunk_prompts")
   _check_at_least(config, 1, "train.logprob_chunk_size")
-  budget = t.get("microbatch_tokens", 0)
-  if budget:
-    need = packing.min_tokens(config.data.max_prompt_len, r.max_new_tokens)
-    if not t.shared_prefix:
-      raise ValueError("config.train.microbatch_tokens packs whole groups: set "
-                       "config.train.shared_prefix=True, or microbatch_tokens=0")
-    if t.get("microbatch_size", 0):
-      raise ValueError("config.train.microbatch_tokens and config.train.microbatch_size both cut "
-                       "the update: set one of them to 0")
-    if budget < need:
-      raise ValueError(f"config.train.microbatch_tokens={budget} cannot hold a completion at "
-                       f"full length with its prompt: set it to at least {need} "
-                       "(data.max_prompt_len - 1 + rloo.max_new_tokens), or 0 (off)")
+  packing.check_config(config)
   if t.shared_prefix:
     units, what = r.num_prompts // t.num_minibatches, (
         "the minibatch's groups (config.rloo.num_prompts / config.train.num_minibatches, "
@@ -170,17 +158,7 @@ def validate_config(config) -> None:
   _check_choice("config.loss.type", config.loss.type, loss.LOSS_TYPES)
   _check_choice("config.loss.aggregation", config.loss.aggregation, loss.AGGREGATIONS)
   _check_choice("config.loss.ratio_level", config.loss.ratio_level, loss.RATIO_LEVELS)
-  _check_choice("config.loss.is_correction", config.loss.get("is_correction", "none"),
-                loss.IS_CORRECTIONS)
-  if config.loss.get("is_correction", "none") != "none":
-    cap, low = float(config.loss.get("is_cap", 2.0)), float(config.loss.get("is_low", 0.5))
-    if config.loss.type != "reinforce":
-      raise ValueError(f"config.loss.is_correction applies to loss.type='reinforce'; "
-                       f"{config.loss.type!r} already divides by the sampler's probabilities "
-                       "in its ratio: set is_correction='none'")
-    if not 0.0 <= low < 1.0 < cap:
-      raise ValueError(f"config.loss.is_cap={cap} and is_low={low}: the band must hold 1 "
-                       "(0 <= is_low < 1 < is_cap)")
+  offpolicy.check_config(config)
   _check_choice("config.kl.estimator", config.kl.estimator, loss.KL_ESTIMATORS)
   _check_choice("config.kl.reduction", config.kl.reduction, ("sum", "mean"))
   _check_choice("config.rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask"))
@@ -207,9 +185,7 @@ def validate_config(config) -> None:
                   "rewards.overlong_buffer", "kl.beta",
                   "sft.steps", "optim.learning_rate", "optim.warmup_steps",
                   "optim.max_grad_norm", "loss.clip_eps")
-  if config.rewards.get("overlong_buffer", 0) > r.max_new_tokens:
-    raise ValueError(f"config.rewards.overlong_buffer={config.rewards.overlong_buffer} is longer "
-                     f"than the cap it counts back from (rloo.max_new_tokens={r.max_new_tokens})")
+  overlong.check_config(config)
   need = sequence_length(config)
   if arch is not None and need > arch.max_seq_len:
     raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "

@@ -116,3 +116,23 @@ def linear_logprob_loss(logits_fn: Callable[..., Array], params, hidden_bte: Arr
   logp_bt = jax.lax.stop_gradient(unchunk(logp_nbc))
   ent_bt = None if ent_nbc is None else jax.lax.stop_gradient(unchunk(ent_nbc))
   return value, logp_bt, ent_bt
+
+
+class DenseHead:
+  """The log-prob methods of rows whose hidden states come out [N, T, E], one per completion
+  token (`packing.PackedMicrobatch` has the same two for packed rows)."""
+
+  def logprobs(self, fns, params, *, chunk_size: int, with_entropy: bool = False):
+    """(log-probs [N, T], entropies [N, T] or None) of the completions, float32, from the final
+    hidden states in chunks of `chunk_size` positions (`loss.chunked_logprobs`): no [N, T, V]
+    logits exist, forward or backward."""
+    return loss.chunked_logprobs(fns.head, fns.head_params(params), self.hidden(fns, params),
+                                 self.completions_nt, self.cmask_nt, chunk_size=chunk_size,
+                                 with_entropy=with_entropy)
+
+  def linear_loss(self, fns, params, coef_nt, *, chunk_size: int):
+    """(sum of coef_nt * log-probs, log-probs [N, T], entropies [N, T]): the head's gradient
+    taken in the log-prob pass (`linear_logprob_loss`)."""
+    return linear_logprob_loss(fns.head, fns.head_params(params), self.hidden(fns, params),
+                               self.completions_nt, coef_nt, chunk_size=chunk_size,
+                               with_entropy=True)

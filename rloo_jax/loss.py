@@ -3,45 +3,33 @@
 Everything is computed in float32 whatever the dtype of the logits. Per-token arrays are
 [batch, time] (`_bt`) with a boolean completion mask; per-sequence arrays are [batch] (`_b`).
 
-Loss aggregation (`aggregation=`) differs between peers, so it is named explicitly. Given per-token
-loss terms l[b, t] and the completion mask m[b, t]:
-
-- 'sequence_sum'  (default, the "Back to Basics" form): mean_b sum_t l*m. The whole completion is
-  one action: its log-probability is the sum of its token log-probs, so long and short
-  completions are weighted by their full log-likelihood, as REINFORCE prescribes.
-- 'sequence_mean' (original GRPO): mean_b (sum_t l*m / sum_t m). Each sequence counts equally and
-  its tokens are averaged, which biases towards short completions for positive advantages.
-- 'token_mean'    (DAPO, TRL's default for GRPO): sum_bt l*m / sum_bt m. Every token counts
-  equally across the batch; the normaliser depends on the batch's lengths.
-- 'fixed_length'  (Dr. GRPO): sum_bt l*m / (B * max_len) with `max_len` fixed by config, so the
-  normaliser is constant and the gradient is unbiased for any length mix.
-
-Gradient accumulation: every reduction divides by a count of the batch it sees, so a microbatch's
-loss is not a share of its minibatch's. `normalizer(spec, minibatch_mask)` computes those counts
-once over the whole minibatch; passing it as `normalizer=` to each microbatch's loss makes the
-loss and every metric that microbatch's contribution, so their sums over microbatches (and the
-sums of the gradients) are exactly the minibatch's, up to float rounding.
+Loss aggregation and its microbatch normaliser: `rloo_jax.reductions`. Off-policy weights, the
+sampler-trainer gap's metrics and the GSPO / CISPO losses: `rloo_jax.offpolicy`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
+from rloo_jax import offpolicy
+# Re-exported: callers name them loss.X.
+from rloo_jax.offpolicy import IS_CORRECTIONS, is_weights, mismatch_metrics  # noqa: F401
+from rloo_jax.reductions import (AGGREGATIONS, Normalizer, aggregate,  # noqa: F401
+                                 entropy_metric, masked_mean, masked_sum)
+from rloo_jax.reductions import counts as _counts
+
 Array = jax.Array
 
-AGGREGATIONS = ("sequence_sum", "sequence_mean", "token_mean", "fixed_length")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("reinforce", "ppo_clip", "gspo", "cispo")
 # The loss types linear in the log-probs: d loss / d logp does not depend on logp, so the head's
 # gradient can be computed in the log-prob pass (`linear_coefficients`, `rloo_jax.head_loss`).
 LINEAR_LOSS_TYPES = ("reinforce",)
 RATIO_LEVELS = ("sequence", "token")
-# Corrections of the gap between the sampler's log-probs and the trainer's (`is_weights`).
-IS_CORRECTIONS = ("none", "tis", "seq_tis", "seq_mask", "icepop")
 
 
 def token_logprobs(logits_btv: Array, targets_bt: Array, mask_bt: Optional[Array] = None) -> Array:
@@ -122,16 +110,6 @@ def position_chunks(hidden_bte: Array, x_bt: Array, chunk_size: int):
   return h.reshape(b, n, c, e).swapaxes(0, 1), x.reshape(b, n, c).swapaxes(0, 1), unchunk
 
 
-def masked_sum(x: Array, mask: Array, axis=None) -> Array:
-  return jnp.sum(jnp.where(mask, x.astype(jnp.float32), 0.0), axis=axis)
-
-
-def masked_mean(x: Array, mask: Array, axis=None) -> Array:
-  """Mean over True entries; 0 (never NaN) where there are none."""
-  count = jnp.sum(mask, axis=axis).astype(jnp.float32)
-  return masked_sum(x, mask, axis) / jnp.maximum(count, 1.0)
-
-
 def kl_per_token(logp_bt: Array, ref_logp_bt: Array, estimator: str = "k1") -> Array:
   """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3).
 
@@ -175,97 +153,6 @@ def penalized_reward(rewards: Array, logp_bt: Array, ref_logp_bt: Array, mask_bt
   return rewards.astype(jnp.float32) - beta * kl, kl
 
 
-class Normalizer(NamedTuple):
-  """The counts a loss divides by, float32 scalars, from `normalizer` (a pytree, so jit-able)."""
-  sequences: Array  # rows, fully masked ones included (the 'mean over b' of the modes)
-  tokens: Array     # completion tokens, at least 1 (as `masked_mean` clamps)
-  length: Array     # fixed_length's max_len
-
-
-def _counts(mask_bt: Array, length: int) -> Normalizer:
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  return Normalizer(f32(mask_bt.shape[0]), jnp.maximum(f32(jnp.sum(mask_bt)), 1.0), f32(length))
-
-
-def aggregate(loss_bt: Array, mask_bt: Array, aggregation: str = "sequence_sum",
-              max_len: Optional[int] = None, normalizer: Optional[Normalizer] = None) -> Array:
-  """Reduce per-token loss terms to a scalar (see the module docstring for the modes).
-
-  Without `normalizer` the counts are this batch's own (fixed_length's length is `max_len`, else
-  the mask's T). With one (from `normalizer(...)` on the whole minibatch; its length replaces
-  `max_len`) the result is this microbatch's share, and the shares sum to the minibatch's value.
-  """
-  norm = _counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
-  if aggregation == "sequence_sum":
-    return jnp.sum(masked_sum(loss_bt, mask_bt, axis=-1)) / norm.sequences
-  if aggregation == "sequence_mean":
-    return jnp.sum(masked_mean(loss_bt, mask_bt, axis=-1)) / norm.sequences
-  if aggregation == "token_mean":
-    return masked_sum(loss_bt, mask_bt) / norm.tokens
-  if aggregation == "fixed_length":
-    return masked_sum(loss_bt, mask_bt) / (norm.sequences * norm.length)
-  raise ValueError(f"unknown loss aggregation {aggregation!r}; choose one of {AGGREGATIONS} "
-                   f"(config.loss.aggregation)")
-
-
-def _entropy_metric(entropy_bt, mask_bt, norm: Normalizer):
-  if entropy_bt is None:
-    return {}
-  if entropy_bt.shape != mask_bt.shape:
-    raise ValueError(f"entropy_bt shape {tuple(entropy_bt.shape)} does not match mask shape "
-                     f"{tuple(mask_bt.shape)}; pass token_entropy(logits) [B, T], not logits")
-  return {"entropy": masked_sum(entropy_bt, mask_bt) / norm.tokens}
-
-
-def is_weights(logp_bt: Array, sampler_logp_bt: Array, mask_bt: Array, correction: str,
-               cap: float = 2.0, low: float = 0.5):
-  """Importance weights [B, T] (no gradient) correcting for samples drawn by the sampler, whose
-  log-probs (`sampler_logp_bt`, recorded at sampling) differ from the trainer's (`logp_bt`: other
-  numerics, kernels or a staler policy), and whether each unit was truncated or masked:
-
-  - 'none': 1.
-  - 'tis': token-level truncated IS, min(rho_t, cap), rho_t = pi_trainer / pi_sampler.
-  - 'seq_tis': the sequence's ratio prod_t rho_t, truncated at cap, on every token.
-  - 'seq_mask': the sequence's ratio, or 0 for a sequence whose ratio exceeds cap.
-  - 'icepop': rho_t on tokens with low <= rho_t <= cap, 0 on the others.
-  Masked-out positions get weight 0 and count as neither."""
-  f32 = jnp.float32
-  log_rho = jnp.where(mask_bt, jax.lax.stop_gradient(logp_bt.astype(f32))
-                      - sampler_logp_bt.astype(f32), 0.0)
-  if correction == "none":
-    return mask_bt.astype(f32), jnp.zeros(mask_bt.shape, bool)
-  if correction in ("tis", "icepop"):
-    rho = jnp.exp(log_rho)
-    cut = (rho > cap) | ((rho < low) if correction == "icepop" else False)
-    w = jnp.where(cut, cap if correction == "tis" else 0.0, rho)
-    return jnp.where(mask_bt, w, 0.0), cut & mask_bt
-  if correction in ("seq_tis", "seq_mask"):
-    # Clamped in log space: a product over thousands of tokens overflows float32.
-    rho_b = jnp.exp(jnp.minimum(log_rho.sum(-1), 30.0))
-    cut_b = rho_b > cap
-    w_b = jnp.where(cut_b, cap if correction == "seq_tis" else 0.0, rho_b)
-    return jnp.where(mask_bt, w_b[:, None], 0.0), cut_b[:, None] & mask_bt
-  raise ValueError(f"unknown config.loss.is_correction {correction!r}; choose one of "
-                   f"{IS_CORRECTIONS}")
-
-
-def mismatch_metrics(logp_bt: Array, sampler_logp_bt: Array, mask_bt: Array, cut_bt: Array,
-                     norm: Normalizer) -> dict:
-  """The sampler-trainer gap of this batch's tokens (shares over microbatches, as the losses;
-  '_max' metrics combine by maximum): mean and max |log p_sampler - log p_trainer| a token, the
-  sequence-level KL(sampler || trainer) estimate (mean over sequences of sum_t log p_s - log p_t),
-  and the fractions of tokens and sequences a correction truncated or masked."""
-  f32 = jnp.float32
-  diff = jnp.where(mask_bt, sampler_logp_bt.astype(f32)
-                   - jax.lax.stop_gradient(logp_bt.astype(f32)), 0.0)
-  return {"mismatch/logp_abs_diff": jnp.sum(jnp.abs(diff)) / norm.tokens,
-          "mismatch/logp_abs_diff_max": jnp.max(jnp.abs(diff), initial=0.0),
-          "mismatch/kl_sampler_trainer": jnp.sum(diff) / norm.sequences,
-          "mismatch/corrected_tokens": masked_sum(cut_bt.astype(f32), mask_bt) / norm.tokens,
-          "mismatch/corrected_sequences": jnp.sum(jnp.any(cut_bt, -1).astype(f32))
-                                          / norm.sequences}
-
-
 def reinforce_loss(logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
                    aggregation: str = "sequence_sum", max_len: Optional[int] = None,
                    entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None,
@@ -284,7 +171,7 @@ def reinforce_loss(logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
     loss_bt = jax.lax.stop_gradient(weights_bt) * loss_bt
   metrics = {"policy_loss": aggregate(loss_bt, mask_bt, aggregation, normalizer=norm),
              "clip_fraction": jnp.zeros((), jnp.float32)}
-  metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
+  metrics.update(entropy_metric(entropy_bt, mask_bt, norm))
   return metrics["policy_loss"], metrics
 
 
@@ -332,56 +219,7 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
     raise ValueError(f"unknown ratio_level {ratio_level!r}; choose 'sequence' or 'token' "
                      f"(config.loss.ratio_level)")
   metrics = {"policy_loss": loss, "clip_fraction": clip_fraction, "approx_kl": approx_kl}
-  metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
-  return loss, metrics
-
-
-def gspo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
-              clip_eps: float, clip_eps_high: Optional[float] = None,
-              entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None):
-  """GSPO (Zheng et al., 2025): PPO's clipped surrogate on the length-normalised sequence ratio
-  s = (pi(y) / pi_old(y)) ** (1 / |y|), -mean_b min(s A, clip(s, 1 - eps, 1 + eps_high) A); the
-  gradient flows through s. Its clip range is small (the paper's eps: 3e-4 / 4e-4).
-  Returns (loss, metrics) as `ppo_clip_loss`."""
-  norm = _counts(mask_bt, mask_bt.shape[-1]) if normalizer is None else normalizer
-  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-  adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
-  log_ratio_bt = jnp.where(mask_bt, logp_bt.astype(jnp.float32) - old_logp_bt.astype(jnp.float32),
-                           0.0)
-  length_b = jnp.maximum(jnp.sum(mask_bt, -1), 1).astype(jnp.float32)
-  s_b = jnp.exp(jnp.clip(log_ratio_bt.sum(-1) / length_b, -20.0, 20.0))
-  unclipped, clipped = s_b * adv, jnp.clip(s_b, 1.0 - clip_eps, 1.0 + eps_high) * adv
-  loss = -jnp.sum(jnp.minimum(unclipped, clipped)) / norm.sequences
-  metrics = {"policy_loss": loss,
-             "clip_fraction": jnp.sum((clipped < unclipped).astype(jnp.float32)) / norm.sequences,
-             "approx_kl": masked_sum(jnp.exp(log_ratio_bt) - 1.0 - log_ratio_bt, mask_bt)
-                          / norm.tokens}
-  metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
-  return loss, metrics
-
-
-def cispo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
-               clip_eps: float, clip_eps_high: Optional[float] = None,
-               aggregation: str = "token_mean", max_len: Optional[int] = None,
-               entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None):
-  """CISPO (MiniMax-M1, 2025): REINFORCE with each token's importance weight clipped and held
-  constant, -sg(clip(r_t, 1 - eps, 1 + eps_high)) A log pi(y_t), reduced with `aggregation`: no
-  token loses its gradient, as PPO's clip drops it. Returns (loss, metrics), clip_fraction the
-  fraction of tokens whose weight was clipped."""
-  norm = _counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
-  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-  adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
-  logp = logp_bt.astype(jnp.float32)
-  log_ratio_bt = jnp.where(mask_bt, jax.lax.stop_gradient(logp) - old_logp_bt.astype(jnp.float32),
-                           0.0)
-  ratio = jnp.exp(log_ratio_bt)
-  weight = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
-  loss = aggregate(-weight * adv[:, None] * logp, mask_bt, aggregation, normalizer=norm)
-  metrics = {"policy_loss": loss,
-             "clip_fraction": masked_sum((weight != ratio).astype(jnp.float32), mask_bt)
-                              / norm.tokens,
-             "approx_kl": masked_sum(ratio - 1.0 - log_ratio_bt, mask_bt) / norm.tokens}
-  metrics.update(_entropy_metric(entropy_bt, mask_bt, norm))
+  metrics.update(entropy_metric(entropy_bt, mask_bt, norm))
   return loss, metrics
 
 
@@ -466,11 +304,11 @@ def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Arr
         clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
         aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt, normalizer=norm)
   elif spec.type == "gspo":
-    value, metrics = gspo_loss(logp_bt, old_logp_bt, mask_bt, advantages_b,
+    value, metrics = offpolicy.gspo_loss(logp_bt, old_logp_bt, mask_bt, advantages_b,
                                clip_eps=spec.clip_eps, clip_eps_high=spec.clip_eps_high,
                                entropy_bt=entropy_bt, normalizer=norm)
   elif spec.type == "cispo":
-    value, metrics = cispo_loss(logp_bt, old_logp_bt, mask_bt, advantages_b,
+    value, metrics = offpolicy.cispo_loss(logp_bt, old_logp_bt, mask_bt, advantages_b,
                                 clip_eps=spec.clip_eps, clip_eps_high=spec.clip_eps_high,
                                 aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt,
                                 normalizer=norm)

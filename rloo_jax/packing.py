@@ -39,6 +39,25 @@ def min_tokens(max_prompt_len: int, max_new_tokens: int) -> int:
   return max_prompt_len - 1 + max_new_tokens
 
 
+def check_config(config) -> None:
+  """config.train.microbatch_tokens against the rest of the config, before anything compiles."""
+  r, t = config.rloo, config.train
+  budget = t.get("microbatch_tokens", 0)
+  if not budget:
+    return
+  need = min_tokens(config.data.max_prompt_len, r.max_new_tokens)
+  if not t.shared_prefix:
+    raise ValueError("config.train.microbatch_tokens packs whole groups: set "
+                     "config.train.shared_prefix=True, or microbatch_tokens=0")
+  if t.get("microbatch_size", 0):
+    raise ValueError("config.train.microbatch_tokens and config.train.microbatch_size both cut "
+                     "the update: set one of them to 0")
+  if budget < need:
+    raise ValueError(f"config.train.microbatch_tokens={budget} cannot hold a completion at "
+                     f"full length with its prompt: set it to at least {need} "
+                     "(data.max_prompt_len - 1 + rloo.max_new_tokens), or 0 (off)")
+
+
 class Plan(NamedTuple):
   """Where everything goes. A piece is a group's prompt (but its last token) followed by some of
   its completions in one row: a group goes whole into one piece where a row has room, else its

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import advantage, head_loss, loss, sampler, sampler_args
+from rloo_jax import advantage, head_loss, sampler, sampler_args
 from rloo_jax.data import pipeline
 from rloo_jax.rewards import overlong
 
@@ -56,28 +56,8 @@ def completion_logits(fns, params, tokens_ns, positions_ns, mask_ns, t: int):
                      head_slice=(s - t, t))
 
 
-class _DenseHead:
-  """The log-prob methods of rows whose hidden states come out [N, T, E], one per completion
-  token (`packing.PackedMicrobatch` has the same two for packed rows)."""
-
-  def logprobs(self, fns, params, *, chunk_size: int, with_entropy: bool = False):
-    """(log-probs [N, T], entropies [N, T] or None) of the completions, float32, from the final
-    hidden states in chunks of `chunk_size` positions (`loss.chunked_logprobs`): no [N, T, V]
-    logits exist, forward or backward."""
-    return loss.chunked_logprobs(fns.head, fns.head_params(params), self.hidden(fns, params),
-                                 self.completions_nt, self.cmask_nt, chunk_size=chunk_size,
-                                 with_entropy=with_entropy)
-
-  def linear_loss(self, fns, params, coef_nt, *, chunk_size: int):
-    """(sum of coef_nt * log-probs, log-probs [N, T], entropies [N, T]): the head's gradient
-    taken in the log-prob pass (`head_loss.linear_logprob_loss`)."""
-    return head_loss.linear_logprob_loss(fns.head, fns.head_params(params),
-                                         self.hidden(fns, params), self.completions_nt, coef_nt,
-                                         chunk_size=chunk_size, with_entropy=True)
-
-
 @struct.dataclass
-class SequenceRows(_DenseHead):
+class SequenceRows(head_loss.DenseHead):
   """B*k rows of [left-padded prompt | completion]; S = P + T."""
   tokens_ns: jax.Array            # int32 [N, S]
   positions_ns: jax.Array         # int32 [N, S]
@@ -115,7 +95,7 @@ class SequenceRows(_DenseHead):
 
 
 @struct.dataclass
-class GroupedRows(_DenseHead):
+class GroupedRows(head_loss.DenseHead):
   """Each prompt once beside its k completions (`Transformer.grouped`)."""
   prompt_tokens_bp: jax.Array         # int32 [B, P], left-padded
   prompt_positions_bp: jax.Array      # int32 [B, P]

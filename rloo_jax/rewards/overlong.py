@@ -11,6 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def check_config(config) -> None:
+  """The buffer counts back from the cap, so it cannot be longer."""
+  buffer, cap = config.rewards.get("overlong_buffer", 0), config.rloo.max_new_tokens
+  if buffer > cap:
+    raise ValueError(f"config.rewards.overlong_buffer={buffer} is longer than the cap it counts "
+                     f"back from (rloo.max_new_tokens={cap})")
+
+
 def penalty(lengths, max_len: int, buffer: int) -> np.ndarray:
   """float32 shaping term of each completion length (0 where buffer is 0)."""
   lengths = np.asarray(lengths, np.float32)
