@@ -518,9 +518,15 @@ def test_the_unstacked_decode_reads_its_weights_cast_once_to_the_activation_dtyp
   assert fns.decode_weights(params, False) == (params, None)
   tokens, lengths = prompts(lengths=(7, 2, 12), width=12, vocab=48, seed=4)
   cast = _sample_unstacked(fns, params, tokens, lengths, 'shared', True)
-  jax.clear_caches()  # the decode loop traced again, each weight now cast where it is used
-  monkeypatch.setattr(decode_weights, 'cast', lambda config, tree: tree)
+  # The sampler's two programs traced again, each weight now cast where it is used (clearing
+  # every cache, jax.clear_caches, made the rest of the worker's tests compile again).
+  for program in (sampler.start, sampler.decode_loop):
+    for jitted in program._jits.values():  # pylint: disable=protected-access
+      jitted.clear_cache()
+  uncast = []
+  monkeypatch.setattr(decode_weights, 'cast', lambda config, tree: uncast.append(1) or tree)
   at_use = _sample_unstacked(fns, params, tokens, lengths, 'shared', True)
+  assert uncast  # the retrace reached the cast
   np.testing.assert_array_equal(cast.tokens_bkt, at_use.tokens_bkt)
   np.testing.assert_array_equal(cast.policy_logprobs_bkt, at_use.policy_logprobs_bkt)
   assert cast.mask_bkt.sum() > 3 * 3
