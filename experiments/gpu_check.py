@@ -14,8 +14,9 @@ Defaults: Llama-3.2-1B, 64 prompts x k = 4 x (512 + 256), an H200 (4.8 TB/s, 989
 On a CPU only as a smoke run (tiny shapes, figures meaningless):
 
     python experiments/gpu_check.py                                  # on the GPU
-    python experiments/gpu_check.py --preset pythia-160m --num_layers 1 --prompts 2 \
-        --prompt_len 16 --new_tokens 8 --iterations 1 --repeats 1 --microbatch_size 0  # CPU smoke
+    python experiments/gpu_check.py --preset pythia-160m --num_layers 1 --vocab_size 2048 \
+        --prompts 2 --prompt_len 16 --new_tokens 8 --iterations 1 --repeats 1 \
+        --microbatch_size 0  # CPU smoke
 """
 import argparse
 import json
@@ -57,8 +58,7 @@ def median_s(run, repeats, setup=lambda: None) -> float:
 
 def decode_check(args) -> dict:
   m = presets.get(args.preset, dtype=args.dtype, param_dtype=args.param_dtype or args.dtype,
-                  max_seq_len=args.prompt_len + args.new_tokens,
-                  **({"num_layers": args.num_layers} if args.num_layers else {}))
+                  max_seq_len=args.prompt_len + args.new_tokens, **_shrunk(args))
   graphdef, params = transformer.create(m, seed=0)
   fns = transformer.model_fns(graphdef)
   prompts = jnp.asarray(np.random.default_rng(0).integers(3, m.vocab_size, (args.prompts,
@@ -93,20 +93,24 @@ def decode_check(args) -> dict:
   return out
 
 
+def _shrunk(args) -> dict:
+  """The preset's overrides of --num_layers and --vocab_size (smoke runs), those set."""
+  return {k: getattr(args, k) for k in ("num_layers", "vocab_size") if getattr(args, k)}
+
+
 def _bench_job(c, args):
   """`c` set to the flags' model and shape on the bench task (the synthetic reward); the task."""
   c.task = "bench"
   c.model.update(preset=args.preset, dtype=args.dtype, attention=args.attention)
-  if args.num_layers:  # the preset's family and widths at this depth
-    m = presets.get(args.preset, num_layers=args.num_layers)
+  m = presets.get(args.preset, **_shrunk(args))
+  if _shrunk(args):  # the preset's family and widths at this depth (the task sets the vocab)
     c.model.update(preset="", **{k: getattr(m, k) for k in (
         "family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
         "intermediate_size")})
   c.data.max_prompt_len = args.prompt_len
   c.rloo.update(k=args.k, num_prompts=args.prompts, max_new_tokens=args.new_tokens)
   c.rewards.update(fns=[bench_step.synthetic_reward], weights=[1.0])
-  return bench_step.bench_task(presets.get(args.preset).vocab_size, args.prompt_len,
-                               fixed_length=True)
+  return bench_step.bench_task(m.vocab_size, args.prompt_len, fixed_length=True)
 
 
 def update_check(args) -> dict:
@@ -167,6 +171,7 @@ def main():
   p.add_argument("--param_dtype", default="",
                  help="the decode's stored weights ('' = --dtype; float32: a training policy's)")
   p.add_argument("--num_layers", type=int, default=0, help="0: the preset's depth (smoke runs)")
+  p.add_argument("--vocab_size", type=int, default=0, help="0: the preset's (smoke runs)")
   p.add_argument("--attention", default="auto", help="config.model.attention (update, memory)")
   p.add_argument("--decode_layers", default="scanned,unstacked",
                  help="decode layouts timed (config.rloo.decode_layers), each its own entry")

@@ -60,10 +60,13 @@ def run_processes(commands, *, env, timeout: float, cwd=None):
 # The files that take longest (summed test durations, `--durations=60`, two workers), longest
 # first: xdist hands out whole files in collection order (pytest.ini), so starting these first
 # keeps one of them from being the tail that runs alone at the end.
-SLOWEST_FIRST = ("test_experiments_tools.py", "test_sharding.py", "test_paper_configs.py",
-                 "test_reliability.py", "test_plan.py", "test_attention_ops.py",
-                 "test_trainer.py", "test_experiments.py", "test_head_loss.py", "test_trim.py",
-                 "test_notebook.py", "test_lora_train.py", "test_reward_model.py")
+SLOWEST_FIRST = ("test_sampler.py", "test_trainer.py", "test_attention_ops.py", "test_head_loss.py",
+                 "test_trim.py", "test_sharding.py", "test_experiments_tools.py",
+                 "test_experiments.py", "test_plan.py", "test_reliability.py", "test_sampling.py",
+                 "test_models.py", "test_paper_configs.py", "test_notebook.py", "test_winrate.py",
+                 "test_hf_reward_source.py", "test_lora_train.py", "test_loss.py",
+                 "test_export.py", "test_policy.py", "test_sharded_load.py", "test_baselines.py",
+                 "test_reward_model.py", "test_lora_export.py")
 
 
 def pytest_collection_modifyitems(items):

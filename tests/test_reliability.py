@@ -300,26 +300,37 @@ def test_a_hung_reward_stops_at_its_deadline_in_one_line_and_the_checkpoints_sur
   assert line.endswith(f"rerun the same command to resume from checkpoint 2 in {wd}/checkpoints")
 
 
-@pytest.mark.parametrize("error", [
+RUN_ERRORS = [
     "rewards.RewardTimeoutError('reward function hung did not return within "
     "config.rewards.timeout_s=1 s')",
     "rewards.RewardReturnError(\"reward function odd returned '1.0' (str) for completion 0\")",
     "rewards.RewardFunctionError('reward function flaky raised RuntimeError: gone')",
     "checkpoint.CheckpointSaveError('writing checkpoint 2 to /w failed: No space left on device')",
-])
-def test_the_train_cli_prints_run_errors_in_one_line_and_exits_1(error):
+]
+
+
+def test_the_train_cli_prints_run_errors_in_one_line_and_exits_1():
   # What `python -m rloo_jax.train` does with each error a run can stop on: its USER_ERRORS
-  # handler (imported in a process of its own: train defines absl flags).
-  script = ("import sys\nfrom rloo_jax import checkpoint, rewards, train\n"
-            f"e = {error}\ne.resume_from = 'checkpoint 2 in /w/checkpoints'\n"
-            "try:\n  raise e\nexcept train.USER_ERRORS as caught:\n  train._fail(caught)\n")
+  # handler (imported in a process of its own: train defines absl flags). One process for all
+  # four (each was a process of its own, which spent its time importing): _fail's sys.exit(1)
+  # is caught and its status printed, and the process's whole stderr is _fail's four lines.
+  script = "import sys\nfrom rloo_jax import checkpoint, rewards, train\ncodes = []\n"
+  for error in RUN_ERRORS:
+    script += (f"e = {error}\ne.resume_from = 'checkpoint 2 in /w/checkpoints'\n"
+               "try:\n  try:\n    raise e\n  except train.USER_ERRORS as caught:\n"
+               "    train._fail(caught)\nexcept SystemExit as exit_:\n"
+               "  codes.append(exit_.code)\n")
+  script += "print(codes)\n"
   env = {k: v for k, v in os.environ.items() if k != "RLOO_JAX_TRACEBACK"}
   out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
                        env=env, timeout=120)
-  assert out.returncode == 1, out.stderr[-2000:]
-  [line] = out.stderr.strip().splitlines()
-  assert line.startswith("rloo_jax.train: error: ")
-  assert line.endswith("; rerun the same command to resume from checkpoint 2 in /w/checkpoints")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == str([1] * len(RUN_ERRORS)), (out.stdout, out.stderr[-2000:])
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == len(RUN_ERRORS), out.stderr[-2000:]
+  for line, error in zip(lines, RUN_ERRORS):
+    assert line.startswith("rloo_jax.train: error: "), (line, error)
+    assert line.endswith("; rerun the same command to resume from checkpoint 2 in /w/checkpoints")
 
 
 def test_a_full_disk_while_saving_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path):

@@ -465,7 +465,7 @@ def test_decode_on_unstacked_layers_equals_the_layer_scan(family, mode, width):
                           jnp.int32(PAD), k=3, max_new_tokens=10, method=sampling.Temperature(1.0),
                           mode=mode, unstack_layers=unstack).cache for unstack in (False, True)]
   assert not caches[0].per_layer and caches[1].per_layer
-  assert len(caches[1].k_lbkhdt) == 3
+  assert len(caches[1].k_lbkhdt) == 2  # one KV buffer per layer
   assert caches[1].k_lbkhdt[0].shape == caches[0].k_lbkhdt.shape[1:]
   nbytes = lambda c: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c))  # noqa: E731
   assert nbytes(caches[0]) == nbytes(caches[1])
@@ -475,11 +475,12 @@ def test_decode_on_unstacked_layers_equals_the_layer_scan(family, mode, width):
 
 
 def _tiny(family, **overrides):
-  overrides = dict(vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+  # Two layers: the unrolled decode compiles once per layer, and one sliding and one full
+  # Gemma 3 layer still catch a layer given the other's window or RoPE table.
+  overrides = dict(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, intermediate_size=64, max_seq_len=64, **overrides)
   if family == 'gemma3':
-    overrides.update(sliding_window=4, layer_types=('sliding_attention', 'sliding_attention',
-                                                    'full_attention'))
+    overrides.update(sliding_window=4, layer_types=('sliding_attention', 'full_attention'))
   return getattr(models.TransformerConfig, family)(**overrides)
 
 
@@ -517,9 +518,15 @@ def test_the_unstacked_decode_reads_its_weights_cast_once_to_the_activation_dtyp
   assert fns.decode_weights(params, False) == (params, None)
   tokens, lengths = prompts(lengths=(7, 2, 12), width=12, vocab=48, seed=4)
   cast = _sample_unstacked(fns, params, tokens, lengths, 'shared', True)
-  jax.clear_caches()  # the decode loop traced again, each weight now cast where it is used
-  monkeypatch.setattr(decode_weights, 'cast', lambda config, tree: tree)
+  # The sampler's two programs traced again, each weight now cast where it is used (clearing
+  # every cache, jax.clear_caches, made the rest of the worker's tests compile again).
+  for program in (sampler.start, sampler.decode_loop):
+    for jitted in program._jits.values():  # pylint: disable=protected-access
+      jitted.clear_cache()
+  uncast = []
+  monkeypatch.setattr(decode_weights, 'cast', lambda config, tree: uncast.append(1) or tree)
   at_use = _sample_unstacked(fns, params, tokens, lengths, 'shared', True)
+  assert uncast  # the retrace reached the cast
   np.testing.assert_array_equal(cast.tokens_bkt, at_use.tokens_bkt)
   np.testing.assert_array_equal(cast.policy_logprobs_bkt, at_use.policy_logprobs_bkt)
   assert cast.mask_bkt.sum() > 3 * 3

@@ -125,22 +125,30 @@ from rloo_jax import algorithms
 spec = importlib.util.spec_from_file_location('c', sys.argv[1])
 m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
 c = m.get_config('smoke')
-c.train.num_iterations = int(sys.argv[3])
+c.train.update(num_iterations=int(sys.argv[3]), eval_every=int(sys.argv[4]))
 algorithms.run(c, sys.argv[2], log=lambda *a, **k: None)
 """
 
 
-def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(tmp_path):
+def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(smoke_run, tmp_path):
   # Enough iterations that a kill within 1 s of the first checkpoint lands mid-run: with
   # explicit shardings nothing recompiles after iteration 1, so an iteration takes ~0.1 s.
-  iterations = 30
+  # Held-out evaluations every 10 (not the smoke's 2): they read the state, never write it, and
+  # 15 of them a run were most of this test's time; two still run between kill and resume.
+  iterations, eval_every = 30, 10
   config = load_config()
-  config.train.num_iterations = iterations
-  reference = algorithms.run(config, str(tmp_path / "uninterrupted"), log=quiet)["state"]
+  config.train.update(num_iterations=iterations, eval_every=eval_every)
+  # The reference starts from the smoke run's cached SFT policy and data (keyed on neither the
+  # iterations nor evaluations); the killed run trains its own, so SFT must match it too.
+  workdir, reference_dir = str(tmp_path / "killed"), str(tmp_path / "uninterrupted")
+  for sub in ("sft", "data"):
+    shutil.copytree(os.path.join(smoke_run[0], sub), os.path.join(reference_dir, sub))
+  logs = []
+  reference = algorithms.run(config, reference_dir, log=logs.append)["state"]
+  assert any("restored the cached SFT policy" in str(l) for l in logs)
 
-  workdir = str(tmp_path / "killed")
   cmd = [sys.executable, "-c", _RESUME_SCRIPT, os.path.join(REPO, "configs", "arithmetic.py"),
-         workdir, str(iterations)]
+         workdir, str(iterations), str(eval_every)]
   rng = random.Random(1234)
   proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckdir = os.path.join(workdir, "checkpoints")

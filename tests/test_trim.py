@@ -273,6 +273,14 @@ def test_microbatched_reference_pass_and_gradient_equal_one_pass(tmp_path, share
     assert units % m == 0
   ref1, grads1, value1, metrics1 = results[1]
   assert float(jnp.abs(value1)) > 0
+  # The same rows with the head's gradient in a second pass (config.train.fused_head_grad off)
+  # at 1 and 2 microbatches: test_head_loss's update property for these four cases, here so
+  # that the fused gradients above are not computed a second time there.
+  assert update.fuses_head(exp.loss_spec, True)  # reinforce: linear, so the head is fused
+  for m in (1, 2):
+    assert_fused_equals_two_pass(
+        update.gradients(state.params, rows, fns=exp.fns, spec=exp.loss_spec, k=k, chunk_size=5,
+                         microbatches=m, fused_head=False), results[m][1:])
   for m in (2, 4):
     ref, grads, value, metrics = results[m]
     np.testing.assert_allclose(ref, ref1, rtol=1e-5, atol=1e-6)
@@ -282,6 +290,24 @@ def test_microbatched_reference_pass_and_gradient_equal_one_pass(tmp_path, share
                                  err_msg=name)
     for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
       np.testing.assert_allclose(g, g1, rtol=1e-4, atol=1e-6)
+
+
+def assert_fused_equals_two_pass(two_pass, fused):
+  """`update.gradients`' (grads, loss, metrics) with the head's gradient fused into the
+  log-prob pass equal the two-pass ones (test_head_loss)."""
+  (grads0, value0, metrics0), (grads1, value1, metrics1) = two_pass, fused
+  assert float(jnp.abs(value0)) > 0
+  np.testing.assert_allclose(value1, value0, rtol=1e-5, atol=1e-7)
+  assert set(metrics1) == set(metrics0)
+  for name in metrics0:
+    np.testing.assert_allclose(metrics1[name], metrics0[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  leaves0, leaves1 = jax.tree.leaves(grads0), jax.tree.leaves(grads1)
+  assert jax.tree.structure(grads1) == jax.tree.structure(grads0)
+  scale = max(float(jnp.abs(g).max()) for g in leaves0)
+  assert scale > 0
+  for g1, g0 in zip(leaves1, leaves0):
+    np.testing.assert_allclose(g1, g0, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_the_reference_pass_is_dispatched_before_the_rewards_are_scored(tmp_path):
