@@ -98,7 +98,7 @@ def _shrunk(args) -> dict:
   return {k: getattr(args, k) for k in ("num_layers", "vocab_size") if getattr(args, k)}
 
 
-def _bench_job(c, args):
+def bench_job(c, args):
   """`c` set to the flags' model and shape on the bench task (the synthetic reward); the task."""
   c.task = "bench"
   c.model.update(preset=args.preset, dtype=args.dtype, attention=args.attention)
@@ -116,7 +116,7 @@ def _bench_job(c, args):
 def update_check(args) -> dict:
   c = base_config()
   c.model.update(remat=args.remat, max_seq_len=args.prompt_len + args.new_tokens)
-  task = _bench_job(c, args)
+  task = bench_job(c, args)
   c.train.update(num_epochs=1, num_minibatches=1, microbatch_size=args.microbatch_size)
   with tempfile.TemporaryDirectory() as workdir:
     algo, state = bench_step.build(c, task, workdir)
@@ -139,7 +139,7 @@ def memory_check(args) -> dict:
   """The plan of configs/arithmetic.py's job at these shape flags on the bench task (one device),
   then one real iteration; `memory_stats()['peak_bytes_in_use']` beside the plan's peak."""
   c = load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "arithmetic.py"))
-  task = _bench_job(c, args)
+  task = bench_job(c, args)
   c.mesh.update(data=1, fsdp=1)
   device = jax.devices()[0]
   with tempfile.TemporaryDirectory() as workdir:

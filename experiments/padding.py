@@ -14,6 +14,7 @@ import json
 import statistics
 import tempfile
 import time
+import types
 
 import numpy as np
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import bench_step  # experiments/, beside this file
+import gpu_check
 from rloo_jax import packing, rollout
 from rloo_jax.config_utils import base_config
 from rloo_jax.models import presets
@@ -36,19 +38,13 @@ def draws(a, rng, n):  # prompt lengths [n], completion lengths [n * k]
 def time_update(a, p_b, len_n) -> dict:
   """Seconds of the gradient program on trimmed grouped rows and on packed ones (see above)."""
   b, k, p, t = len(p_b), a.k, a.max_prompt_len, a.max_new_tokens
-  (c := base_config()).update(task="bench")
-  c.model.update(preset=a.preset, dtype="bfloat16", remat="full", max_seq_len=p + t)
-  if a.num_layers:  # the preset's family and widths at this depth
-    m = presets.get(a.preset, num_layers=a.num_layers)
-    c.model.update(preset="", **{f: getattr(m, f) for f in (
-        "family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-        "intermediate_size")})
-  c.data.update(max_prompt_len=p)
-  c.rloo.update(k=k, num_prompts=b, max_new_tokens=t)
-  c.rewards.update(fns=[bench_step.synthetic_reward], weights=[1.0])
+  c = base_config()
+  c.model.update(remat="full", max_seq_len=p + t)
+  task = gpu_check.bench_job(c, types.SimpleNamespace(
+      preset=a.preset, dtype="bfloat16", attention="auto", num_layers=a.num_layers, vocab_size=0,
+      prompt_len=p, k=k, prompts=b, new_tokens=t))
   c.train.update(num_epochs=1, num_minibatches=1, microbatch_size=a.microbatch_groups)
   vocab, rng = presets.get(a.preset).vocab_size, np.random.default_rng(0)
-  task = bench_step.bench_task(vocab, p, fixed_length=True)
   cols = min(-(-int(len_n.max()) // a.trim_bucket) * a.trim_bucket, t)  # today's trimming
   cmask = np.arange(cols)[None, :] < len_n[:, None]
   rows = jax.jit(rollout.make_rows, static_argnames=("k", "shared_prefix"))(
@@ -58,8 +54,7 @@ def time_update(a, p_b, len_n) -> dict:
       shared_prefix=True)
   rows = rows.replace(advantages_n=jnp.asarray(rng.standard_normal(b * k), jnp.float32))
   useful, out = int((p_b + (len_n - 1).reshape(b, k).sum(1)).sum()), {}
-  # Packed rows of one whole group's budget: the trimmed microbatch's one group, in tokens.
-  for name, budget in (("trimmed", 0), ("packed", p - 1 + k * t)):
+  for name, budget in (("trimmed", 0), ("packed", p - 1 + k * t)):  # packed: a group's budget
     c.train.update(microbatch_size=0 if budget else a.microbatch_groups,
                    microbatch_tokens=budget)
     with tempfile.TemporaryDirectory() as workdir:
