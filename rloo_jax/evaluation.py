@@ -154,8 +154,8 @@ class Evaluator:
     if len(texts) != correct.size:
       raise ValueError("config.train.eval_samples: maj@n reads every sample's text, which only "
                        "one process holds; evaluate with one process or set eval_samples=0")
-    number = lambda t: gsm8k_answer.extract_answer(t)  # noqa: E731
-    answers = [str(number(t)) if number(t) is not None else t.strip() for t in texts]
+    numbers = [gsm8k_answer.extract_answer(t) for t in texts]
+    answers = [t.strip() if x is None else str(x) for t, x in zip(texts, numbers)]
     return passk.summarize(correct, [answers[i * n:(i + 1) * n] for i in range(len(correct))])
 
 

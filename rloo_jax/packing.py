@@ -19,6 +19,7 @@ microbatches, the loss and gradient are the unpacked ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 from flax import struct
@@ -99,7 +100,8 @@ def plan(prompt_lengths_b, lengths_n, *, k: int, budget: int, rows: int) -> Plan
   count = 0
 
   def first_fit(need):
-    """The first open row with `need` tokens free, else a new one."""
+    """The first open row with `need` tokens free (a number, or one per open row), else a new
+    row."""
     nonlocal opened
     fits = np.nonzero(free[:opened] >= need)[0]
     if len(fits):
@@ -135,8 +137,7 @@ def plan(prompt_lengths_b, lengths_n, *, k: int, budget: int, rows: int) -> Plan
       # A row already holding this group's prompt needs room for the completion only.
       prompt = np.ones(opened, bool)
       prompt[list(here)] = False
-      fits = np.nonzero(free[:opened] >= prompt * p1_b[b] + len_bk[b, j])[0]
-      r = int(fits[0]) if len(fits) else first_fit(budget + 1)
+      r = first_fit(prompt * p1_b[b] + len_bk[b, j])
       if r not in here:
         here[r] = [open_piece(b, r), 0]
       put(b, j, here[r][0], r, here[r][1])
@@ -249,7 +250,7 @@ class PackedRows:
 
 def pack(rows, pl, *, k: int, budget: int, rows_per_microbatch: int,
          max_microbatches: int) -> PackedRows:
-  """`rollout.GroupedRows` (a minibatch) packed by a `plan`'s arrays (`pl`, a Plan of arrays).
+  """`rollout.GroupedRows` (a minibatch) packed by a `plan` (`pl`, its fields as arrays).
   Pure; jit it with the static keywords. Completion masks must be prefixes (tokens up to and
   including EOS)."""
   b, p = rows.prompt_tokens_bp.shape
@@ -302,11 +303,6 @@ def pack(rows, pl, *, k: int, budget: int, rows_per_microbatch: int,
       advantages_n=rows.advantages_n, chunk_scale=k)
 
 
-_DEVICE_FIELDS = ("piece_group", "piece_shard", "piece_microbatch", "piece_offset",
-                  "piece_slot", "shard_n", "microbatch_n", "start_n", "piece_n", "order_n",
-                  "pieces", "count")
-
-
 @dataclasses.dataclass(frozen=True)
 class Packer:
   """`plan` on the host, then `pack` jitted: `Packer(...)(grouped_rows) -> PackedRows`."""
@@ -320,7 +316,7 @@ class Packer:
     static = dict(k=self.k, budget=self.budget, rows_per_microbatch=self.rows_per_microbatch,
                   max_microbatches=self.max_microbatches)
     object.__setattr__(self, "_pack", jax.jit(
-        lambda rows, arrays: pack(rows, _Arrays(**arrays), **static),
+        functools.partial(pack, **static),
         out_shardings=self.rows_sharding))
 
   def plan(self, rows) -> Plan:
@@ -336,27 +332,11 @@ class Packer:
     if pl.count > self.max_microbatches:
       raise ValueError(f"{pl.count} packed microbatches exceed the {self.max_microbatches} "
                        "allotted")
-    return self._pack(rows, {f: np.asarray(getattr(pl, f), np.int32) for f in _DEVICE_FIELDS})
+    return self._pack(rows, jax.tree.map(lambda x: np.asarray(x, np.int32), pl))
 
   def abstract(self, rows) -> PackedRows:
     """The PackedRows shapes for (abstract) grouped rows: what the memory planner lowers."""
     n = rows.completions_nt.shape[0]
-    arrays = {f: jax.ShapeDtypeStruct(() if f in ("pieces", "count") else (n,), jnp.int32)
-              for f in _DEVICE_FIELDS}
-    return jax.eval_shape(self._pack, rows, arrays)
+    per_n, scalar = (jax.ShapeDtypeStruct(s, jnp.int32) for s in ((n,), ()))
+    return jax.eval_shape(self._pack, rows, Plan(*[per_n] * 10, scalar, scalar, scalar))
 
-
-class _Arrays(NamedTuple):
-  """A Plan's device-side fields (`_DEVICE_FIELDS`), as arrays."""
-  piece_group: jax.Array
-  piece_shard: jax.Array
-  piece_microbatch: jax.Array
-  piece_offset: jax.Array
-  piece_slot: jax.Array
-  shard_n: jax.Array
-  microbatch_n: jax.Array
-  start_n: jax.Array
-  piece_n: jax.Array
-  order_n: jax.Array
-  pieces: jax.Array
-  count: jax.Array
