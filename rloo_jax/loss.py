@@ -304,14 +304,14 @@ def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Arr
         clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
         aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt, normalizer=norm)
   elif spec.type == "gspo":
-    value, metrics = offpolicy.gspo_loss(logp_bt, old_logp_bt, mask_bt, advantages_b,
-                               clip_eps=spec.clip_eps, clip_eps_high=spec.clip_eps_high,
-                               entropy_bt=entropy_bt, normalizer=norm)
+    value, metrics = offpolicy.gspo_loss(
+        logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
+        clip_eps_high=spec.clip_eps_high, entropy_bt=entropy_bt, normalizer=norm)
   elif spec.type == "cispo":
-    value, metrics = offpolicy.cispo_loss(logp_bt, old_logp_bt, mask_bt, advantages_b,
-                                clip_eps=spec.clip_eps, clip_eps_high=spec.clip_eps_high,
-                                aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt,
-                                normalizer=norm)
+    value, metrics = offpolicy.cispo_loss(
+        logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
+        clip_eps_high=spec.clip_eps_high, aggregation=spec.aggregation, max_len=t,
+        entropy_bt=entropy_bt, normalizer=norm)
   else:
     raise ValueError(f"unknown config.loss.type {spec.type!r}; choose one of {LOSS_TYPES}")
   return value, {**metrics, **mismatch}

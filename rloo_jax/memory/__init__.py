@@ -111,8 +111,8 @@ def _packed_advice(algo, name: str, update, need: int, accelerator: bool) -> lis
   if now <= least:
     return []
   config = c.copy_and_resolve_references()
-  config.train.microbatch_tokens = least
-  temp = programs_lib.compile_at(algo, config, accelerator=accelerator, rebuild=True)[name].temp
+  config.train.microbatch_tokens = least  # the model is unchanged: no rebuild
+  temp = programs_lib.compile_at(algo, config, accelerator=accelerator)[name].temp
   if temp >= update.temp:
     return []
   return [(update.temp - temp, f"--config.train.microbatch_tokens={least} (now {now}: the "
