@@ -258,7 +258,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
            method: sampling.Method, eos_id: int | Sequence[int], pad_id: int,
            mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
-           unstack_layers: bool = False) -> SampleOutput:
+           unstack_layers: bool = False, slots: int = 0, prefix_rows: int = 0) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -287,6 +287,10 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       gathers) every layer's weights and KV at every token. The tokens are the same
       (`sampler_args.decode_unstacked` picks it from config.rloo.decode_layers;
       `models.decode_weights`).
+    slots: 0 decodes the B*k streams as one static batch until the last ends; else the
+      continuous-batching engine (`rloo_jax.engine`) decodes `slots` streams at once, refilling
+      a slot as its stream ends, with `prefix_rows` prompts' KV held (0: its default). Same
+      output, token for token; mode must be 'shared'.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -301,6 +305,16 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens, method=method,
       eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
   eos_id, pad_id = jnp.asarray(eos_id, jnp.int32), jnp.int32(pad_id)
+  if slots:
+    from rloo_jax import engine  # pylint: disable=import-outside-toplevel  (engine imports us)
+    if mode != 'shared':
+      raise ValueError(f"the rollout engine (slots = {slots}) shares each prompt's prefill "
+                       f"among its k streams: set mode='shared', not {mode!r}")
+    slots, prefix_rows = engine.check_slots(slots, k, prefix_rows)
+    return engine.run(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b),
+                      rng, eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method,
+                      slots=slots, prefix_rows=prefix_rows,
+                      unstack_layers=bool(unstack_layers)).output()
   state = start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
                 eos_id, pad_id,
                 k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,

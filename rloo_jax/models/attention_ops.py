@@ -60,7 +60,7 @@ class PromptGroup:
 class SharedPrefixDecode:
   """One query per stream, K streams per prompt row, attending to the row's prompt (one prefix
   cache that its K streams share, masked by `prefix_mask_bp` [B,P]) and to the stream's own
-  slots 0..`index`. q [B,K,Hkv,G,D]; k = (prefix_k [B,Hkv,D,P], stream_k [B,K,Hkv,D,T]),
+  slots 0..`index` (an int, or [B,K] per stream). q [B,K,Hkv,G,D]; k = (prefix_k [B,Hkv,D,P], stream_k [B,K,Hkv,D,T]),
   v = (prefix_v [B,Hkv,P,D], stream_v [B,K,Hkv,T,D]). `positions_bk` (the queries') and
   `prefix_positions_bp` are read only by a sliding window; stream slot j sits index - j
   positions before its query."""
@@ -177,6 +177,7 @@ def _decode_mask(layout: SharedPrefixDecode, k: int, t: int, window):
   b, p = layout.prefix_mask_bp.shape
   index = layout.index
   mask_p = jnp.broadcast_to(layout.prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
+  index = index[..., None] if jnp.ndim(index) else index  # [B, K]: each stream its own
   mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
   if window is not None:
     q_pos_bk, pos_bp = layout.positions_bk, layout.prefix_positions_bp

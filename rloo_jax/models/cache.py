@@ -33,7 +33,10 @@ class DecodeCache:
   axis, which a layer reads without copying it out of a stack. Keys keep head_dim before the
   sequence axis (`_hdp` / `_hdt`: the score product q.k contracts D against a row-major [D, T]
   matrix), values the sequence axis before head_dim (probs.v contracts T against [T, D]), so no
-  step transposes a cache. `index` counts generated tokens: stream slot `index` is next.
+  step transposes a cache. `index` counts generated tokens: stream slot `index` is next; one
+  int for every stream (the static sampler), or [B, K], each stream its own (`rloo_jax.engine`).
+  `prefix_rows_b` [B] (the engine's): the prefix rows are a pool and stream row b reads pool row
+  prefix_rows_b[b], so a group's k streams share one prefill wherever their slots are.
   """
 
   prefix_k_lbhdp: Any  # [L, B, Hkv, D, P] (or L x [B, Hkv, D, P])
@@ -44,6 +47,11 @@ class DecodeCache:
   index: jax.Array
   # The prompt's positions, which a sliding window reads (None: the prefill recorded none).
   prefix_positions_bp: jax.Array | None = None
+  prefix_rows_b: jax.Array | None = None
+
+  def prefix_for_rows(self, x):
+    """Pool rows `x` [Npool, ...] as the stream rows read them (x itself without a pool)."""
+    return x if x is None or self.prefix_rows_b is None else jnp.take(x, self.prefix_rows_b, 0)
 
   @property
   def per_layer(self) -> bool:
@@ -52,9 +60,11 @@ class DecodeCache:
 
 def write_slot(kv, l, k_bkhd, v_bkhd, slot):
   """Writes layer l's keys and values of one token (k, v: [B, K, Hkv, D]) into stream slot
-  `slot` of the stream buffers `kv` = (keys, values), stacked (l traced) or per layer (l a
-  static int); returns (kv, layer l's keys, its values)."""
+  `slot` (an int, or [B, K]: each stream's own) of the stream buffers `kv` = (keys, values),
+  stacked (l traced) or per layer (l a static int); returns (kv, layer l's keys, its values)."""
   keys, values = kv
+  if jnp.ndim(slot):
+    return _scatter_slots(keys, values, l, k_bkhd, v_bkhd, slot)
   zero = jnp.zeros((), jnp.int32)
   if isinstance(keys, tuple):
     k_l = jax.lax.dynamic_update_slice(keys[l], k_bkhd[..., None].astype(keys[l].dtype),
@@ -66,6 +76,21 @@ def write_slot(kv, l, k_bkhd, v_bkhd, slot):
                                       (l, zero, zero, zero, zero, slot))
   values = jax.lax.dynamic_update_slice(values, v_bkhd[None, :, :, :, None].astype(values.dtype),
                                         (l, zero, zero, zero, slot, zero))
+  return ((keys, values), jax.lax.dynamic_index_in_dim(keys, l, keepdims=False),
+          jax.lax.dynamic_index_in_dim(values, l, keepdims=False))
+
+
+def _scatter_slots(keys, values, l, k_bkhd, v_bkhd, slot_bk):
+  # One scatter per buffer writing each stream's [Hkv, D] at its own slot, in place in the loop.
+  b, k = slot_bk.shape
+  rows = jnp.arange(b)[:, None]
+  cols = jnp.arange(k)[None, :]
+  if isinstance(keys, tuple):
+    k_l = keys[l].at[rows, cols, :, :, slot_bk].set(k_bkhd.astype(keys[l].dtype))
+    v_l = values[l].at[rows, cols, :, slot_bk, :].set(v_bkhd.astype(values[l].dtype))
+    return (keys[:l] + (k_l,) + keys[l + 1:], values[:l] + (v_l,) + values[l + 1:]), k_l, v_l
+  keys = keys.at[l, rows, cols, :, :, slot_bk].set(k_bkhd.astype(keys.dtype))
+  values = values.at[l, rows, cols, :, slot_bk, :].set(v_bkhd.astype(values.dtype))
   return ((keys, values), jax.lax.dynamic_index_in_dim(keys, l, keepdims=False),
           jax.lax.dynamic_index_in_dim(values, l, keepdims=False))
 

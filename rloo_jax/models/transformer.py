@@ -253,14 +253,16 @@ class Transformer(nnx.Module):
                        '(ModelFns.decode_weights(params, unstacked=True))')
     layer_ids = (np.arange(self.config.num_layers) if layers is not None else
                  jnp.arange(self.config.num_layers, dtype=jnp.int32))
-    layout = attention_ops.SharedPrefixDecode(cache.prefix_mask_bp, idx, positions_bk,
-                                              cache.prefix_positions_bp)
+    layout = attention_ops.SharedPrefixDecode(
+        cache.prefix_for_rows(cache.prefix_mask_bp), idx, positions_bk,
+        cache.prefix_for_rows(cache.prefix_positions_bp))
     xs = (layer_ids, None if cache.per_layer else (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
 
     def body(block, x, kv, xs_l, rotary, spec):
       l, prefix = xs_l
       if cache.per_layer:
         prefix = (cache.prefix_k_lbhdp[l], cache.prefix_v_lbhpd[l])
+      prefix = tuple(cache.prefix_for_rows(x) for x in prefix)  # the engine's pool rows
 
       def store(k, v):  # the stream buffers ride in the carry, written in place
         (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, idx)

@@ -1,0 +1,216 @@
+"""Continuous-batching rollout engine: a fixed pool of stream slots, refilled as streams end.
+
+    out = engine.generate(fns, params, prompt_tokens_np, prompt_lengths_n, rng, k=4,
+                          max_new_tokens=8192, method=sampling.TopP(0.9), eos_id=eos,
+                          pad_id=pad, slots=256)
+
+The static sampler (`rloo_jax.sampler`) decodes B*k streams until the last one ends, so a stream
+that stopped early keeps its slot, its KV buffer and its share of every step. Here `slots`
+streams decode at once; a stream that ends frees its slot, and whenever k slots (and a prefix
+row) are free the next group is admitted inside the same jitted loop: its prompt prefilled once
+into a pool of prefix rows that its k streams read (`DecodeCache.prefix_rows_b`), its first
+tokens drawn, its streams placed in the free slots. A stream's cache index is its own
+(`DecodeCache.index` [S, 1]), so a reused slot reads only what its new stream wrote.
+
+Same `SampleOutput` [N, k, T], token for token, as `sampler.sample(mode='shared')` of the same
+prompts and rng: stream (g, j) draws step t from fold_in(stream_keys(rng)[g, j], t) whatever
+slot it lands in, so scheduling cannot change what it samples. One policy version a rollout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from rloo_jax import sampler, sampling
+from rloo_jax.models.cache import PrefixKV
+from rloo_jax.platform import jit_by_platform
+
+
+@struct.dataclass
+class EngineState:
+  cache: Any               # DecodeCache: prefix pool of Q rows, S stream rows of one stream each
+  group_s: jax.Array       # int32 [S]: the group (prompt row) a slot decodes; -1: free
+  stream_s: jax.Array      # int32 [S]: its stream j in that group
+  step_s: jax.Array        # int32 [S]: tokens it has drawn, the next column
+  last_s: jax.Array        # int32 [S]: its last token, the next decode input
+  refs_q: jax.Array        # int32 [Q]: live streams reading prefix row q (0: free)
+  next_group: jax.Array    # int32 []: the first group not yet admitted
+  steps: jax.Array         # int32 []: decode steps run
+  tokens_nkt: jax.Array    # the SampleOutput fields, [N, k, T] and [N, k]
+  logprobs_nkt: jax.Array
+  policy_logprobs_nkt: jax.Array
+  mask_nkt: jax.Array
+  lengths_nk: jax.Array
+
+  def output(self) -> sampler.SampleOutput:
+    return sampler.SampleOutput(tokens_bkt=self.tokens_nkt, logprobs_bkt=self.logprobs_nkt,
+                                policy_logprobs_bkt=self.policy_logprobs_nkt,
+                                mask_bkt=self.mask_nkt, lengths_bk=self.lengths_nk)
+
+
+def default_prefix_rows(slots: int, k: int) -> int:
+  """Prefix rows for `slots` streams: room for twice the groups the slots hold whole (a group
+  keeps its row until its last stream ends)."""
+  return max(1, min(slots, 2 * math.ceil(slots / k)))
+
+
+def check_slots(slots, k: int, prefix_rows, key: str = 'slots') -> tuple[int, int]:
+  """(slots, prefix rows) checked; `key` names the setting in the error."""
+  if isinstance(slots, bool) or not isinstance(slots, int) or slots < k:
+    raise ValueError(f'{key} = {slots!r} must be an integer >= k = {k} (a group\'s k streams '
+                     f'are admitted together); set it to a multiple of k, e.g. {8 * k}')
+  rows = prefix_rows or default_prefix_rows(slots, k)
+  if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= slots:
+    raise ValueError(f'prefix_rows = {prefix_rows!r} must be an integer in 1..slots = {slots} '
+                     '(0: the default)')
+  return slots, rows
+
+
+def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool):
+  """The engine's DecodeCache: Q prefix rows of P columns and S one-stream rows of T slots."""
+  tokens = jnp.zeros((1, p), jnp.int32)
+  _, prefix = jax.eval_shape(fns.prefill, params, tokens, tokens, tokens > 0)
+
+  def rows(x, n, cols):  # [L, 1, P, H, D] -> zeros [L, n, cols, H, D]
+    return jnp.zeros(x.shape[:1] + (n, cols) + x.shape[3:], x.dtype)
+
+  init = functools.partial(fns.init_cache, per_layer=per_layer) if per_layer else fns.init_cache
+  pool = init(PrefixKV(rows(prefix.k_lbphd, q, p), rows(prefix.v_lbphd, q, p),
+                       None if prefix.positions_bp is None else jnp.zeros((q, p), jnp.int32)),
+              jnp.zeros((q, p), bool), 1, 1)
+  one = PrefixKV(rows(prefix.k_lbphd, s, 1), rows(prefix.v_lbphd, s, 1))
+  streams = init(one, jnp.zeros((s, 1), bool), 1, t)
+  return pool.replace(k_lbkhdt=streams.k_lbkhdt, v_lbkhtd=streams.v_lbkhtd,
+                      index=jnp.zeros((s, 1), jnp.int32),
+                      prefix_rows_b=jnp.zeros((s,), jnp.int32))
+
+
+def _write_prefix(cache, q, prefix: PrefixKV, mask_1p):
+  """Writes one prefilled prompt into prefix row q, in the decode layouts (`init_cache`)."""
+  k_l1hdp = jnp.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2))
+  v_l1hpd = jnp.transpose(prefix.v_lbphd, (0, 1, 3, 2, 4))
+
+  def put(pool, new_l1):
+    if isinstance(pool, tuple):
+      return tuple(x.at[q].set(new_l1[l, 0].astype(x.dtype)) for l, x in enumerate(pool))
+    return pool.at[:, q].set(new_l1[:, 0].astype(pool.dtype))
+
+  positions = cache.prefix_positions_bp
+  if positions is not None:
+    positions = positions.at[q].set(prefix.positions_bp[0])
+  return cache.replace(prefix_k_lbhdp=put(cache.prefix_k_lbhdp, k_l1hdp),
+                       prefix_v_lbhpd=put(cache.prefix_v_lbhpd, v_l1hpd),
+                       prefix_mask_bp=cache.prefix_mask_bp.at[q].set(mask_1p[0]),
+                       prefix_positions_bp=positions)
+
+
+def _uniforms(keys_nk, group_s, stream_s, step_s):
+  """[S, 2]: step t of stream (g, j) from fold_in(key_gj, t), as `sampling.uniforms_tbk2`."""
+  keys = keys_nk[group_s, stream_s]
+  return jax.vmap(lambda key, t: jax.random.uniform(jax.random.fold_in(key, t), (2,)))(
+      keys, step_s)
+
+
+def _write(st: EngineState, g_x, j_x, t_x, tokens_x, lp_x, plp_x, valid_x) -> EngineState:
+  """Records token t_x of streams (g_x, j_x) where valid_x (others are dropped)."""
+  n = st.tokens_nkt.shape[0]
+  g = jnp.where(valid_x, g_x, n)  # out of range: dropped
+  zero = jnp.float32(0)
+  put = lambda buf, v: buf.at[g, j_x, t_x].set(v, mode='drop')  # noqa: E731
+  return st.replace(
+      tokens_nkt=put(st.tokens_nkt, tokens_x),
+      logprobs_nkt=put(st.logprobs_nkt, jnp.where(valid_x, lp_x, zero)),
+      policy_logprobs_nkt=put(st.policy_logprobs_nkt, jnp.where(valid_x, plp_x, zero)),
+      mask_nkt=put(st.mask_nkt, valid_x),
+      lengths_nk=st.lengths_nk.at[g, j_x].add(1, mode='drop'))
+
+
+def _is_stop(tokens_x, eos_id):
+  return jnp.any(tokens_x[..., None] == jnp.atleast_1d(eos_id).astype(tokens_x.dtype), axis=-1)
+
+
+@functools.partial(jit_by_platform, static_argnames=('fns', 'k', 'max_new_tokens', 'method',
+                                                     'slots', 'prefix_rows', 'unstack_layers'))
+def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
+        max_new_tokens, method, slots, prefix_rows, unstack_layers=False) -> EngineState:
+  """The whole rollout in one program: admit groups while k slots and a prefix row are free,
+  then one decode step of every slot, until every group is admitted and every stream ended."""
+  n, p = prompt_tokens_np.shape
+  t_cap, s, q_rows = max_new_tokens, slots, prefix_rows
+  lengths_n = prompt_lengths_n.astype(jnp.int32)
+  keys_nk = sampling.stream_keys(rng, n, k)
+  per_layer = sampler._per_layer(fns, unstack_layers)
+  dparams, layers = params, None
+  if getattr(fns, 'decode_weights', None):
+    dparams, layers = fns.decode_weights(params, per_layer)
+  split = {} if layers is None else {'layers': layers}
+
+  def can_admit(st):
+    free = jnp.sum(st.group_s < 0)
+    return (st.next_group < n) & (free >= k) & jnp.any(st.refs_q == 0)
+
+  def admit(st):
+    g = st.next_group
+    tokens_1p = jax.lax.dynamic_slice_in_dim(prompt_tokens_np, g, 1)
+    positions_1p, mask_1p = sampler._prompt_inputs(
+        tokens_1p, jax.lax.dynamic_slice_in_dim(lengths_n, g, 1))
+    first_1v, prefix = fns.prefill(params, tokens_1p, positions_1p, mask_1p)
+    q = jnp.argmax(st.refs_q == 0)
+    slots_k = jnp.nonzero(st.group_s < 0, size=k, fill_value=0)[0]
+    g_k, j_k, t_k = jnp.full((k,), g), jnp.arange(k), jnp.zeros((k,), jnp.int32)
+    uniforms_1k2 = _uniforms(keys_nk, g_k, j_k, t_k)[None]
+    first_1kv = jnp.broadcast_to(first_1v[:, None], (1, k, first_1v.shape[-1]))
+    tokens_1k, lp_1k, plp_1k = sampling.draw(method, uniforms_1k2, first_1kv)
+    tokens_k = tokens_1k[0]
+    st = _write(st, g_k, j_k, t_k, tokens_k, lp_1k[0], plp_1k[0], jnp.ones((k,), bool))
+    live_k = ~_is_stop(tokens_k, eos_id) & (t_cap > 1)
+    cache = _write_prefix(st.cache, q, prefix, mask_1p)
+    cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_k].set(q))
+    return st.replace(
+        cache=cache, group_s=st.group_s.at[slots_k].set(jnp.where(live_k, g, -1)),
+        stream_s=st.stream_s.at[slots_k].set(j_k), step_s=st.step_s.at[slots_k].set(1),
+        last_s=st.last_s.at[slots_k].set(tokens_k),
+        refs_q=st.refs_q.at[q].set(jnp.sum(live_k)), next_group=g + 1)
+
+  def decode(st):
+    live_s = st.group_s >= 0
+    g_s = jnp.maximum(st.group_s, 0)
+    # A free slot decodes too (its output is dropped); its index stays inside its buffer.
+    cache = st.cache.replace(index=jnp.maximum(st.step_s - 1, 0)[:, None])
+    positions_s = lengths_n[g_s] + jnp.maximum(st.step_s - 1, 0)
+    logits_s1v, cache = fns.decode(dparams, st.last_s[:, None], positions_s[:, None], cache,
+                                   **split)
+    uniforms_s12 = _uniforms(keys_nk, g_s, st.stream_s, st.step_s)[:, None]
+    tokens_s1, lp_s1, plp_s1 = sampling.draw(method, uniforms_s12, logits_s1v)
+    tokens_s = tokens_s1[:, 0]
+    st = _write(st, g_s, st.stream_s, st.step_s, tokens_s, lp_s1[:, 0], plp_s1[:, 0], live_s)
+    step_s = st.step_s + live_s
+    ended_s = live_s & (_is_stop(tokens_s, eos_id) | (step_s >= t_cap))
+    refs_q = st.refs_q.at[cache.prefix_rows_b].add(-ended_s.astype(jnp.int32))
+    return st.replace(cache=cache, group_s=jnp.where(ended_s, -1, st.group_s), step_s=step_s,
+                      last_s=tokens_s, refs_q=refs_q, steps=st.steps + 1)
+
+  def cond(st):
+    return (st.next_group < n) | jnp.any(st.group_s >= 0)
+
+  def body(st):
+    return decode(jax.lax.while_loop(can_admit, admit, st))
+
+  zeros_s = jnp.zeros((s,), jnp.int32)
+  shape_nkt = (n, k, t_cap)
+  st = EngineState(
+      cache=_empty_cache(fns, params, p, q_rows, s, t_cap, per_layer),
+      group_s=jnp.full((s,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,
+      last_s=zeros_s + pad_id, refs_q=jnp.zeros((q_rows,), jnp.int32),
+      next_group=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32),
+      tokens_nkt=jnp.full(shape_nkt, pad_id, jnp.int32),
+      logprobs_nkt=jnp.zeros(shape_nkt, jnp.float32),
+      policy_logprobs_nkt=jnp.zeros(shape_nkt, jnp.float32),
+      mask_nkt=jnp.zeros(shape_nkt, bool), lengths_nk=jnp.zeros((n, k), jnp.int32))
+  return jax.lax.while_loop(cond, body, st)
