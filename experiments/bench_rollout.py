@@ -1,0 +1,142 @@
+"""The rollout engine (`sampler.sample(slots=S)`) beside the static sampler, at the same KV memory,
+on completion lengths forced from a distribution (docs/PERFORMANCE.md, "Rollout engine").
+
+Lengths: the model's end-token logit is set so that at completion step t a stream ends with
+probability h(t) = P(L = t) / P(L >= t) of the distribution (discretised, the mass above the cap
+T ending there), so each stream's length is a draw from it, independent of the others (each
+stream samples with its own uniforms). `lognormal`: median T/4, sigma 1; `uniform`: 1..T;
+`full`: no end token, every stream runs to T (the engine's overhead).
+
+Same KV memory: the static sampler decodes B = slots / k prompts at a time (B*k streams of T
+slots), the engine `slots` streams of T slots. Useful tokens: every stream's tokens up to and
+including its end. Figures: medians over --repeats after a compiling run, side by side.
+
+    python experiments/bench_rollout.py
+"""
+import argparse
+import json
+import math
+import statistics
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from rloo_jax import engine as engine_lib
+from rloo_jax import models, sampler, sampling
+
+EOS = 1
+
+
+def hazard(dist: str, t_cap: int, rng) -> np.ndarray:
+  """h[i]: P(a stream ends at step i | it reached it), i = 0..T-1 (length i + 1)."""
+  if dist == "full":
+    return np.zeros(t_cap)
+  edges = np.arange(t_cap + 1, dtype=np.float64)
+  if dist == "lognormal":
+    z = (np.log(np.maximum(edges, 1e-300)) - math.log(t_cap / 4)) / math.sqrt(2)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(z))
+  else:
+    cdf = edges / t_cap
+  pmf = np.diff(cdf)
+  pmf[-1] += 1 - cdf[-1]
+  survive = 1 - np.concatenate([[0], np.cumsum(pmf)[:-1]])
+  return np.clip(pmf / np.maximum(survive, 1e-12), 0, 1)
+
+
+def forced(fns, h, prompt_len: int):
+  """`fns` with the end token's probability at completion step t set to h[t] (all prompts
+  prompt_len long, so a decode input at position x draws step x - prompt_len + 1)."""
+  logit_h = jnp.asarray(np.log(np.clip(h, 1e-30, 1)) - np.log(np.clip(1 - h, 1e-30, 1)),
+                        jnp.float32)
+
+  def at(logits, step):
+    others = jnp.where(jnp.arange(logits.shape[-1]) == EOS, -jnp.inf, logits.astype(jnp.float32))
+    eos = jax.nn.logsumexp(others, axis=-1) + logit_h[jnp.minimum(step, len(h) - 1)]
+    return others.at[..., EOS].set(eos)
+
+  def prefill(params, tokens, positions, mask):
+    logits, prefix = fns.prefill(params, tokens, positions, mask)
+    return at(logits, jnp.zeros(logits.shape[:-1], jnp.int32)), prefix
+
+  def decode(params, tokens, positions, cache, **kw):
+    logits, cache = fns.decode(params, tokens, positions, cache, **kw)
+    return at(logits, positions - prompt_len + 1), cache
+
+  return fns._replace(prefill=prefill, decode=decode)
+
+
+def median_s(run, repeats):
+  jax.block_until_ready(run())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(run())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--groups", type=int, default=64)
+  ap.add_argument("--k", type=int, default=4)
+  ap.add_argument("--slots", type=int, default=64)
+  ap.add_argument("--prefix_rows", type=int, default=0)
+  ap.add_argument("--max_new_tokens", type=int, default=256)
+  ap.add_argument("--prompt_len", type=int, default=32)
+  ap.add_argument("--hidden", type=int, default=256)
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--vocab", type=int, default=1024)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--dists", default="lognormal,uniform,full")
+  a = ap.parse_args()
+  t_cap, b = a.max_new_tokens, a.slots // a.k
+  config = models.TransformerConfig.llama(
+      vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=4,
+      num_kv_heads=2, head_dim=a.hidden // 4, intermediate_size=2 * a.hidden,
+      max_seq_len=a.prompt_len + t_cap)
+  graphdef, params = models.create(config, seed=0)
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(2, a.vocab, (a.groups, a.prompt_len)).astype(np.int32)
+  lengths = np.full((a.groups,), a.prompt_len, np.int32)
+  kw = dict(k=a.k, max_new_tokens=t_cap, method=sampling.Temperature(1.0), eos_id=EOS, pad_id=0)
+  result = {}
+  for dist in a.dists.split(","):
+    fns = forced(models.model_fns(graphdef), hazard(dist, t_cap, rng), a.prompt_len)
+    outs = {}
+
+    def static():
+      outs["static"] = [sampler.sample(fns, params, prompts[i:i + b], lengths[i:i + b],
+                                       jax.random.fold_in(jax.random.key(1), i), **kw)
+                        for i in range(0, a.groups, b)]
+      return [o.tokens_bkt for o in outs["static"]]
+
+    def engine():
+      outs["engine"] = state = engine_lib.run(
+          fns, params, jnp.asarray(prompts), jnp.asarray(lengths), jax.random.key(1),
+          jnp.asarray([EOS]), jnp.int32(0), k=a.k, max_new_tokens=t_cap, method=kw["method"],
+          slots=a.slots, prefix_rows=a.prefix_rows or engine_lib.default_prefix_rows(a.slots, a.k))
+      return state.tokens_nkt
+
+    seconds = {"static": median_s(static, a.repeats), "engine": median_s(engine, a.repeats)}
+    useful = {"static": sum(int(np.sum(o.lengths_bk)) for o in outs["static"]),
+              "engine": int(np.sum(outs["engine"].lengths_nk))}
+    row = {f"{name}_tok_s": round(useful[name] / seconds[name], 1) for name in seconds}
+    row["ratio"] = round(row["engine_tok_s"] / row["static_tok_s"], 3)
+    mean_len = useful["engine"] / (a.groups * a.k)
+    steps = {"static": sum(int(o.lengths_bk.max()) - 1 for o in outs["static"]),
+             "engine": int(outs["engine"].steps)}
+    row.update({f"{name}_decode_steps": v for name, v in steps.items()})
+    row["engine_occupancy"] = round(useful["engine"] / (steps["engine"] * a.slots), 3)
+    print(f"{dist:10s} mean length {mean_len:6.1f} of {t_cap}: static {seconds['static']:.3f} s "
+          f"({useful['static']} tokens), engine {seconds['engine']:.3f} s ({useful['engine']} "
+          f"tokens, {steps['engine']} steps, {row['engine_occupancy']:.0%} of slots live), "
+          f"useful tokens/s ratio {row['ratio']:.2f}x")
+    result[dist] = row
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,120 @@
+"""Tests of rloo_jax.engine: the continuous-batching rollout engine draws, token for token, what the
+static sampler draws, whatever slot a stream lands in and whatever its slot held before."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from numerics import FIXTURE_TERMS, assert_f32_close
+
+from rloo_jax import engine, models, sampler, sampling
+
+PAD = 0
+STOPS = (45, 46, 47)
+FAMILIES = ('llama', 'qwen2', 'qwen3', 'gpt2', 'gpt_neox', 'gemma2', 'gemma3')
+
+
+def _tiny(family):
+  overrides = dict(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, intermediate_size=64, max_seq_len=64)
+  if family in ('gemma2', 'gemma3'):  # a window shorter than the prompts and completions
+    overrides.update(sliding_window=4, layer_types=('sliding_attention', 'full_attention'))
+  graphdef, params = models.create(getattr(models.TransformerConfig, family)(**overrides))
+  return models.model_fns(graphdef), params
+
+
+def _prompts(n=5, width=12, seed=0):
+  rs = np.random.RandomState(seed)
+  lengths = np.array([7, 2, 12, 5, 9, 12, 3, 8][:n], np.int32)
+  tokens = np.where(np.arange(width)[None] < lengths[:, None], rs.randint(2, 45, (n, width)), PAD)
+  return tokens.astype(np.int32), lengths
+
+
+def _both(fns, params, method, *, slots, t=20, eos_id=STOPS, **kw):
+  tokens, lengths = _prompts()
+  args = dict(k=3, max_new_tokens=t, method=method, eos_id=eos_id, pad_id=PAD)
+  static = sampler.sample(fns, params, tokens, lengths, jax.random.key(3), **args)
+  ours = sampler.sample(fns, params, tokens, lengths, jax.random.key(3), slots=slots, **args, **kw)
+  return jax.tree.map(np.asarray, static), jax.tree.map(np.asarray, ours)
+
+
+def _assert_same(static, ours):
+  np.testing.assert_array_equal(ours.tokens_bkt, static.tokens_bkt)
+  np.testing.assert_array_equal(ours.mask_bkt, static.mask_bkt)
+  np.testing.assert_array_equal(ours.lengths_bk, static.lengths_bk)
+  assert_f32_close(ours.policy_logprobs_bkt, static.policy_logprobs_bkt, FIXTURE_TERMS)
+  assert_f32_close(ours.logprobs_bkt, static.logprobs_bkt, FIXTURE_TERMS)
+
+
+# Three slots for groups of three streams: every group after the first reuses the slots of
+# streams that ended, and waits for them.
+@pytest.mark.parametrize('family', FAMILIES)
+def test_the_engine_draws_the_static_samplers_tokens(family):
+  fns, params = _tiny(family)
+  static, ours = _both(fns, params, sampling.Temperature(1.0), slots=3)
+  _assert_same(static, ours)
+  ends = np.isin(static.tokens_bkt, STOPS) & static.mask_bkt
+  # Streams of several lengths, ended by each of the stop ids, some at the cap.
+  assert len(np.unique(static.lengths_bk)) > 4 and (static.lengths_bk == 20).any()
+  assert len(np.unique(static.tokens_bkt[ends])) >= 2
+
+
+@pytest.mark.parametrize('method', [sampling.Greedy(), sampling.TopP(0.8, temperature=0.7),
+                                    sampling.TopK(5)], ids=['greedy', 'top_p', 'top_k'])
+def test_every_method_and_slot_count(method):
+  fns, params = _tiny('llama')
+  # Greedy from these prompts ends at once on any of STOPS: one stop id, met later.
+  eos = (47,) if method.is_greedy else STOPS
+  for slots, rows in ((4, 0), (6, 1), (16, 0)):
+    static, ours = _both(fns, params, method, slots=slots, prefix_rows=rows, eos_id=eos)
+    _assert_same(static, ours)
+  assert static.lengths_bk.max() > 3
+
+
+def test_unstacked_layers_and_a_one_token_cap():
+  fns, params = _tiny('gemma3')
+  _assert_same(*_both(fns, params, sampling.Temperature(1.0), slots=6, unstack_layers=True))
+  _assert_same(*_both(fns, params, sampling.Temperature(1.0), slots=3, t=1))
+
+
+def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
+  """Stream and prefix buffers start full of large values (what a previous stream could have
+  left at any slot past the new stream's index): the tokens are still the static sampler's,
+  so nothing past a stream's own index, and no other prompt's prefix column, is read."""
+  fns, params = _tiny('llama')
+  clean = engine._empty_cache
+
+  def poisoned(*args):
+    cache = clean(*args)
+    fill = lambda x: jnp.full_like(x, 30.0) if x.dtype == jnp.float32 else x  # noqa: E731
+    return cache.replace(k_lbkhdt=fill(cache.k_lbkhdt), v_lbkhtd=fill(cache.v_lbkhtd),
+                         prefix_k_lbhdp=fill(cache.prefix_k_lbhdp),
+                         prefix_v_lbhpd=fill(cache.prefix_v_lbhpd))
+
+  monkeypatch.setattr(engine, '_empty_cache', poisoned)
+  # t=19: a program no other test compiled, so it is traced with the poisoned cache.
+  static, ours = _both(fns, params, sampling.Temperature(1.0), slots=3, prefix_rows=1, t=19)
+  _assert_same(static, ours)
+  # The slots were reused: 5 groups through 3 slots.
+  tokens, lengths = _prompts()
+  state = engine.run(fns, params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(3),
+                     jnp.asarray(STOPS), jnp.int32(PAD), k=3, max_new_tokens=19,
+                     method=sampling.Temperature(1.0), slots=3, prefix_rows=1)
+  assert int(state.next_group) == 5 and not (np.asarray(state.group_s) >= 0).any()
+  # Every decode step ran some slot: fewer steps than the sum of each group's longest stream.
+  assert int(state.steps) <= int(static.lengths_bk.max(axis=1).sum())
+
+
+@pytest.mark.parametrize('kw, match', [
+    (dict(slots=2), 'slots = 2 must be an integer >= k = 3'),
+    (dict(slots=6, prefix_rows=7), 'prefix_rows = 7 must be an integer in 1..slots = 6'),
+    (dict(slots=6, mode='unshared'), "set mode='shared'"),
+])
+def test_bad_engine_settings_fail_before_compiling(kw, match):
+  fns, params = _tiny('llama')
+  tokens, lengths = _prompts()
+  with pytest.raises(ValueError, match=match):
+    sampler.sample(fns, params, tokens, lengths, jax.random.key(0), k=3, max_new_tokens=4,
+                   method=sampling.Greedy(), eos_id=47, pad_id=PAD, **kw)
