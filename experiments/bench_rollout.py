@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from rloo_jax import engine as engine_lib
-from rloo_jax import models, sampler, sampling
+from rloo_jax import models, sampler, sampler_args, sampling
 
 EOS = 1
 
@@ -117,7 +117,7 @@ def main():
       outs["engine"] = state = engine_lib.run(
           fns, params, jnp.asarray(prompts), jnp.asarray(lengths), jax.random.key(1),
           jnp.asarray([EOS]), jnp.int32(0), k=a.k, max_new_tokens=t_cap, method=kw["method"],
-          slots=a.slots, prefix_rows=a.prefix_rows or engine_lib.default_prefix_rows(a.slots, a.k))
+          slots=a.slots, prefix_rows=a.prefix_rows or sampler_args.default_prefix_rows(a.slots, a.k))
       return state.tokens_nkt
 
     seconds = {"static": median_s(static, a.repeats), "engine": median_s(engine, a.repeats)}

@@ -143,7 +143,11 @@ def base_config() -> ml_collections.ConfigDict:
       # the stacked layers, under FSDP gathering each at every token; 'unstacked' gathers every
       # layer once a rollout and holds the whole model gathered while decoding (the memory plan
       # names it for an FSDP job when that fits); 'auto': unstacked on an unsharded GPU mesh.
-      decode_layers="auto"))
+      decode_layers="auto",
+      # The continuous-batching engine (rloo_jax.engine): this many streams decode at once, a
+      # slot refilled as its stream ends (0: the static sampler, the batch until its longest
+      # stream ends); rollout_prefix_rows prompts' KV held for them (0: 2 * slots / k).
+      rollout_slots=0, rollout_prefix_rows=0))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))
   c.loss = ml_collections.ConfigDict(dict(

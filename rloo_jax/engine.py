@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from rloo_jax import sampler, sampling
+from rloo_jax import sampler_args, sampling
 from rloo_jax.models.cache import PrefixKV
 from rloo_jax.platform import jit_by_platform
 
@@ -48,28 +48,10 @@ class EngineState:
   mask_nkt: jax.Array
   lengths_nk: jax.Array
 
-  def output(self) -> sampler.SampleOutput:
-    return sampler.SampleOutput(tokens_bkt=self.tokens_nkt, logprobs_bkt=self.logprobs_nkt,
+  def output(self) -> sampling.SampleOutput:
+    return sampling.SampleOutput(tokens_bkt=self.tokens_nkt, logprobs_bkt=self.logprobs_nkt,
                                 policy_logprobs_bkt=self.policy_logprobs_nkt,
                                 mask_bkt=self.mask_nkt, lengths_bk=self.lengths_nk)
-
-
-def default_prefix_rows(slots: int, k: int) -> int:
-  """Prefix rows for `slots` streams: room for twice the groups the slots hold whole (a group
-  keeps its row until its last stream ends)."""
-  return max(1, min(slots, 2 * math.ceil(slots / k)))
-
-
-def check_slots(slots, k: int, prefix_rows, key: str = 'slots') -> tuple[int, int]:
-  """(slots, prefix rows) checked; `key` names the setting in the error."""
-  if isinstance(slots, bool) or not isinstance(slots, int) or slots < k:
-    raise ValueError(f'{key} = {slots!r} must be an integer >= k = {k} (a group\'s k streams '
-                     f'are admitted together); set it to a multiple of k, e.g. {8 * k}')
-  rows = prefix_rows or default_prefix_rows(slots, k)
-  if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= slots:
-    raise ValueError(f'prefix_rows = {prefix_rows!r} must be an integer in 1..slots = {slots} '
-                     '(0: the default)')
-  return slots, rows
 
 
 def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool):
@@ -145,7 +127,7 @@ def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *,
   t_cap, s, q_rows = max_new_tokens, slots, prefix_rows
   lengths_n = prompt_lengths_n.astype(jnp.int32)
   keys_nk = sampling.stream_keys(rng, n, k)
-  per_layer = sampler._per_layer(fns, unstack_layers)
+  per_layer = bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
   dparams, layers = params, None
   if getattr(fns, 'decode_weights', None):
     dparams, layers = fns.decode_weights(params, per_layer)
@@ -158,7 +140,7 @@ def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *,
   def admit(st):
     g = st.next_group
     tokens_1p = jax.lax.dynamic_slice_in_dim(prompt_tokens_np, g, 1)
-    positions_1p, mask_1p = sampler._prompt_inputs(
+    positions_1p, mask_1p = sampling.prompt_inputs(
         tokens_1p, jax.lax.dynamic_slice_in_dim(lengths_n, g, 1))
     first_1v, prefix = fns.prefill(params, tokens_1p, positions_1p, mask_1p)
     q = jnp.argmax(st.refs_q == 0)

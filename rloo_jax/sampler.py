@@ -29,15 +29,7 @@ from rloo_jax import sampler_args, sampling
 from rloo_jax.platform import jit_by_platform
 
 MODES = sampler_args.MODES
-
-
-@struct.dataclass
-class SampleOutput:
-  tokens_bkt: jax.Array           # int32 [B, K, T]: completion tokens, pad_id after EOS.
-  logprobs_bkt: jax.Array         # float32 [B, K, T]: log p of each token under the sampling dist.
-  policy_logprobs_bkt: jax.Array  # float32 [B, K, T]: log p under the untempered policy.
-  mask_bkt: jax.Array             # bool [B, K, T]: True up to and including EOS.
-  lengths_bk: jax.Array           # int32 [B, K]: number of True entries of mask_bkt.
+SampleOutput = sampling.SampleOutput
 
 
 @struct.dataclass
@@ -95,15 +87,6 @@ def left_pad_index(lengths_b, p: int):
   return (jnp.arange(p)[None, :] - shift_b[:, None]) % p
 
 
-def _prompt_inputs(prompt_tokens_xp, lengths_x):
-  num_cols = prompt_tokens_xp.shape[1]
-  cols_p = jnp.arange(num_cols, dtype=jnp.int32)
-  mask_xp = cols_p[None, :] < lengths_x[:, None]
-  # Padding columns are masked keys; position 0 keeps learned-position lookups in range.
-  positions_xp = jnp.where(mask_xp, cols_p[None, :], 0)
-  return positions_xp, mask_xp
-
-
 def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mode,
              per_layer=False):
   """Returns (first-step logits [B, K, V], model state for the decode loop); per_layer: the
@@ -112,14 +95,14 @@ def _prefill(fns, params, prompt_tokens_bp, lengths_b, *, k, max_new_tokens, mod
   if per_layer:
     fns = fns._replace(init_cache=functools.partial(fns.init_cache, per_layer=True))
   if mode == 'shared':
-    positions_bp, mask_bp = _prompt_inputs(prompt_tokens_bp, lengths_b)
+    positions_bp, mask_bp = sampling.prompt_inputs(prompt_tokens_bp, lengths_b)
     first_bv, prefix = fns.prefill(params, prompt_tokens_bp, positions_bp, mask_bp)
     first_bkv = jnp.broadcast_to(first_bv[:, None], (num_prompts, k, first_bv.shape[-1]))
     return first_bkv, fns.init_cache(prefix, mask_bp, k, max_new_tokens)
 
   tokens_np = jnp.repeat(prompt_tokens_bp, k, axis=0)  # row n = b * k + j
   lengths_n = jnp.repeat(lengths_b, k, axis=0)
-  positions_np, mask_np = _prompt_inputs(tokens_np, lengths_n)
+  positions_np, mask_np = sampling.prompt_inputs(tokens_np, lengths_n)
   first_nv, prefix = fns.prefill(params, tokens_np, positions_np, mask_np)
   return (first_nv.reshape(num_prompts, k, -1),
           fns.init_cache(prefix, mask_np, 1, max_new_tokens))
@@ -310,7 +293,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     if mode != 'shared':
       raise ValueError(f"the rollout engine (slots = {slots}) shares each prompt's prefill "
                        f"among its k streams: set mode='shared', not {mode!r}")
-    slots, prefix_rows = engine.check_slots(slots, k, prefix_rows)
+    slots, prefix_rows = sampler_args.check_slots(slots, k, prefix_rows)
     return engine.run(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b),
                       rng, eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method,
                       slots=slots, prefix_rows=prefix_rows,

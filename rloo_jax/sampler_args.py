@@ -3,6 +3,7 @@ the trainer's choice of its `unstack_layers` (config.rloo.decode_layers)."""
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -138,10 +139,37 @@ def decode_unstacked(exp) -> bool:
 
 
 def validate_decode_layout(rloo_config) -> None:
-  """config.rloo.decode_layers: a known value."""
+  """config.rloo.decode_layers: a known value; rollout_slots: 0, or the engine's checks."""
   _decode_layers(rloo_config)
+  if rloo_config.get('rollout_slots', 0):
+    if rloo_config.sampler_mode != 'shared':
+      raise ValueError("config.rloo.rollout_slots (the rollout engine) shares each prompt's "
+                       "prefill among its k streams: set config.rloo.sampler_mode='shared'")
+    check_slots(rloo_config.rollout_slots, rloo_config.k,
+                rloo_config.get('rollout_prefix_rows', 0), key='config.rloo.rollout_slots')
+
+
+def default_prefix_rows(slots: int, k: int) -> int:
+  """Prefix rows for `slots` streams: room for twice the groups the slots hold whole (a group
+  keeps its row until its last stream ends)."""
+  return max(1, min(slots, 2 * math.ceil(slots / k)))
+
+
+def check_slots(slots, k: int, prefix_rows, key: str = 'slots') -> tuple[int, int]:
+  """(slots, prefix rows) checked; `key` names the setting in the error."""
+  if isinstance(slots, bool) or not isinstance(slots, int) or slots < k:
+    raise ValueError(f'{key} = {slots!r} must be an integer >= k = {k} (a group\'s k streams '
+                     f'are admitted together); set it to a multiple of k, e.g. {8 * k}')
+  rows = prefix_rows or default_prefix_rows(slots, k)
+  if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= slots:
+    raise ValueError(f'{key.replace("slots", "prefix_rows")} = {prefix_rows!r} must be an '
+                     f'integer in 1..slots = {slots} (0: the default)')
+  return slots, rows
 
 
 def decode_options(exp) -> dict:
-  """`sampler.sample`'s decode layout arguments for `exp`."""
-  return dict(unstack_layers=decode_unstacked(exp))
+  """`sampler.sample`'s decode layout arguments for `exp`: the layer layout, and the rollout
+  engine's slots (config.rloo.rollout_slots; 0: the static sampler)."""
+  r = exp.config.rloo
+  return dict(unstack_layers=decode_unstacked(exp), slots=int(r.get('rollout_slots', 0) or 0),
+              prefix_rows=int(r.get('rollout_prefix_rows', 0) or 0))

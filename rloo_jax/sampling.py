@@ -21,6 +21,7 @@ from typing import Union
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 _NEG_INF = -jnp.inf
 
@@ -264,3 +265,26 @@ def from_config(r, key: str = 'config.rloo') -> Method:
   if t == 0:
     return Greedy()
   return Temperature(float(t))
+
+
+# ----------------------------------------------------------------------------------------------
+# What both samplers (`sampler`, `engine`) read and return
+
+
+@struct.dataclass
+class SampleOutput:
+  tokens_bkt: jax.Array           # int32 [B, K, T]: completion tokens, pad_id after EOS.
+  logprobs_bkt: jax.Array         # float32 [B, K, T]: log p of each token under the sampling dist.
+  policy_logprobs_bkt: jax.Array  # float32 [B, K, T]: log p under the untempered policy.
+  mask_bkt: jax.Array             # bool [B, K, T]: True up to and including EOS.
+  lengths_bk: jax.Array           # int32 [B, K]: number of True entries of mask_bkt.
+
+
+def prompt_inputs(prompt_tokens_xp, lengths_x):
+  """(positions, mask) [X, P] of right-padded prompt rows."""
+  num_cols = prompt_tokens_xp.shape[1]
+  cols_p = jnp.arange(num_cols, dtype=jnp.int32)
+  mask_xp = cols_p[None, :] < lengths_x[:, None]
+  # Padding columns are masked keys; position 0 keeps learned-position lookups in range.
+  positions_xp = jnp.where(mask_xp, cols_p[None, :], 0)
+  return positions_xp, mask_xp

@@ -118,3 +118,25 @@ def test_bad_engine_settings_fail_before_compiling(kw, match):
   with pytest.raises(ValueError, match=match):
     sampler.sample(fns, params, tokens, lengths, jax.random.key(0), k=3, max_new_tokens=4,
                    method=sampling.Greedy(), eos_id=47, pad_id=PAD, **kw)
+
+
+def test_config_rollout_slots_drives_rollouts_evaluation_and_generate(tmp_path):
+  """config.rloo.rollout_slots reaches every sampler call a run makes (rollouts, the
+  Evaluator, Policy.generate, all through `sampler_args.decode_options`), which then draw the
+  static sampler's completions; a bad value fails the config's validation."""
+  from rloo_jax import experiment, rollout, sampler_args  # pylint: disable=import-outside-toplevel
+  from test_trim import first_batch, tiny_config  # pylint: disable=import-outside-toplevel
+  outs = []
+  for slots in (0, 8):
+    config = tiny_config()
+    config.rloo.rollout_slots = slots
+    exp = experiment.build(config, str(tmp_path / str(slots)))
+    assert sampler_args.decode_options(exp)['slots'] == slots
+    params = models.create(exp.model_config)[1]
+    outs.append(rollout.sample_batch(exp, params, first_batch(exp), jax.random.key(0),
+                                     k=exp.config.rloo.k)[0])
+  _assert_same(*(jax.tree.map(np.asarray, o) for o in outs))
+  config = tiny_config()
+  config.rloo.rollout_slots = 2
+  with pytest.raises(ValueError, match=r'config.rloo.rollout_slots = 2 must be an integer >= k'):
+    experiment.validate_config(config)
