@@ -117,41 +117,62 @@ def _is_stop(tokens_x, eos_id):
   return jnp.any(tokens_x[..., None] == jnp.atleast_1d(eos_id).astype(tokens_x.dtype), axis=-1)
 
 
-@functools.partial(jit_by_platform, static_argnames=('fns', 'k', 'max_new_tokens', 'method',
-                                                     'slots', 'prefix_rows', 'unstack_layers'))
-def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
-        max_new_tokens, method, slots, prefix_rows, unstack_layers=False) -> EngineState:
-  """The whole rollout in one program: admit groups while k slots and a prefix row are free,
-  then one decode step of every slot, until every group is admitted and every stream ended."""
-  n, p = prompt_tokens_np.shape
-  t_cap, s, q_rows = max_new_tokens, slots, prefix_rows
-  lengths_n = prompt_lengths_n.astype(jnp.int32)
-  keys_nk = sampling.stream_keys(rng, n, k)
-  per_layer = bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
-  dparams, layers = params, None
-  if getattr(fns, 'decode_weights', None):
-    dparams, layers = fns.decode_weights(params, per_layer)
-  split = {} if layers is None else {'layers': layers}
+# Below this many stream slots a phase of its own saves less than it costs to compile.
+SMALLEST_KV_LIMIT = 64
 
-  def can_admit(st):
+
+def kv_limits(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
+  """The stream-slot counts a phase's decode steps attend to: ..., T/4, T/2, T."""
+  return tuple(sorted({max_new_tokens} | {max_new_tokens >> i for i in range(buckets)
+                                          if max_new_tokens >> i >= SMALLEST_KV_LIMIT}))
+
+
+def _need(st: EngineState):
+  """Stream slots the next decode step reads: the longest live stream's step (0: none live)."""
+  return jnp.max(jnp.where(st.group_s >= 0, st.step_s, 0))
+
+
+def _work_left(st: EngineState):
+  return (st.next_group < st.tokens_nkt.shape[0]) | jnp.any(st.group_s >= 0)
+
+
+class _Programs:
+  """The engine's two state transitions over one rollout's prompts: `admit_all` (groups while k
+  slots and a prefix row are free) and `decode` (one step of every slot)."""
+
+  def __init__(self, fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, *, k,
+               max_new_tokens, method, unstack_layers):
+    self.fns, self.params, self.prompts_np, self.k, self.t_cap = (
+        fns, params, prompt_tokens_np, k, max_new_tokens)
+    self.lengths_n = prompt_lengths_n.astype(jnp.int32)
+    self.keys_nk = sampling.stream_keys(rng, prompt_tokens_np.shape[0], k)
+    self.eos_id, self.method = eos_id, method
+    self.per_layer = bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
+    self.dparams, layers = params, None
+    if getattr(fns, 'decode_weights', None):
+      self.dparams, layers = fns.decode_weights(params, self.per_layer)
+    self.split = {} if layers is None else {'layers': layers}
+
+  def _can_admit(self, st):
     free = jnp.sum(st.group_s < 0)
-    return (st.next_group < n) & (free >= k) & jnp.any(st.refs_q == 0)
+    return (st.next_group < self.prompts_np.shape[0]) & (free >= self.k) & jnp.any(
+        st.refs_q == 0)
 
-  def admit(st):
-    g = st.next_group
-    tokens_1p = jax.lax.dynamic_slice_in_dim(prompt_tokens_np, g, 1)
+  def _admit(self, st):
+    k, g = self.k, st.next_group
+    tokens_1p = jax.lax.dynamic_slice_in_dim(self.prompts_np, g, 1)
     positions_1p, mask_1p = sampling.prompt_inputs(
-        tokens_1p, jax.lax.dynamic_slice_in_dim(lengths_n, g, 1))
-    first_1v, prefix = fns.prefill(params, tokens_1p, positions_1p, mask_1p)
+        tokens_1p, jax.lax.dynamic_slice_in_dim(self.lengths_n, g, 1))
+    first_1v, prefix = self.fns.prefill(self.params, tokens_1p, positions_1p, mask_1p)
     q = jnp.argmax(st.refs_q == 0)
     slots_k = jnp.nonzero(st.group_s < 0, size=k, fill_value=0)[0]
     g_k, j_k, t_k = jnp.full((k,), g), jnp.arange(k), jnp.zeros((k,), jnp.int32)
-    uniforms_1k2 = _uniforms(keys_nk, g_k, j_k, t_k)[None]
+    uniforms_1k2 = _uniforms(self.keys_nk, g_k, j_k, t_k)[None]
     first_1kv = jnp.broadcast_to(first_1v[:, None], (1, k, first_1v.shape[-1]))
-    tokens_1k, lp_1k, plp_1k = sampling.draw(method, uniforms_1k2, first_1kv)
+    tokens_1k, lp_1k, plp_1k = sampling.draw(self.method, uniforms_1k2, first_1kv)
     tokens_k = tokens_1k[0]
     st = _write(st, g_k, j_k, t_k, tokens_k, lp_1k[0], plp_1k[0], jnp.ones((k,), bool))
-    live_k = ~_is_stop(tokens_k, eos_id) & (t_cap > 1)
+    live_k = ~_is_stop(tokens_k, self.eos_id) & (self.t_cap > 1)
     cache = _write_prefix(st.cache, q, prefix, mask_1p)
     cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_k].set(q))
     return st.replace(
@@ -160,39 +181,91 @@ def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *,
         last_s=st.last_s.at[slots_k].set(tokens_k),
         refs_q=st.refs_q.at[q].set(jnp.sum(live_k)), next_group=g + 1)
 
-  def decode(st):
+  def admit_all(self, st):
+    return jax.lax.while_loop(self._can_admit, self._admit, st)
+
+  def decode(self, st, kv_limit: int):
     live_s = st.group_s >= 0
     g_s = jnp.maximum(st.group_s, 0)
     # A free slot decodes too (its output is dropped); its index stays inside its buffer.
     cache = st.cache.replace(index=jnp.maximum(st.step_s - 1, 0)[:, None])
-    positions_s = lengths_n[g_s] + jnp.maximum(st.step_s - 1, 0)
-    logits_s1v, cache = fns.decode(dparams, st.last_s[:, None], positions_s[:, None], cache,
-                                   **split)
-    uniforms_s12 = _uniforms(keys_nk, g_s, st.stream_s, st.step_s)[:, None]
-    tokens_s1, lp_s1, plp_s1 = sampling.draw(method, uniforms_s12, logits_s1v)
+    positions_s = self.lengths_n[g_s] + jnp.maximum(st.step_s - 1, 0)
+    logits_s1v, cache = self.fns.decode(
+        self.dparams, st.last_s[:, None], positions_s[:, None], cache,
+        kv_limit=None if kv_limit >= self.t_cap else kv_limit, **self.split)
+    uniforms_s12 = _uniforms(self.keys_nk, g_s, st.stream_s, st.step_s)[:, None]
+    tokens_s1, lp_s1, plp_s1 = sampling.draw(self.method, uniforms_s12, logits_s1v)
     tokens_s = tokens_s1[:, 0]
     st = _write(st, g_s, st.stream_s, st.step_s, tokens_s, lp_s1[:, 0], plp_s1[:, 0], live_s)
     step_s = st.step_s + live_s
-    ended_s = live_s & (_is_stop(tokens_s, eos_id) | (step_s >= t_cap))
+    ended_s = live_s & (_is_stop(tokens_s, self.eos_id) | (step_s >= self.t_cap))
     refs_q = st.refs_q.at[cache.prefix_rows_b].add(-ended_s.astype(jnp.int32))
     return st.replace(cache=cache, group_s=jnp.where(ended_s, -1, st.group_s), step_s=step_s,
                       last_s=tokens_s, refs_q=refs_q, steps=st.steps + 1)
 
-  def cond(st):
-    return (st.next_group < n) | jnp.any(st.group_s >= 0)
 
-  def body(st):
-    return decode(jax.lax.while_loop(can_admit, admit, st))
+_STATIC = ('fns', 'k', 'max_new_tokens', 'method', 'unstack_layers')
 
-  zeros_s = jnp.zeros((s,), jnp.int32)
-  shape_nkt = (n, k, t_cap)
+
+@functools.partial(jit_by_platform, static_argnames=_STATIC + ('slots', 'prefix_rows'))
+def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
+          max_new_tokens, method, slots, prefix_rows, unstack_layers=False) -> EngineState:
+  """The empty slots and prefix rows, then the first groups admitted."""
+  n, p = prompt_tokens_np.shape
+  programs = _Programs(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, k=k,
+                       max_new_tokens=max_new_tokens, method=method,
+                       unstack_layers=unstack_layers)
+  zeros_s = jnp.zeros((slots,), jnp.int32)
+  shape_nkt = (n, k, max_new_tokens)
   st = EngineState(
-      cache=_empty_cache(fns, params, p, q_rows, s, t_cap, per_layer),
-      group_s=jnp.full((s,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,
-      last_s=zeros_s + pad_id, refs_q=jnp.zeros((q_rows,), jnp.int32),
+      cache=_empty_cache(fns, params, p, prefix_rows, slots, max_new_tokens,
+                         programs.per_layer),
+      group_s=jnp.full((slots,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,
+      last_s=zeros_s + pad_id, refs_q=jnp.zeros((prefix_rows,), jnp.int32),
       next_group=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32),
       tokens_nkt=jnp.full(shape_nkt, pad_id, jnp.int32),
       logprobs_nkt=jnp.zeros(shape_nkt, jnp.float32),
       policy_logprobs_nkt=jnp.zeros(shape_nkt, jnp.float32),
       mask_nkt=jnp.zeros(shape_nkt, bool), lengths_nk=jnp.zeros((n, k), jnp.int32))
-  return jax.lax.while_loop(cond, body, st)
+  return programs.admit_all(st)
+
+
+# The state is donated: the loop updates the caller's KV buffers in place, never a copy.
+@functools.partial(jit_by_platform, static_argnames=_STATIC + ('kv_limit', 'kv_floor'),
+                   donate_argnames=('state',))
+def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: EngineState, *,
+          k, max_new_tokens, method, kv_limit, kv_floor=0, unstack_layers=False) -> EngineState:
+  """Decode steps reading the first kv_limit stream slots, each followed by admissions, while
+  work is left and the longest live stream needs more than kv_floor and at most kv_limit."""
+  programs = _Programs(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, k=k,
+                       max_new_tokens=max_new_tokens, method=method,
+                       unstack_layers=unstack_layers)
+
+  def cond(st):
+    need = _need(st)
+    return _work_left(st) & (need <= kv_limit) & ((need > kv_floor) | (kv_floor == 0))
+
+  return jax.lax.while_loop(cond, lambda st: programs.admit_all(programs.decode(st, kv_limit)),
+                            state)
+
+
+def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
+        max_new_tokens, method, slots, prefix_rows, unstack_layers=False,
+        kv_buckets=4) -> EngineState:
+  """The rollout: `start`, then `phase`s until every group is admitted and every stream ended.
+  A phase's steps attend to the first L stream slots, L the smallest of
+  `kv_limits(T, kv_buckets)` holding the longest live stream (one compiled phase per L, kept
+  until that stream needs more, or under half the next smaller L), so a step's attention cost
+  follows the longest live stream, not the cap."""
+  args = (fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id)
+  static = dict(k=k, max_new_tokens=max_new_tokens, method=method,
+                unstack_layers=unstack_layers)
+  state = start(*args, pad_id, slots=slots, prefix_rows=prefix_rows, **static)
+  limits = kv_limits(max_new_tokens, kv_buckets)
+  while True:
+    left, need = jax.device_get((_work_left(state), _need(state)))
+    if not left:
+      return state
+    i = next(i for i, lim in enumerate(limits) if lim >= need)
+    state = phase(*args, state, kv_limit=limits[i], kv_floor=limits[i - 1] // 2 if i else 0,
+                  **static)

@@ -61,15 +61,17 @@ def test_the_engine_draws_the_static_samplers_tokens(family):
   assert len(np.unique(static.tokens_bkt[ends])) >= 2
 
 
-@pytest.mark.parametrize('method', [sampling.Greedy(), sampling.TopP(0.8, temperature=0.7),
-                                    sampling.TopK(5)], ids=['greedy', 'top_p', 'top_k'])
-def test_every_method_and_slot_count(method):
+@pytest.mark.parametrize('method, slots, rows', [
+    (sampling.Greedy(), 4, 0), (sampling.TopP(0.8, temperature=0.7), 6, 1),
+    (sampling.TopK(5), 16, 0)], ids=['greedy', 'top_p', 'top_k'])
+def test_every_method_and_slot_count(method, slots, rows):
+  """Slots short of a group's k plus one, a prefix row for one group at a time, and more slots
+  than the five groups' streams."""
   fns, params = _tiny('llama')
   # Greedy from these prompts ends at once on any of STOPS: one stop id, met later.
   eos = (47,) if method.is_greedy else STOPS
-  for slots, rows in ((4, 0), (6, 1), (16, 0)):
-    static, ours = _both(fns, params, method, slots=slots, prefix_rows=rows, eos_id=eos)
-    _assert_same(static, ours)
+  static, ours = _both(fns, params, method, slots=slots, prefix_rows=rows, eos_id=eos)
+  _assert_same(static, ours)
   assert static.lengths_bk.max() > 3
 
 
@@ -94,6 +96,9 @@ def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
                          prefix_v_lbhpd=fill(cache.prefix_v_lbhpd))
 
   monkeypatch.setattr(engine, '_empty_cache', poisoned)
+  # Phases reading 2, 4, 9 and 19 stream slots: a limit must never cut a live stream short.
+  monkeypatch.setattr(engine, 'SMALLEST_KV_LIMIT', 2)
+  assert engine.kv_limits(19, 4) == (2, 4, 9, 19)
   # t=19: a program no other test compiled, so it is traced with the poisoned cache.
   static, ours = _both(fns, params, sampling.Temperature(1.0), slots=3, prefix_rows=1, t=19)
   _assert_same(static, ours)

@@ -242,10 +242,13 @@ class Transformer(nnx.Module):
     """Logits [N, T, V] (values [N, T] for head='scalar') of `grouped_hidden`."""
     return self._head(self.grouped_hidden(*args, gather=gather))
 
-  def decode(self, tokens_bk, positions_bk, cache: DecodeCache, gather=None, layers=None):
+  def decode(self, tokens_bk, positions_bk, cache: DecodeCache, gather=None, layers=None,
+             kv_limit=None):
     """One token per stream, written at stream slot cache.index (callers keep index <
     max_new_tokens: dynamic_update_slice clamps, so a step past the end would overwrite the
     last slot). `layers`: `decode_weights.prepare`'s per-layer weights, run unrolled.
+    kv_limit: attend to the first kv_limit stream slots only (a static int above every
+    stream's index), so the step's attention cost follows it, not the buffer's length.
     Returns (logits [B,K,V], cache)."""
     idx = cache.index.astype(jnp.int32)
     if cache.per_layer and layers is None:  # its buffers are picked by a static layer number
@@ -266,6 +269,7 @@ class Transformer(nnx.Module):
 
       def store(k, v):  # the stream buffers ride in the carry, written in place
         (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, idx)
+        k_l, v_l = k_l[..., :kv_limit], v_l[..., :kv_limit, :]
         return (prefix[0], k_l), (prefix[1], v_l), (k_all, v_all)
 
       x, kv = block(x, rotary, spec, store, fused=True)
@@ -338,10 +342,12 @@ def model_fns(graphdef, gather=None) -> ModelFns:
   def prefill(params, tokens_bp, positions_bp, mask_bp):
     return model(params).prefill(tokens_bp, positions_bp, mask_bp, gather=gather)
 
-  def decode(params, tokens_bk, positions_bk, cache, layers=None):
+  def decode(params, tokens_bk, positions_bk, cache, layers=None, kv_limit=None):
     if layers is not None:  # decode_weights' per-layer weights: params and layers gathered
-      return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, layers=layers)
-    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather)
+      return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, layers=layers,
+                                                kv_limit=kv_limit)
+    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather,
+                                kv_limit=kv_limit)
 
   decode_weights = functools.partial(decode_weights_lib.prepare, config, gather=gather)
 
