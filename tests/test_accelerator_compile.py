@@ -59,6 +59,22 @@ def test_every_smoke_program_compiles_and_fits(name, arg, target):
   assert report["fits"], report["programs"]
 
 
+@pytest.mark.parametrize("target", SMOKE_TARGETS)
+def test_the_rollout_engine_compiles_and_fits(target):
+  """config.rloo.rollout_slots: the plan compiles the engine's one program (not the sampler's
+  start and decode), and its KV cache is at most the whole slot and prefix pools."""
+  config = load_config()
+  config.mesh.data, config.mesh.fsdp = -1, 1
+  config.rloo.rollout_slots = 2 * config.rloo.k  # 2 * 2 prompt rows by default
+  report = memory.plan(_algo(config, target), names=("engine",),
+                       device_memory_gb=targets.parse(target).memory_gb)
+  assert list(report["programs"]) == ["engine"] and report["fits"]
+  m, c = config.model, config
+  whole = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4 * (
+      c.rloo.rollout_slots * c.rloo.max_new_tokens + 4 * c.data.max_prompt_len)
+  assert whole / 4 <= report["kv_cache_gb"] * memory.GIB <= whole * 1.01
+
+
 def _qwen_1p5b(target):
   """Qwen2.5-1.5B, one layer, 64 prompts x 4 x (256 + 256), FSDP over 8: the job whose gradient
   program the H100 compiler refused with its default Triton GEMM (platform.GPU_COMPILER_OPTIONS)."""

@@ -22,6 +22,7 @@ from typing import Optional
 from rloo_jax import experiment, packing, sampler_args
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
+from rloo_jax.memory import slots as slots_lib
 from rloo_jax.memory import speedups as speedups_lib
 from rloo_jax.models import attention_ops, lora
 
@@ -29,7 +30,8 @@ GIB = 2 ** 30
 DEFAULT_DEVICE_MEMORY_GB = 80.0
 PROGRAM_LABELS = {"update": "update step", "update_gradients": "update grads",
                   "update_apply": "update apply", "score": "scoring pass",
-                  "start": "sampler start", "decode": "sampler decode"}
+                  "start": "sampler start", "decode": "sampler decode",
+                  "engine": "rollout engine"}
 
 
 class DoesNotFit(ValueError):
@@ -195,7 +197,8 @@ def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
   sampling = [over[n] for n in ("start", "decode") if n in over]
   if sampling:
     items += _cache_advice(exp, compiled, max(sampling))
-  if "decode" in over and sampler_args.decode_unstacked(exp):
+  items += slots_lib.advice(algo, compiled, limit, over, accelerator)
+  if ("decode" in over or "engine" in over) and sampler_args.decode_unstacked(exp):
     # The layers whole on each device, at most as stored (an accelerator holds them in the
     # activation dtype, XLA:CPU in float32).
     layers = sampler_args.layer_bytes_per_device(exp) * exp.model_config.num_layers
@@ -273,6 +276,8 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
                 for n, p in compiled.programs.items()},
       **programs_lib.microbatch(c),
       rollout_chunk_prompts=programs_lib.chunk_prompts(c),
+      # The rollout engine's stream slots and prompt rows (0, 0: the static sampler).
+      **dict(zip(("rollout_slots", "rollout_prefix_rows"), programs_lib.engine_slots(c))),
       # Model FLOPs: rollout + reference + update (num_epochs passes over every row, i.e.
       # epochs x minibatches steps); the backward's recompute is reported apart, not included.
       flops_per_iteration=int(f["rollout"] + f["reference"] + f["update"]),
@@ -306,7 +311,9 @@ def format_table(r: dict) -> str:
            f"  optimizer state   {r['opt_state_gb']:10.4g}",
            f"  reference         {r['ref_gb']:10.4g}",
            f"  KV cache          {r['kv_cache_gb']:10.4g}  (one rollout chunk of "
-           f"{r['rollout_chunk_prompts']} prompts)",
+           f"{r['rollout_chunk_prompts']} prompts" + (
+               f"; the engine's {r['rollout_slots']} stream slots + "
+               f"{r['rollout_prefix_rows']} prompt rows)" if r.get("rollout_slots") else ")"),
            *([f"  reward model      {r['reward_model_gb']:10.4g}  (hf_reward_model:, resident)"]
              if r.get("reward_model_gb") else []),
            f"  {'program':16}{'peak':>10}{'temp':>10}{'args':>10}{'out':>10}{'alias':>10}"

@@ -8,6 +8,8 @@ the real shardings) and compiled, with what each holds in device memory.
              advantages after it, `RLOO.advantage_fn`, are a few [B, k] arrays)
     start    `sampler.start` on one rollout chunk (prefill + the first token)
     decode   `sampler.decode_loop` on that chunk's SamplingState (donated)
+    engine   with config.rloo.rollout_slots, instead of the two: `engine.run` on one chunk, the
+             whole rollout in one program (its slot pool's KV buffers and prefix pool)
 
 A program's peak on a device is its arguments + outputs - the donated (aliased) bytes + XLA's
 temporaries (`Compiled.memory_analysis`, per device for a partitioned program), plus what stays
@@ -29,10 +31,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import experiment, rollout, sampler, sampler_args, update
+from rloo_jax import engine, experiment, rollout, sampler, sampler_args, update
 from rloo_jax.sharding import per_device_bytes
 
-NAMES = ("update", "score", "start", "decode")
+NAMES = ("update", "score", "start", "decode", "engine")
+# The rollout's programs: the static sampler's start and decode (config.rloo.rollout_slots = 0),
+# or the engine's one program; a plan asking for any of them gets the run's own.
+ROLLOUT = ("start", "decode", "engine")
 # The train state's parts each update program takes as arguments (the rest stays resident
 # beside it): the gradient program reads the params only, the optimizer step the whole state.
 _UPDATE_STATE_ARGS = {"update": ("params", "ref_params", "opt_state"),
@@ -227,13 +232,25 @@ class Compiled:
   reward_model_bytes: int = 0  # hf_reward_model: weights per device, resident throughout
 
 
+def program_names(config, names=NAMES) -> tuple:
+  """`names` with the rollout's programs (any of ROLLOUT) the run's own: the engine's one
+  (config.rloo.rollout_slots), or the static sampler's start and decode ("engine": both)."""
+  if not set(names) & set(ROLLOUT):
+    return tuple(names)
+  rest = tuple(n for n in names if n not in ROLLOUT)
+  if engine_slots(config)[0]:
+    return rest + ("engine",)
+  return rest + (tuple(n for n in names if n in ("start", "decode")) or ("start", "decode"))
+
+
 def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
-  """Compiles the RLOO programs `names` (a subset of NAMES; the decode loop needs the start
-  compiled too) of `algo` (an `algorithms.rloo.RLOO`) on abstract inputs, with XLA
+  """Compiles the RLOO programs `names` (a subset of NAMES, `program_names`; the decode loop
+  needs the start compiled too) of `algo` (an `algorithms.rloo.RLOO`) on abstract inputs, with XLA
   `options` (compiler_options: e.g. ACCELERATOR_OPTIONS)."""
   exp = algo.exp
   _compile = functools.partial(_compile_with, options=options)
   c = exp.config
+  names = program_names(c, names)
   x = inputs(exp)
   state = x.state
   parts = {name: per_device_bytes(getattr(state, name))
@@ -245,33 +262,14 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   # adapters (params), the base then being no copy but the reference itself.
   policy_parts = ("params", "ref_params") if state.lora else ("params",)
   policy_bytes = sum(parts[p] for p in policy_parts)
-  tok, static = x.token_id, _sampler_static(exp)
-  unstack = sampler_args.decode_unstacked(exp)
-  start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
-                      unstack_layers=unstack)
-  start_args = (state.policy_params, *x.prompts, x.rng, x.stop_ids, tok)
-  shapes = jax.eval_shape(functools.partial(sampler.start, exp.fns, **start_static),
-                          *start_args)
   found = {}
-  if "start" in names or "decode" in names:
-    compiled, s = _compile(lambda: sampler.start.lower(exp.fns, *start_args, **start_static))
-    found["start"] = _measure("start", compiled, s, persistent - policy_bytes)
-    # The decode loop's input is the start's output, with the shardings the start gives it.
-    samp = _with_shardings(shapes, compiled.output_shardings)
-    kv_cache, sample_output = per_device_bytes(samp.cache), per_device_bytes(samp.output())
-  else:
-    # Uncompiled: the sampler splits every per-prompt array over the batch axes.
-    samp, ways = shapes, exp.layout.batch_parallelism
-    kv_cache, sample_output = (sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) // ways
-                               for t in (shapes.cache, shapes.output()))
+  rollout = _engine_rollout if engine_slots(c)[0] else _static_rollout
+  samp, kv_cache, sample_output = rollout(exp, x, names, _compile, found,
+                                          persistent - policy_bytes)
   # The whole rollout's sample output (this chunk's, times the chunks) stays alive until the
   # iteration's metrics are taken.
   sample_output *= c.rloo.num_prompts // chunk_prompts(c)
   rows_bytes = per_device_bytes(x.rows)
-  if "decode" in names:
-    compiled, s = _compile(lambda: sampler.decode_loop.lower(
-        exp.fns, state.policy_params, samp, x.stop_ids, tok, **static, unstack_layers=unstack))
-    found["decode"] = _measure("decode", compiled, s, persistent - policy_bytes)
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
   score_args = (state.ref_params, state.adv_state, x.rows,
                 _struct(shape_bk, jnp.float32, rows_sh), _struct(shape_bk, jnp.bool_, rows_sh))
@@ -303,6 +301,64 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   return Compiled({n: found[n] for n in order}, parts, kv_cache,
                   dict(sample_output=sample_output, rows=rows_bytes, scores=scores), samp,
                   itemsize(state.ref_params), itemsize(state.params), reward_model)
+
+
+def _static_rollout(exp, x, names, _compile, found, resident):
+  """The static sampler's programs (`sampler.start`, then `sampler.decode_loop` on its donated
+  state) among `names` into `found`; returns (sampling state, KV cache and sample output bytes
+  per device)."""
+  c, params, tok = exp.config, x.state.policy_params, x.token_id
+  static, unstack = _sampler_static(exp), sampler_args.decode_unstacked(exp)
+  start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
+                      unstack_layers=unstack)
+  start_args = (params, *x.prompts, x.rng, x.stop_ids, tok)
+  shapes = jax.eval_shape(functools.partial(sampler.start, exp.fns, **start_static),
+                          *start_args)
+  if not ("start" in names or "decode" in names):
+    # Uncompiled: the sampler splits every per-prompt array over the batch axes.
+    ways = exp.layout.batch_parallelism
+    return (shapes, *(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) // ways
+                      for t in (shapes.cache, shapes.output())))
+  compiled, s = _compile(lambda: sampler.start.lower(exp.fns, *start_args, **start_static))
+  found["start"] = _measure("start", compiled, s, resident)
+  # The decode loop's input is the start's output, with the shardings the start gives it.
+  samp = _with_shardings(shapes, compiled.output_shardings)
+  if "decode" in names:
+    compiled, s = _compile(lambda: sampler.decode_loop.lower(
+        exp.fns, params, samp, x.stop_ids, tok, **static, unstack_layers=unstack))
+    found["decode"] = _measure("decode", compiled, s, resident)
+  return samp, per_device_bytes(samp.cache), per_device_bytes(samp.output())
+
+
+def engine_slots(config) -> tuple[int, int]:
+  """(stream slots, prefix rows) of the rollout engine, config.rloo.rollout_slots and
+  rollout_prefix_rows resolved (0: its default); (0, 0) for the static sampler."""
+  slots = int(config.rloo.get("rollout_slots", 0) or 0)
+  if not slots:
+    return 0, 0
+  return sampler_args.check_slots(slots, int(config.rloo.k),
+                                  int(config.rloo.get("rollout_prefix_rows", 0) or 0))
+
+
+def _engine_rollout(exp, x, names, _compile, found, resident):
+  """`engine.run` (config.rloo.rollout_slots): the whole rollout of one chunk in one program,
+  compiled as "engine" when `names` asks for it; returns (its
+  EngineState, KV cache bytes (stream buffers + prefix pool) and sample output per device)."""
+  c = exp.config
+  slots, prefix_rows = engine_slots(c)
+  static = dict(k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
+                method=exp.method, slots=slots, prefix_rows=prefix_rows,
+                unstack_layers=sampler_args.decode_unstacked(exp))
+  args = (x.state.policy_params, *x.prompts, x.rng, x.stop_ids, x.token_id)
+  shapes = jax.eval_shape(functools.partial(engine.run, exp.fns, **static), *args)
+  if "engine" not in names:
+    # Uncompiled: the outputs split over the batch axes, the slot and prefix pools whole.
+    size = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
+    return shapes, size(shapes.cache), size(shapes.output()) // exp.layout.batch_parallelism
+  compiled, s = _compile(lambda: engine.run.lower(exp.fns, *args, **static))
+  found["engine"] = _measure("engine", compiled, s, resident)
+  state = _with_shardings(shapes, compiled.output_shardings)
+  return state, per_device_bytes(state.cache), per_device_bytes(state.output())
 
 
 def compile_at(algo, config, names=("update",), *, accelerator: bool,

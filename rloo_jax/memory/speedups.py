@@ -135,8 +135,10 @@ def _decode_layers(algo, limit: int, accelerator: bool) -> list:
     return []
   config = c.copy_and_resolve_references()
   config.rloo.decode_layers = "unstacked"
+  # The decode loop's program: the static sampler's decode, or the rollout engine's one.
+  name = "engine" if programs_lib.engine_slots(c)[0] else "decode"
   peak = programs_lib.compile_at(algo, config, ("start", "decode"),
-                                 accelerator=accelerator)["decode"].peak
+                                 accelerator=accelerator)[name].peak
   if peak > HEADROOM * limit:
     return []
   # What each device receives a token scanned: every layer but its own shard of it.
@@ -147,7 +149,8 @@ def _decode_layers(algo, limit: int, accelerator: bool) -> list:
                text=(f"--config.rloo.decode_layers=unstacked (now scanned): "
                      f"every layer gathered once a rollout instead of at every token, "
                      f"{per_token / GIB:.3g} GiB of all-gathers a token fewer per device; "
-                     f"decode peak {peak / GIB:.3g} GiB"))]
+                     f"{'rollout engine' if name == 'engine' else 'decode'} peak "
+                     f"{peak / GIB:.3g} GiB"))]
 
 
 def speedups(algo, compiled, limit: int, accelerator: bool = False, *, shape: dict,
@@ -163,4 +166,5 @@ def speedups(algo, compiled, limit: int, accelerator: bool = False, *, shape: di
   current = max(compiled.programs[n].peak for n in names)
   return (_remat(algo, limit, accelerator, hoisted, shape, sum(flops.values()))
           + _microbatch(algo, limit, accelerator, hoisted, current)
-          + (_decode_layers(algo, limit, accelerator) if "decode" in compiled.programs else []))
+          + (_decode_layers(algo, limit, accelerator)
+             if {"decode", "engine"} & set(compiled.programs) else []))
