@@ -61,7 +61,7 @@ def test_every_smoke_program_compiles_and_fits(name, arg, target):
 
 @pytest.mark.parametrize("target", SMOKE_TARGETS)
 def test_the_rollout_engine_compiles_and_fits(target):
-  """config.rloo.rollout_slots: the plan compiles the engine's one program (not the sampler's
+  """config.rloo.rollout_slots: the plan compiles the engine's start and phase (not the sampler's
   start and decode), and its KV cache is at most the whole slot and prefix pools."""
   config = load_config()
   config.mesh.data, config.mesh.fsdp = -1, 1
