@@ -68,6 +68,24 @@ def forced(fns, h, prompt_len: int):
   return fns._replace(prefill=prefill, decode=decode)
 
 
+def decode_cost(fns, params, a) -> dict:
+  """FLOPs and bytes per token of one engine decode step (`cost_analysis` of the compiled
+  model step over every slot) at each KV limit L the engine's phases read: they follow L."""
+  t_cap, out = a.max_new_tokens, {}
+  cache = jax.eval_shape(lambda: engine_lib._empty_cache(fns, params, a.prompt_len, a.slots,
+                                                         a.slots, t_cap, False))
+  tok = jax.ShapeDtypeStruct((a.slots, 1), jnp.int32)
+  for lim in (t_cap // 8, t_cap // 4, t_cap // 2, t_cap):
+    step = jax.jit(lambda p, t, x, c, lim=lim: fns.decode(p, t, x, c, kv_limit=lim))
+    cost = step.lower(params, tok, tok, cache).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out[lim] = {"flops_per_token": round(cost["flops"] / a.slots),
+                "bytes_per_token": round(cost["bytes accessed"] / a.slots)}
+    print(f"decode step reading {lim:5d} stream slots: {out[lim]['flops_per_token']:.4g} FLOPs, "
+          f"{out[lim]['bytes_per_token']:.4g} bytes a token")
+  return out
+
+
 def median_s(run, repeats):
   jax.block_until_ready(run())
   times = []
@@ -80,9 +98,9 @@ def median_s(run, repeats):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--groups", type=int, default=64)
+  ap.add_argument("--groups", type=int, default=128)
   ap.add_argument("--k", type=int, default=4)
-  ap.add_argument("--slots", type=int, default=64)
+  ap.add_argument("--slots", type=int, default=32)
   ap.add_argument("--prefix_rows", type=int, default=0)
   ap.add_argument("--max_new_tokens", type=int, default=256)
   ap.add_argument("--prompt_len", type=int, default=32)
@@ -102,7 +120,7 @@ def main():
   prompts = rng.integers(2, a.vocab, (a.groups, a.prompt_len)).astype(np.int32)
   lengths = np.full((a.groups,), a.prompt_len, np.int32)
   kw = dict(k=a.k, max_new_tokens=t_cap, method=sampling.Temperature(1.0), eos_id=EOS, pad_id=0)
-  result = {}
+  result = {"decode_cost": decode_cost(models.model_fns(graphdef), params, a)}
   for dist in a.dists.split(","):
     fns = forced(models.model_fns(graphdef), hazard(dist, t_cap, rng), a.prompt_len)
     outs = {}
@@ -129,7 +147,9 @@ def main():
     steps = {"static": sum(int(o.lengths_bk.max()) - 1 for o in outs["static"]),
              "engine": int(outs["engine"].steps)}
     row.update({f"{name}_decode_steps": v for name, v in steps.items()})
-    row["engine_occupancy"] = round(useful["engine"] / (steps["engine"] * a.slots), 3)
+    # A stream's first token comes from its prompt's prefill, the rest from decode steps.
+    decoded = useful["engine"] - a.groups * a.k
+    row["engine_occupancy"] = round(decoded / (steps["engine"] * a.slots), 3)
     print(f"{dist:10s} mean length {mean_len:6.1f} of {t_cap}: static {seconds['static']:.3f} s "
           f"({useful['static']} tokens), engine {seconds['engine']:.3f} s ({useful['engine']} "
           f"tokens, {steps['engine']} steps, {row['engine_occupancy']:.0%} of slots live), "
