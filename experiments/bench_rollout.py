@@ -145,7 +145,7 @@ def main():
     row["ratio"] = round(row["engine_tok_s"] / row["static_tok_s"], 3)
     mean_len = useful["engine"] / (a.groups * a.k)
     steps = {"static": sum(int(o.lengths_bk.max()) - 1 for o in outs["static"]),
-             "engine": int(outs["engine"].steps)}
+             "engine": int(outs["engine"].steps.max())}
     row.update({f"{name}_decode_steps": v for name, v in steps.items()})
     # A stream's first token comes from its prompt's prefill, the rest from decode steps.
     decoded = useful["engine"] - a.groups * a.k

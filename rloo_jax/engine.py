@@ -15,6 +15,11 @@ tokens drawn, its streams placed in the free slots. A stream's cache index is it
 Same `SampleOutput` [N, k, T], token for token, as `sampler.sample(mode='shared')` of the same
 prompts and rng: stream (g, j) draws step t from fold_in(stream_keys(rng)[g, j], t) whatever
 slot it lands in, so scheduling cannot change what it samples. One policy version a rollout.
+
+On a mesh (`batch_sharding`) each of the D batch shards runs an engine of its own over its own
+prompt rows, with slots / D slots and prefix_rows / D prefix rows (every state array carries a
+leading [D] axis split over the batch axes, the per-shard work vmapped), so no device holds or
+decodes another's slots.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from rloo_jax.platform import jit_by_platform
 
 @struct.dataclass
 class EngineState:
+  """One batch shard's engine; every field has a leading [D] axis over the D shards."""
   cache: Any               # DecodeCache: prefix pool of Q rows, S stream rows of one stream each
   group_s: jax.Array       # int32 [S]: the group (prompt row) a slot decodes; -1: free
   stream_s: jax.Array      # int32 [S]: its stream j in that group
@@ -49,9 +55,38 @@ class EngineState:
   lengths_nk: jax.Array
 
   def output(self) -> sampling.SampleOutput:
-    return sampling.SampleOutput(tokens_bkt=self.tokens_nkt, logprobs_bkt=self.logprobs_nkt,
-                                policy_logprobs_bkt=self.policy_logprobs_nkt,
-                                mask_bkt=self.mask_nkt, lengths_bk=self.lengths_nk)
+    """The shards' outputs as one [N, k, T] batch (shard d's rows d*N/D.., as placed)."""
+    def rows(x):  # also of the abstract state (the plan's), its sharding kept on dim 0
+      shape = (x.shape[0] * x.shape[1],) + tuple(x.shape[2:])
+      if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+      return x.reshape(shape)
+
+    return sampling.SampleOutput(
+        tokens_bkt=rows(self.tokens_nkt), logprobs_bkt=rows(self.logprobs_nkt),
+        policy_logprobs_bkt=rows(self.policy_logprobs_nkt), mask_bkt=rows(self.mask_nkt),
+        lengths_bk=rows(self.lengths_nk))
+
+
+def shards(batch_sharding) -> int:
+  """D: how many ways `batch_sharding` (None: 1) splits the batch dimension."""
+  if batch_sharding is None or not len(batch_sharding.spec) or batch_sharding.spec[0] is None:
+    return 1
+  axes = batch_sharding.spec[0]
+  axes = (axes,) if isinstance(axes, str) else axes
+  return math.prod(batch_sharding.mesh.shape[a] for a in axes)
+
+
+def _split(x, d: int, batch_sharding):
+  """x [N, ...] as [D, N/D, ...], the leading axis over the batch axes."""
+  return _on_shards(x.reshape((d, x.shape[0] // d) + x.shape[1:]), batch_sharding)
+
+
+def _on_shards(tree, batch_sharding):
+  if batch_sharding is None:
+    return tree
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
+      batch_sharding.mesh, jax.sharding.PartitionSpec(batch_sharding.spec[0]))), tree)
 
 
 def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool):
@@ -133,24 +168,21 @@ def _need(st: EngineState):
 
 
 def _work_left(st: EngineState):
-  return (st.next_group < st.tokens_nkt.shape[0]) | jnp.any(st.group_s >= 0)
+  """Whether any shard has a group to admit or a live stream."""
+  return jnp.any(st.next_group < st.tokens_nkt.shape[-3]) | jnp.any(st.group_s >= 0)
 
 
 class _Programs:
-  """The engine's two state transitions over one rollout's prompts: `admit_all` (groups while k
-  slots and a prefix row are free) and `decode` (one step of every slot)."""
+  """One shard's two state transitions over its prompt rows: `admit_all` (groups while k slots
+  and a prefix row are free) and `decode` (one step of every slot)."""
 
-  def __init__(self, fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, *, k,
-               max_new_tokens, method, unstack_layers):
+  def __init__(self, fns, params, prepared, prompt_tokens_np, prompt_lengths_n, keys_nk, eos_id,
+               *, k, max_new_tokens, method):
     self.fns, self.params, self.prompts_np, self.k, self.t_cap = (
         fns, params, prompt_tokens_np, k, max_new_tokens)
     self.lengths_n = prompt_lengths_n.astype(jnp.int32)
-    self.keys_nk = sampling.stream_keys(rng, prompt_tokens_np.shape[0], k)
-    self.eos_id, self.method = eos_id, method
-    self.per_layer = bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
-    self.dparams, layers = params, None
-    if getattr(fns, 'decode_weights', None):
-      self.dparams, layers = fns.decode_weights(params, self.per_layer)
+    self.keys_nk, self.eos_id, self.method = keys_nk, eos_id, method
+    self.dparams, layers = prepared
     self.split = {} if layers is None else {'layers': layers}
 
   def _can_admit(self, st):
@@ -204,62 +236,92 @@ class _Programs:
                       last_s=tokens_s, refs_q=refs_q, steps=st.steps + 1)
 
 
-_STATIC = ('fns', 'k', 'max_new_tokens', 'method', 'unstack_layers')
+_STATIC = ('fns', 'k', 'max_new_tokens', 'method', 'unstack_layers', 'batch_sharding')
+
+
+def _per_layer(fns, unstack_layers) -> bool:
+  return bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
+
+
+def _on_each_shard(transition, fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id,
+                   state, *, k, max_new_tokens, method, unstack_layers, batch_sharding):
+  """`transition(programs, state)` run on every shard's state with its own prompt rows."""
+  n, d = prompt_tokens_np.shape[0], state.group_s.shape[0]
+  prepared = (params, None)
+  if getattr(fns, 'decode_weights', None):  # once, shared by the shards
+    prepared = fns.decode_weights(params, _per_layer(fns, unstack_layers))
+  keys = sampling.stream_keys(rng, n, k)  # by global group: the static sampler's streams
+
+  def one(st, prompts, lengths, keys_nk):
+    programs = _Programs(fns, params, prepared, prompts, lengths, keys_nk, eos_id, k=k,
+                         max_new_tokens=max_new_tokens, method=method)
+    return transition(programs, st)
+
+  split = lambda x: _split(x, d, batch_sharding)  # noqa: E731
+  return _on_shards(jax.vmap(one)(state, split(prompt_tokens_np), split(prompt_lengths_n),
+                                  split(keys)), batch_sharding)
 
 
 @functools.partial(jit_by_platform, static_argnames=_STATIC + ('slots', 'prefix_rows'))
 def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
-          max_new_tokens, method, slots, prefix_rows, unstack_layers=False) -> EngineState:
-  """The empty slots and prefix rows, then the first groups admitted."""
+          max_new_tokens, method, slots, prefix_rows, unstack_layers=False,
+          batch_sharding=None) -> EngineState:
+  """Every shard's empty slots and prefix rows, then its first groups admitted."""
   n, p = prompt_tokens_np.shape
-  programs = _Programs(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, k=k,
-                       max_new_tokens=max_new_tokens, method=method,
-                       unstack_layers=unstack_layers)
-  zeros_s = jnp.zeros((slots,), jnp.int32)
-  shape_nkt = (n, k, max_new_tokens)
-  st = EngineState(
-      cache=_empty_cache(fns, params, p, prefix_rows, slots, max_new_tokens,
-                         programs.per_layer),
-      group_s=jnp.full((slots,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,
-      last_s=zeros_s + pad_id, refs_q=jnp.zeros((prefix_rows,), jnp.int32),
+  d = shards(batch_sharding)
+  s, q = slots // d, prefix_rows // d
+  zeros_s = jnp.zeros((s,), jnp.int32)
+  shape_nkt = (n // d, k, max_new_tokens)
+  one = EngineState(
+      cache=_empty_cache(fns, params, p, q, s, max_new_tokens, _per_layer(fns, unstack_layers)),
+      group_s=jnp.full((s,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,
+      last_s=zeros_s + pad_id, refs_q=jnp.zeros((q,), jnp.int32),
       next_group=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32),
       tokens_nkt=jnp.full(shape_nkt, pad_id, jnp.int32),
       logprobs_nkt=jnp.zeros(shape_nkt, jnp.float32),
       policy_logprobs_nkt=jnp.zeros(shape_nkt, jnp.float32),
-      mask_nkt=jnp.zeros(shape_nkt, bool), lengths_nk=jnp.zeros((n, k), jnp.int32))
-  return programs.admit_all(st)
+      mask_nkt=jnp.zeros(shape_nkt, bool), lengths_nk=jnp.zeros((n // d, k), jnp.int32))
+  state = _on_shards(jax.tree.map(lambda x: jnp.broadcast_to(x, (d,) + x.shape), one),
+                     batch_sharding)
+  return _on_each_shard(lambda programs, st: programs.admit_all(st), fns, params,
+                        prompt_tokens_np, prompt_lengths_n, rng, eos_id, state, k=k,
+                        max_new_tokens=max_new_tokens, method=method,
+                        unstack_layers=unstack_layers, batch_sharding=batch_sharding)
 
 
 # The state is donated: the loop updates the caller's KV buffers in place, never a copy.
 @functools.partial(jit_by_platform, static_argnames=_STATIC + ('kv_limit', 'kv_floor'),
                    donate_argnames=('state',))
 def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: EngineState, *,
-          k, max_new_tokens, method, kv_limit, kv_floor=0, unstack_layers=False) -> EngineState:
+          k, max_new_tokens, method, kv_limit, kv_floor=0, unstack_layers=False,
+          batch_sharding=None) -> EngineState:
   """Decode steps reading the first kv_limit stream slots, each followed by admissions, while
-  work is left and the longest live stream needs more than kv_floor and at most kv_limit."""
-  programs = _Programs(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, k=k,
-                       max_new_tokens=max_new_tokens, method=method,
-                       unstack_layers=unstack_layers)
-
+  work is left and the longest live stream (over every shard) needs more than kv_floor and at
+  most kv_limit."""
   def cond(st):
     need = _need(st)
     return _work_left(st) & (need <= kv_limit) & ((need > kv_floor) | (kv_floor == 0))
 
-  return jax.lax.while_loop(cond, lambda st: programs.admit_all(programs.decode(st, kv_limit)),
-                            state)
+  def body(st):
+    return _on_each_shard(lambda programs, st: programs.admit_all(programs.decode(st, kv_limit)),
+                          fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, st, k=k,
+                          max_new_tokens=max_new_tokens, method=method,
+                          unstack_layers=unstack_layers, batch_sharding=batch_sharding)
+
+  return jax.lax.while_loop(cond, body, state)
 
 
 def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
         max_new_tokens, method, slots, prefix_rows, unstack_layers=False,
-        kv_buckets=4) -> EngineState:
+        batch_sharding=None, kv_buckets=4) -> EngineState:
   """The rollout: `start`, then `phase`s until every group is admitted and every stream ended.
   A phase's steps attend to the first L stream slots, L the smallest of
   `kv_limits(T, kv_buckets)` holding the longest live stream (one compiled phase per L, kept
   until that stream needs more, or under half the next smaller L), so a step's attention cost
-  follows the longest live stream, not the cap."""
+  follows the longest live stream, not the cap. slots, prefix_rows: over all D shards."""
   args = (fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id)
   static = dict(k=k, max_new_tokens=max_new_tokens, method=method,
-                unstack_layers=unstack_layers)
+                unstack_layers=unstack_layers, batch_sharding=batch_sharding)
   state = start(*args, pad_id, slots=slots, prefix_rows=prefix_rows, **static)
   limits = kv_limits(max_new_tokens, kv_buckets)
   while True:

@@ -293,10 +293,12 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     if mode != 'shared':
       raise ValueError(f"the rollout engine (slots = {slots}) shares each prompt's prefill "
                        f"among its k streams: set mode='shared', not {mode!r}")
-    slots, prefix_rows = sampler_args.check_slots(slots, k, prefix_rows)
+    d = engine.shards(batch_sharding)
+    slots, prefix_rows = sampler_args.check_slots(slots, k, prefix_rows, ways=d,
+                                                  rows=len(prompt_lengths_b))
     return engine.run(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b),
                       rng, eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method,
-                      slots=slots, prefix_rows=prefix_rows,
+                      slots=slots, prefix_rows=prefix_rows, batch_sharding=batch_sharding,
                       unstack_layers=bool(unstack_layers)).output()
   state = start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
                 eos_id, pad_id,

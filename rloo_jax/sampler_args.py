@@ -149,22 +149,32 @@ def validate_decode_layout(rloo_config) -> None:
                 rloo_config.get('rollout_prefix_rows', 0), key='config.rloo.rollout_slots')
 
 
-def default_prefix_rows(slots: int, k: int) -> int:
-  """Prefix rows for `slots` streams: room for twice the groups the slots hold whole (a group
-  keeps its row until its last stream ends)."""
-  return max(1, min(slots, 2 * math.ceil(slots / k)))
+def default_prefix_rows(slots: int, k: int, ways: int = 1) -> int:
+  """Prefix rows for `slots` streams split `ways` ways: on each shard, room for twice the groups
+  its slots hold whole (a group keeps its row until its last stream ends)."""
+  per = slots // ways
+  return ways * max(1, min(per, 2 * math.ceil(per / k)))
 
 
-def check_slots(slots, k: int, prefix_rows, key: str = 'slots') -> tuple[int, int]:
-  """(slots, prefix rows) checked; `key` names the setting in the error."""
-  if isinstance(slots, bool) or not isinstance(slots, int) or slots < k:
-    raise ValueError(f'{key} = {slots!r} must be an integer >= k = {k} (a group\'s k streams '
-                     f'are admitted together); set it to a multiple of k, e.g. {8 * k}')
-  rows = prefix_rows or default_prefix_rows(slots, k)
-  if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= slots:
+def check_slots(slots, k: int, prefix_rows, key: str = 'slots', ways: int = 1,
+                rows: int | None = None) -> tuple[int, int]:
+  """(slots, prefix rows) checked for a batch of `rows` prompts split `ways` ways (an engine
+  a shard); `key` names the setting in the error."""
+  if (isinstance(slots, bool) or not isinstance(slots, int) or slots % ways
+      or slots // ways < k):
+    raise ValueError(f'{key} = {slots!r} must be an integer >= k = {k} on each of the batch\'s '
+                     f'{ways} shard(s) (a group\'s k streams are admitted together); set it to '
+                     f'a multiple of {ways * k}, e.g. {8 * ways * k}')
+  if rows is not None and rows % ways:
+    raise ValueError(f'{key}: the rollout engine runs one engine a batch shard, but {rows} '
+                     f'prompts do not split over {ways} shards')
+  got = prefix_rows or default_prefix_rows(slots, k, ways)
+  if (isinstance(got, bool) or not isinstance(got, int) or got % ways
+      or not 1 <= got // ways <= slots // ways):
     raise ValueError(f'{key.replace("slots", "prefix_rows")} = {prefix_rows!r} must be an '
-                     f'integer in 1..slots = {slots} (0: the default)')
-  return slots, rows
+                     f'integer in 1..slots = {slots} and a multiple of the {ways} batch '
+                     'shard(s) (0: the default)')
+  return slots, got
 
 
 def decode_options(exp) -> dict:

@@ -122,6 +122,25 @@ def mesh_worker(workdir: str) -> dict:
   out["packed"] = dict(state_diff=_max_diff(_host(state), ref_s1),
                        metric_diffs=_metric_diffs(m, ref_m1))
 
+  # The rollout engine over (2, 4, 1): eight batch shards, an engine of 2 slots on each; the
+  # iteration is the static sampler's on one device, and no device holds another's slots.
+  c = mesh_config((2, 4, 1))
+  with c.unlocked():
+    c.rloo.rollout_slots = 16
+  algo = RLOO(experiment.build(c, workdir, task=task))
+  state, m = algo.iteration(algo.init_state(params0), batch1)
+  from rloo_jax import engine  # pylint: disable=import-outside-toplevel
+  prompts = np.zeros((8, c.data.max_prompt_len), np.int32) + 3
+  st = engine.start(algo.exp.fns, state.params, algo.exp.layout.shard_batch(prompts),
+                    algo.exp.layout.shard_batch(np.full((8,), 4, np.int32)),
+                    jax.random.key(0), jax.numpy.asarray([1]), jax.numpy.int32(0), k=2,
+                    max_new_tokens=c.rloo.max_new_tokens, method=algo.exp.method, slots=16,
+                    prefix_rows=8, batch_sharding=algo.exp.layout.batch_sharding)
+  out["engine"] = dict(state_diff=_max_diff(_host(state), ref_s1),
+                       metric_diffs=_metric_diffs(m, ref_m1),
+                       kv_shard=list(st.cache.k_lbkhdt.addressable_shards[0].data.shape),
+                       kv_shape=list(st.cache.k_lbkhdt.shape))
+
   # A checkpoint written on (2, 4, 1) restores onto (8, 1, 1) and onto one device; both continue.
   for name, algo in (("8x1x1", algos[(8, 1, 1)]), ("1 device", algo1)):
     ckpt = Checkpointer(ckdir)
@@ -198,6 +217,16 @@ def test_packed_updates_over_eight_devices_match_one_unpacked_device(mesh_result
   assert r["state_diff"] < ATOL, r
   bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
   assert not bad, bad
+
+
+def test_the_rollout_engine_over_eight_shards_matches_the_static_sampler_on_one_device(
+    mesh_results):
+  r = mesh_results["engine"]
+  assert r["state_diff"] < ATOL, r
+  bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
+  assert not bad, bad
+  # [D=8, L, S/D=2, 1, Hkv, D, T] split over the shards: one shard's slots a device.
+  assert r["kv_shape"][0] == 8 and r["kv_shard"][0] == 1, r
 
 
 def test_checkpoint_restores_onto_another_mesh_and_training_continues(mesh_results):

@@ -331,14 +331,16 @@ def _static_rollout(exp, x, names, _compile, found, resident):
   return samp, per_device_bytes(samp.cache), per_device_bytes(samp.output())
 
 
-def engine_slots(config) -> tuple[int, int]:
+def engine_slots(config, ways: int = 1) -> tuple[int, int]:
   """(stream slots, prefix rows) of the rollout engine, config.rloo.rollout_slots and
-  rollout_prefix_rows resolved (0: its default); (0, 0) for the static sampler."""
+  rollout_prefix_rows resolved (0: its default) over `ways` batch shards (`engine.shards`);
+  (0, 0) for the static sampler."""
   slots = int(config.rloo.get("rollout_slots", 0) or 0)
   if not slots:
     return 0, 0
   return sampler_args.check_slots(slots, int(config.rloo.k),
-                                  int(config.rloo.get("rollout_prefix_rows", 0) or 0))
+                                  int(config.rloo.get("rollout_prefix_rows", 0) or 0),
+                                  key="config.rloo.rollout_slots", ways=ways)
 
 
 def _engine_rollout(exp, x, names, _compile, found, resident):
@@ -347,10 +349,11 @@ def _engine_rollout(exp, x, names, _compile, found, resident):
   peak of the two) when `names` asks for it; returns (its EngineState, KV cache bytes (stream
   buffers + prefix pool) and sample output per device)."""
   c = exp.config
-  slots, prefix_rows = engine_slots(c)
+  slots, prefix_rows = engine_slots(c, engine.shards(exp.layout.batch_sharding))
   t_cap = int(c.rloo.max_new_tokens)
   static = dict(k=int(c.rloo.k), max_new_tokens=t_cap, method=exp.method,
-                unstack_layers=sampler_args.decode_unstacked(exp))
+                unstack_layers=sampler_args.decode_unstacked(exp),
+                batch_sharding=exp.layout.batch_sharding)
   args = (x.state.policy_params, *x.prompts, x.rng, x.stop_ids)
   pools = dict(slots=slots, prefix_rows=prefix_rows)
   shapes = jax.eval_shape(functools.partial(engine.start, exp.fns, **static, **pools), *args,

@@ -12,6 +12,7 @@ cache's bytes per stream (its buffer and its share of its prompt's), and compile
 
 from __future__ import annotations
 
+from rloo_jax import engine
 from rloo_jax.memory import programs as programs_lib
 
 GIB = 2 ** 30
@@ -58,7 +59,8 @@ def advice(algo, compiled, limit: int, over: dict, accelerator: bool) -> list:
   when even an engine of no cache would not fit (what stays resident and the weights)."""
   exp = algo.exp
   c, k = exp.config, int(exp.config.rloo.k)
-  slots, rows = programs_lib.engine_slots(c)
+  ways = engine.shards(exp.layout.batch_sharding)
+  slots, rows = programs_lib.engine_slots(c, ways)
   cache, programs = compiled.kv_cache_bytes, compiled.programs
   rollout = [n for n in ("engine", "start", "decode") if n in over]
   if not rollout or not cache or c.rloo.sampler_mode != "shared":
@@ -87,8 +89,9 @@ def advice(algo, compiled, limit: int, over: dict, accelerator: bool) -> list:
     return programs_lib.compile_at(algo, config_at(s), ("engine",),
                                    accelerator=accelerator)["engine"].peak + hoisted
 
-  guess = max(k, streams * (cache - need) / cache)  # the cache alone shrunk by `need`
-  found = fit(peak_at, known, guess, k, streams - k, limit)
+  step = k * ways  # every batch shard's engine holds whole groups
+  guess = max(step, streams * (cache - need) / cache)  # the cache alone shrunk by `need`
+  found = fit(peak_at, known, guess, step, streams - step, limit)
   if found is None:
     return []
   s, peak = found
