@@ -1,12 +1,10 @@
-r"""Attention implementations side by side (`config.model.attention`): one layer's forward +
-backward through `attention_ops.attend` at growing lengths, one JSON line per (layout, length).
-
-Per implementation ('xla', 'blockwise'; bfloat16, one row): `ms` (median of --repeats, after a
-compiling call), `temp_mib` (the compiled program's temporaries), and against 'xla' in float32
-the largest absolute difference of the output and of the q, k, v gradients, each over its
-largest reference magnitude (`max_rel_err`; a GPU's float32 matmuls run TF32 unless `--precision
-highest`). Layouts: `causal` (S tokens, the first 5% padding) and `group` (a prompt of --prompt
-tokens, then S tokens as 8 completions, token-major); 'xla' is not run past XLA_MAX tokens.
+r"""Attention implementations side by side (`config.model.attention`, docs/PERFORMANCE.md
+"Attention"): one layer's forward + backward through `attention_ops.attend` at growing lengths,
+one JSON line per (layout, length). Per implementation ('xla', 'blockwise'; bfloat16, one row):
+`ms` (median of --repeats after a compile), `temp_mib` (compiled temporaries), and `max_rel_err`
+of the output and q, k, v gradients against 'xla' in float32 (TF32 on a GPU unless `--precision
+highest`). Layouts: `causal` (S tokens, the first 5% padding), `group` (a --prompt prompt, then S
+tokens as 8 completions, token-major); no 'xla' past XLA_MAX tokens.
 
     python experiments/bench_attention.py --lengths 1024,2048 --heads 2,6 --head_dim 64  # CPU
     python experiments/bench_attention.py          # a GPU: Qwen2.5-1.5B's heads, 1K-16K, bf16
@@ -14,12 +12,11 @@ tokens, then S tokens as 8 completions, token-major); 'xla' is not run past XLA_
 """
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+import gpu_check  # experiments/, beside this file: its median_s
 from rloo_jax.models import attention_ops as ops
 
 IMPLS, LAYOUTS, COMPLETIONS, XLA_MAX = ("xla", "blockwise"), ("causal", "group"), 8, 20000
@@ -61,13 +58,8 @@ def run(args, kind, s):
     qkv = [jax.random.normal(kk, sh, jnp.bfloat16) for kk, sh in zip(keys, shapes)]
     fn = program(impl, lay, valid, args.head_dim ** -0.5)
     temp = fn.lower(*qkv).compile().memory_analysis().temp_size_in_bytes
-    jax.block_until_ready(fn(*qkv))
-    times = []
-    for _ in range(args.repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*qkv))
-      times.append(time.perf_counter() - t0)
-    out[impl] = dict(ms=round(1e3 * statistics.median(times), 3), temp_mib=round(temp / 2**20, 2))
+    ms = 1e3 * gpu_check.median_s(lambda _: fn(*qkv), args.repeats)  # after a compiling call
+    out[impl] = dict(ms=round(ms, 3), temp_mib=round(temp / 2**20, 2))
     # float32, against 'xla' (the reference)
     got = program(impl, lay, valid, args.head_dim ** -0.5)(*[x.astype(jnp.float32) for x in qkv])
     if impl == "xla":

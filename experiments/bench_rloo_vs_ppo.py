@@ -1,21 +1,14 @@
-r"""The seed's hardware claims about RLOO vs PPO, measured side by side in one run, at the default
+r"""The seed's hardware claims about RLOO vs PPO, measured side by side in one run at the default
 arithmetic policy and one rollout batch (docs/RESULTS.md "RLOO vs PPO", rendered by
-make_results.py from the JSON line this prints and writes to --out):
-  memory    bytes of the persistent state (params of every model held + optimizer state) and of
-            each compiled program (XLA memory_analysis), each algorithm on its own rows (RLOO:
-            grouped as config.train.shared_prefix says; PPO: full rows); peak estimate = state +
-            the largest program's temporaries. Claim: RLOO needs ~50% less memory.
-  speed     median seconds per full iteration, the two interleaved. Claim: RLOO 1.4x faster.
-  variance  trace of the covariance of the RLOO gradient estimate of one prompt batch at k = 2
-            and k = 4 (SFT policy), per estimate and per sample (x k). Claim: > 40% less at k = 4.
-  prefix    rollout seconds with the prompt's KV cache shared by its k streams vs tiled k times.
+make_results.py from the JSON line this prints and writes to --out): `memory` (state and each
+compiled program's XLA memory_analysis, on each algorithm's own rows), `speed` (median seconds
+per iteration, interleaved), `variance` (trace of the RLOO gradient estimate's covariance at k = 2
+and 4) and `prefix` (rollout seconds, the prompt's KV cache shared by its k streams vs tiled).
 
     python experiments/bench_rloo_vs_ppo.py --sft=/work/runs/table1_arithmetic/_shared
 
 Without --sft the policy is random (its rewards are all 0, so the variance part is skipped).
 """
-from __future__ import annotations
-
 import argparse
 import copy
 import json
@@ -110,7 +103,7 @@ def time_iterations(rloo, ppo, params, data, iterations: int):
 
 def gradient_variance(exp, params, batch, repeats: int, ks=(2, 4)):
   """Trace of the covariance of the RLOO gradient estimate for one fixed prompt batch."""
-
+  @jax.jit
   def grad_fn(params, rows):
     def f(params):
       logp = loss.token_logprobs(rows.logits(exp.fns, params), rows.completions_nt, rows.cmask_nt)
@@ -119,7 +112,6 @@ def gradient_variance(exp, params, batch, repeats: int, ks=(2, 4)):
     g = jax.grad(f)(params)
     return jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(g)])
 
-  grad_fn = jax.jit(grad_fn)
   out = {}
   for k in ks:
     grads = []
@@ -185,10 +177,8 @@ def main():
   ppo_config = copy.deepcopy(c)
   ppo_config.algorithm = "ppo"
   ppo = algorithms.make(ppo_config, args.workdir, task=exp.task)
-  if args.sft:
-    params = policy_init.initial_params(exp, log=lambda *a: None)
-  else:
-    params = transformer.create(exp.model_config, seed=0)[1]
+  params = (policy_init.initial_params(exp, log=lambda *a: None) if args.sft
+            else transformer.create(exp.model_config, seed=0)[1])
   n, p, t = c.rloo.num_prompts * c.rloo.k, c.data.max_prompt_len, c.rloo.max_new_tokens
   out = dict(config=dict(model=c.model.to_dict(), num_prompts=c.rloo.num_prompts, k=c.rloo.k,
                          max_new_tokens=t, num_epochs=c.train.num_epochs,

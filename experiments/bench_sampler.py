@@ -1,23 +1,15 @@
 """Rollout latency of the sampler: prefix-shared KV cache vs unshared vs HF generate.
 
-Prints ONE JSON line: seconds per rollout (median over --repeats, after a compiling warm-up call)
-and tokens/s for
-  shared_s      KV cache, each prompt prefilled once and kept once for its k streams (the
-                sampler's default: the layer scan over the stacked weights and cache)
-  unshared_s    KV cache, prompts tiled k times
-  unstacked_s   'shared' on per-layer weight and KV buffers split before the decode loop
-                (`sampler.sample(unstack_layers=True)`, config.rloo.decode_layers='unstacked')
-  hf_generate_s transformers' LlamaForCausalLM.generate (torch CPU, KV cache) on the same weights,
-                sampling at temperature 1; null when torch/transformers are not importable
-plus the configuration and ratios. Modes are timed round-robin in one process, so load hits
-them alike (compare_generate.py runs each in a process of its own).
+Prints ONE JSON line: seconds per rollout (median over --repeats, after a compiling warm-up call),
+tokens/s, the configuration and ratios for `shared` (each prompt prefilled and cached once for its
+k streams, the sampler's default), `unshared` (prompts tiled k times), `unstacked` (per-layer
+weight and KV buffers, config.rloo.decode_layers='unstacked') and `hf` (transformers' generate on
+the same weights, temperature 1; null without torch). Modes are timed round-robin in one process,
+so load hits them alike.
 
   python experiments/bench_sampler.py --prompt_len=512 --new_tokens=32 --modes=shared,unshared,hf
   python experiments/bench_sampler.py --prompt_len=64 --new_tokens=64 --modes=shared,unstacked
 """
-
-from __future__ import annotations
-
 import argparse
 import json
 import os

@@ -1,12 +1,9 @@
 r"""Seconds per RLOO iteration, split into rollout, reward, reference and update; one JSON line.
 
-The workload of issue 4's comparison with TRL (workload.py's flags; docs/PERFORMANCE.md): a
-Llama with random weights, one gradient step per rollout batch, beta = 0.05, and a cheap
-synthetic reward (the one bench_trl_rloo.py and bench_tunix_rloo.py use too). FLOP/s: the model
-FLOPs the iteration executes (`rloo_jax.memory.flops`: the prompt once per group under
-`--shared_prefix 1`; remat not counted). Also what the timed iterations trained on (mean reward,
-KL, loss, advantage) and the tokens the trainer's throughput metrics imply; `peak_rss_gb` is the
-process's peak resident memory.
+The workload of the comparison with TRL and Tunix (workload.py's flags; docs/PERFORMANCE.md): a
+random-weight Llama, one gradient step per rollout batch, beta = 0.05, the synthetic reward the
+peers' scripts use too. Also the model FLOP/s (`rloo_jax.memory.flops`, remat not counted), what
+the timed iterations trained on, the tokens the trainer's throughput metrics imply, `peak_rss_gb`.
 
     python experiments/bench_step.py --hidden 256 --layers 4
     python experiments/bench_step.py --hidden 896 --layers 24 --heads 14 --vocab 151936 \
@@ -64,9 +61,8 @@ def delayed(reward, seconds: float):
 
 
 def bench_task(vocab, prompt_len, fixed_length=False):
-  """512 random prompts of prompt_len ids; `fixed_length`: a tokenizer without an end token, so
-  every completion runs to max_new_tokens (the work of a side-by-side comparison does not depend
-  on when a random policy happens to sample id 2)."""
+  """512 random prompts of prompt_len ids; `fixed_length`: no end token, so every completion runs
+  to max_new_tokens (a comparison's work does not depend on when a random policy samples id 2)."""
   tokenizer = IdTokenizer(vocab)
   if fixed_length:
     tokenizer.eos_id = None

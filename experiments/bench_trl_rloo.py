@@ -4,9 +4,8 @@ r"""TRL's RLOOTrainer on the same workload as experiments/bench_step.py, for a s
     bash experiments/setup_trl_venv.sh
     .venv-trl/bin/python experiments/bench_trl_rloo.py --hidden 64 --layers 2
 
-A random Llama, k generations a prompt, one gradient step per generation batch
-(steps_per_generation = num_iterations = 1), beta = 0.05, the same synthetic reward. Prints one
-JSON line with the median seconds per training step, each step including its generation.
+A random Llama, one gradient step per generation batch, beta = 0.05, the same synthetic reward.
+One JSON line: the median seconds per training step, each step including its generation.
 """
 import argparse
 import json
@@ -45,7 +44,6 @@ def synthetic_reward(prompts, completions, **kwargs):
 
 
 class StepTimer(TrainerCallback):
-
   def __init__(self):
     self.times, self._start = [], None
 

@@ -4,13 +4,10 @@ r"""Tunix's GRPOLearner with advantage_estimator='rloo' on experiments/bench_ste
     bash experiments/setup_tunix_venv.sh
     .venv-tunix/bin/python experiments/bench_tunix_rloo.py --hidden 64 --layers 2
 
-Tunix's own Llama3 module in the bench's shape (untied head, kv heads = heads, MLP 4 x hidden,
-random float32 weights), its vanilla rollout, one optimizer step per rollout batch, Adam as
-bench_step's (lr 3e-4, b2 0.95, clip 1.0), temperature 1, the same synthetic reward, and no end
-token (eos -1 matches no id: fixed-length completions). GRPOConfig skips AlgorithmConfig's list
-check, which would reject the registered "rloo" estimator. The reward function runs once per
-step, so the gaps between its calls are whole steps; the first (the update's compilation) is
-dropped. Prints one JSON line with the median seconds per step.
+Tunix's Llama3 in the bench's shape (random float32 weights), its vanilla rollout, Adam as
+bench_step's, no end token (eos -1: fixed-length completions). GRPOConfig skips AlgorithmConfig's
+list check, which would reject the registered "rloo" estimator. The reward runs once per step:
+the gaps between its calls, the first (the update's compile) dropped, are the step times.
 """
 import argparse
 import json
@@ -74,8 +71,7 @@ def main():
       num_layers=args.layers, vocab_size=args.vocab, embed_dim=args.hidden,
       hidden_dim=4 * args.hidden, num_heads=args.heads, head_dim=args.hidden // args.heads,
       num_kv_heads=args.heads, rope_theta=10_000, norm_eps=1e-6, weight_tying=False)
-  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with jax.set_mesh(mesh):
     policy = llama3.Llama3(config, rngs=nnx.Rngs(0))
     reference = llama3.Llama3(config, rngs=nnx.Rngs(0))  # the same initial weights

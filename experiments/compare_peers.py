@@ -1,12 +1,8 @@
-r"""rloo_jax against TRL's RLOOTrainer and Tunix's GRPOLearner (RLOO advantages), side by side.
-
-Each round runs experiments/bench_step.py (this interpreter), bench_trl_rloo.py (TRL's virtual
-environment) and bench_tunix_rloo.py (Tunix's) one after the other, the order rotating from round
-to round, on the same work; a round's ratio is the peer's median seconds per step over ours per
-iteration, a size's figure the median of its rounds' ratios (docs/PERFORMANCE.md "Against TRL
-and Tunix": the work, the sizes, the huge-page and memory-limit settings). A peer without its
-interpreter is skipped, one that fails (out of memory under RLIMIT_DATA = --mem_limit_gb, or
-otherwise) is reported and not run again at that size. One JSON line per size, then a summary.
+r"""rloo_jax against TRL's RLOOTrainer and Tunix's GRPOLearner (RLOO advantages), side by side:
+bench_step.py, bench_trl_rloo.py and bench_tunix_rloo.py, each in its own interpreter, in rounds
+of the same work, the order rotating; a size's figure is the median of its rounds' ratios (work,
+sizes, huge pages, memory limit: docs/PERFORMANCE.md "Against TRL and Tunix"). A missing peer is
+skipped, a failed one reported and not rerun. One JSON line per size, then a summary.
 
     bash experiments/setup_trl_venv.sh && bash experiments/setup_tunix_venv.sh
     python experiments/compare_peers.py --sizes a,b --rounds 3
@@ -96,9 +92,8 @@ def round_order(r, sides):
 
 def compare_size(name, size, pythons, rounds, mem_limit_gb, omp_wait_policy, malloc):
   """One size's line: every round's seconds and ratios, the medians, and the peers' fate."""
-  # Torch's OpenMP threads spin while they wait: with another process on one of the 2 cores a
-  # 2-thread TRL step at size a took 2.9 s, 0.23 s with OMP_WAIT_POLICY=PASSIVE; on a quiet
-  # machine passive waiting doubles it (0.27 s against 0.13-0.16 s). Pick by the load.
+  # Torch's OpenMP threads spin while they wait: beside a busy process a 2-thread TRL step at (a)
+  # took 2.9 s (0.23 s PASSIVE), while passive doubles it on a quiet machine (0.27 vs 0.13-0.16 s).
   envs = {side: dict(malloc) for side in SIDES}
   if omp_wait_policy:
     envs["trl"]["OMP_WAIT_POLICY"] = omp_wait_policy

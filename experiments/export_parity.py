@@ -1,10 +1,9 @@
-r"""Exported checkpoints against transformers (docs/EXPORT.md): every committed HF fixture with
-its weights perturbed, exported by `hf_export.save_pretrained` in float32 and bfloat16, loaded by
-AutoModelForCausalLM, its logits compared with ours on the fixture's right- and left-padded
-batches (bfloat16: ours on the same rounded weights), with transformers' missing / unexpected
-keys; each export's tokenizer must load as the source's class with its ids (`--write_reference`
-stores those in tests/fixtures/export_tokenizers.json, which tests/test_export.py checks).
-This interpreter (jax) exports; the TRL venv's (torch) compares. One JSON line per export.
+r"""Exported checkpoints against transformers (docs/EXPORT.md): every committed HF fixture, its
+weights perturbed, exported in float32 and bfloat16 by `hf_export.save_pretrained` (this
+interpreter, jax), loaded by AutoModelForCausalLM in the TRL venv (torch) with its missing /
+unexpected keys, its logits compared with ours on the fixture's right- and left-padded batches;
+each export's tokenizer must load as the source's class with its ids (`--write_reference` stores
+them in tests/fixtures/export_tokenizers.json for tests/test_export.py). One JSON line an export.
 
     python experiments/export_parity.py [--trl_python .venv-trl/bin/python] [--out /tmp/parity]
 """

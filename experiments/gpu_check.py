@@ -1,22 +1,14 @@
-r"""Issue 21's accelerator figures in one short run, on a preset's architecture with random
-weights (docs/PERFORMANCE.md, docs/SCALE.md figure 8):
-
-- decode: `sampler.start` then `sampler.decode_loop` timed apart, once per `--decode_layers`
-  layout, in the run's dtype with the weights stored in it (`--param_dtype float32`: a training
-  policy's master weights, cast once). Roofline: the bytes a step must read (every weight once,
-  the KV cache as the sampler lays it out) over `--hbm_tbps`; `roofline_over_measured`.
-- update: RLOO iterations of bench_step.py's task at this shape; MFU = the update's model FLOPs
-  (`memory.flops`, remat not counted) / its median seconds / `--peak_tflops`.
-- memory: the job `rloo_jax.plan` plans for configs/arithmetic.py at these shape flags on one
-  device, then one real iteration; the device's measured peak beside the plan's.
-
-Defaults: Llama-3.2-1B, 64 prompts x k = 4 x (512 + 256), an H200 (4.8 TB/s, 989 TFLOP/s bf16).
-On a CPU only as a smoke run (tiny shapes, figures meaningless):
+r"""Issue 21's accelerator figures in one short run on a preset's architecture, random weights
+(docs/PERFORMANCE.md, docs/SCALE.md figure 8). `--checks`: decode (`sampler.start`, then
+`sampler.decode_loop` per `--decode_layers` layout, against the roofline: every weight once plus
+the KV cache over `--hbm_tbps`), update (RLOO iterations of bench_step.py's task; MFU: the update's
+`memory.flops` / median seconds / `--peak_tflops`), memory (configs/arithmetic.py's plan at these
+shape flags on one device beside one real iteration's peak). Defaults: Llama-3.2-1B, 64 prompts x
+k = 4 x (512 + 256), an H200; a CPU only as a smoke run:
 
     python experiments/gpu_check.py                                  # on the GPU
     python experiments/gpu_check.py --preset pythia-160m --num_layers 1 --vocab_size 2048 \
-        --prompts 2 --prompt_len 16 --new_tokens 8 --iterations 1 --repeats 1 \
-        --microbatch_size 0  # CPU smoke
+        --prompts 2 --prompt_len 16 --new_tokens 8 --iterations 1 --repeats 1 --microbatch_size 0
 """
 import argparse
 import json
@@ -191,8 +183,7 @@ def main():
     p.error(f"--decode_layers {args.decode_layers!r}: {sorted(bad)} not among scanned, unstacked")
   out = dict(config=vars(args), backend=jax.default_backend(),
              device=str(jax.devices()[0].device_kind))
-  for name, check in (("decode", decode_check), ("update", update_check),
-                      ("memory", memory_check)):
+  for name, check in (("decode", decode_check), ("update", update_check), ("memory", memory_check)):
     if name in args.checks:
       out[name] = check(args)
   print(json.dumps(out), flush=True)

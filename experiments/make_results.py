@@ -4,8 +4,6 @@ r"""Regenerates docs/RESULTS.md and its PNG plots from sweep runs and the RLOO-v
 Reads <root>/<name>/seed<s>/{summary.json, metrics.jsonl, run.json} as written by
 experiments/sweep.py; missing roots, runs or seeds are reported as missing, never invented.
 """
-from __future__ import annotations
-
 import argparse
 import glob
 import json
@@ -358,8 +356,7 @@ def main():
         "", para(TABLE1, root=args.table1), ""]
   md += table1(t1) + ["", para(PAPER), ""]
   md += figures(plot_curves(t1, out_dir, "arithmetic") if t1 else [])
-  md += ["## Table 1 in miniature: summarize (held-out greedy win rate against the SFT policy)",
-         ""]
+  md += ["## Table 1 in miniature: summarize (held-out greedy win rate against the SFT policy)", ""]
   if summ:
     md += [para(SUMMARIZE, root=args.summarize), ""] + table1_win_rate(summ)
     md += ["", para(PAPER_COLUMNS, source=PAPER_SOURCE), ""]

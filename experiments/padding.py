@@ -1,19 +1,16 @@
-r"""The update's padding with long-tailed lengths: trimmed grouped rows beside packed rows
-(config.train.microbatch_tokens, planned by rloo_jax.packing). Lengths are log-normal (completions:
-median `--median` x `--max_new_tokens`, sigma `--sigma`; prompts: median `--prompt_median`),
-capped. Useful tokens: each prompt once, each completion but its last token. Trimmed rows are
-[P | (T' - 1) x k], T' the longest completion rounded up to `--trim_bucket`. `--time` also times
-the update's gradient program on this device (a `--preset`, random weights, one draw of
-`--time_prompts` groups; medians of `--repeats` calls after a compiling one). docs/SCALE.md.
+r"""The update's padding with long-tailed lengths (docs/SCALE.md "Padding"): trimmed grouped rows
+beside packed rows (config.train.microbatch_tokens, planned by rloo_jax.packing), on log-normal
+lengths (completions: median `--median` x `--max_new_tokens`, sigma `--sigma`; prompts: median
+`--prompt_median`), capped. Useful tokens: each prompt once, each completion but its last; trimmed
+rows are [P | (T' - 1) x k], T' the longest completion rounded up to `--trim_bucket`. `--time`
+times the update's gradient program too (a `--preset`, random weights, `--time_prompts` groups).
 
     python experiments/padding.py [--max_new_tokens 24576 --num_prompts 32]
     python experiments/padding.py --time --preset qwen2.5-1.5b --time_prompts 4   # on a GPU
 """
 import argparse
 import json
-import statistics
 import tempfile
-import time
 import types
 
 import numpy as np
@@ -55,18 +52,12 @@ def time_update(a, p_b, len_n) -> dict:
   rows = rows.replace(advantages_n=jnp.asarray(rng.standard_normal(b * k), jnp.float32))
   useful, out = int((p_b + (len_n - 1).reshape(b, k).sum(1)).sum()), {}
   for name, budget in (("trimmed", 0), ("packed", p - 1 + k * t)):  # packed: a group's budget
-    c.train.update(microbatch_size=0 if budget else a.microbatch_groups,
-                   microbatch_tokens=budget)
+    c.train.update(microbatch_size=0 if budget else a.microbatch_groups, microbatch_tokens=budget)
     with tempfile.TemporaryDirectory() as workdir:
       algo, state = bench_step.build(c, task, workdir)
     step = algo.step_fn
     x = rows if step.packer is None else step.packer(rows)
-    times = []
-    for _ in range(a.repeats + 1):  # the first compiles
-      t0 = time.perf_counter()
-      jax.block_until_ready(step.grad_fn(state.params, x))
-      times.append(time.perf_counter() - t0)
-    s = statistics.median(times[1:])
+    s = gpu_check.median_s(lambda _: step.grad_fn(state.params, x), a.repeats)  # after a compile
     out[name] = dict(seconds=round(s, 4), useful_tokens_per_s=round(useful / s, 1))
   out["packed_speedup"] = round(out["trimmed"]["seconds"] / out["packed"]["seconds"], 3)
   return dict(out, useful_tokens=useful, trimmed_columns=cols, device=jax.devices()[0].device_kind)

@@ -1,12 +1,8 @@
 r"""The memory plan of every paper config at the hardware its docstring names, in one table (and
 the scale jobs of docs/SCALE.md, `--only scale`, and its long-completion jobs, `--only long`).
-
-Each row is one `python -m rloo_jax.plan` run (a subprocess: the simulated device count is fixed
-when jax starts), compiled as for an accelerator: peak GiB per device, the program at the peak,
-the reward model's resident GiB, fits; one JSON line per row, counting XLA's "Involuntary full
-rematerialization" warnings (`involuntary_remat`). `--targets` compiles each row with each
-accelerator's own compiler too (`--target=<family>-<n>`, n the row's devices; `pip install -e
-".[plan]"`): update grads / update apply / peak GiB per device side by side.
+Each row is one `python -m rloo_jax.plan` subprocess (the simulated device count is fixed when jax
+starts), one JSON line a row with XLA's "Involuntary full rematerialization" warnings counted.
+`--targets` compiles each row with each accelerator's own compiler too (`pip install -e ".[plan]"`).
 
     python experiments/plan_configs.py --only tldr     # rows whose name starts with it
     python experiments/plan_configs.py --targets=tpu-v5p,h100 --no_estimate

@@ -1,9 +1,8 @@
 r"""Loading a real-size checkpoint onto a mesh (docs/SCALE.md "Loading"): a random
-Qwen2.5-1.5B-shaped checkpoint (float32, about 6 GB, transformers' tensor names and layout),
-written once by a process of its own, loaded with `hf.load_checkpoint(..., shardings=...)` onto
-N simulated CPU devices with fsdp=N in a fresh process. One JSON line: the parameter bytes, the
-baseline (python + jax) and peak RSS, their ratios to the parameter bytes, the RSS after the load
-split into anonymous and file-backed memory, and the seconds.
+Qwen2.5-1.5B-shaped float32 checkpoint (about 6 GB, transformers' layout), written once by a
+process of its own, loaded by `hf.load_checkpoint(..., shardings=...)` onto N simulated CPU
+devices (fsdp=N) in a fresh process. One JSON line: parameter bytes, baseline and peak RSS and
+their ratios to them, the RSS after the load (anonymous and file-backed), the seconds.
 
     python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 8
     python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 1 --unsharded
@@ -21,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write_checkpoint(path: str, preset: str):
-  """A random checkpoint of `preset`'s architecture, float32, in ~2 GiB safetensors shards,
-  written by the project's exporter (transformers' tensor names, layout and config.json)."""
+  """A random `preset` checkpoint, float32, ~2 GiB safetensors shards, by `hf_export`."""
   from rloo_jax.models import hf_export, presets, transformer  # pylint: disable=C0415
   config = presets.get(preset, dtype="float32", param_dtype="float32")
   hf_export.save_pretrained(transformer.create(config, seed=0)[1], config, path, dtype="float32",
@@ -30,8 +28,7 @@ def write_checkpoint(path: str, preset: str):
 
 
 def _rss_now() -> dict:
-  """The process's resident memory now, anonymous (heap, device buffers on CPU) and file-backed
-  (memory-mapped files) apart (Linux; empty elsewhere)."""
+  """Resident memory now: anonymous (heap, CPU device buffers), file-backed (mmaps); Linux."""
   try:
     with open("/proc/self/status") as f:
       return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)

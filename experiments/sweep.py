@@ -16,8 +16,6 @@ it stopped. Every run starts from one SFT policy, trained once in <root>/_shared
 copied from `--sft_from` (a workdir whose sft/ has the same base config). Compiled executables
 are cached in <root>/_jax_cache.
 """
-from __future__ import annotations
-
 import argparse
 import copy
 import importlib.util
@@ -163,8 +161,7 @@ def main(argv=None):
 
 
 def validate_all(configs):
-  """Every run's config is checked before anything trains (registry names, shapes, sections):
-  what `algorithms.validate` checks, without building (no data, no compile, no reward model)."""
+  """Every run's config checked before anything trains: `algorithms.validate`'s checks, unbuilt."""
   from rloo_jax import algorithms, experiment
   for config in configs:
     experiment.validate_config(algorithms.resolve(config)[1])
