@@ -12,7 +12,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # xdist workers each l
 import pytest
 
 from conftest import load_config
-from rloo_jax import algorithms, experiment, memory
+from rloo_jax import algorithms, experiment, memory, sampler_args
 from rloo_jax.memory import programs as programs_lib
 from rloo_jax.memory import targets
 from rloo_jax.sharding import per_device_bytes
@@ -65,14 +65,17 @@ def test_the_rollout_engine_compiles_and_fits(target):
   start and decode), and its KV cache is at most the whole slot and prefix pools."""
   config = load_config()
   config.mesh.data, config.mesh.fsdp = -1, 1
-  config.rloo.rollout_slots = 2 * config.rloo.k  # 2 * 2 prompt rows by default
+  ways = targets.parse(target).chips  # an engine a batch shard, 2 groups' slots each
+  config.rloo.rollout_slots = 2 * config.rloo.k * ways
   report = memory.plan(_algo(config, target), names=("engine",),
                        device_memory_gb=targets.parse(target).memory_gb)
   assert list(report["programs"]) == ["engine"] and report["fits"]
   m, c = config.model, config
+  rows = sampler_args.default_prefix_rows(c.rloo.rollout_slots, c.rloo.k, ways)
   whole = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4 * (
-      c.rloo.rollout_slots * c.rloo.max_new_tokens + 4 * c.data.max_prompt_len)
-  assert whole / 4 <= report["kv_cache_gb"] * memory.GIB <= whole * 1.01
+      c.rloo.rollout_slots * c.rloo.max_new_tokens + rows * c.data.max_prompt_len)
+  # Split over the shards: each device holds its own engine's slots and prefix rows.
+  assert whole / ways <= report["kv_cache_gb"] * memory.GIB <= whole / ways * 1.01
 
 
 def _qwen_1p5b(target):
