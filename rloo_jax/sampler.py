@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from rloo_jax import sampler_args, sampling
+from rloo_jax import engine, sampler_args, sampling
 from rloo_jax.platform import jit_by_platform
 
 MODES = sampler_args.MODES
@@ -289,7 +289,6 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
   eos_id, pad_id = jnp.asarray(eos_id, jnp.int32), jnp.int32(pad_id)
   if slots:
-    from rloo_jax import engine  # pylint: disable=import-outside-toplevel  (engine imports us)
     if mode != 'shared':
       raise ValueError(f"the rollout engine (slots = {slots}) shares each prompt's prefill "
                        f"among its k streams: set mode='shared', not {mode!r}")
