@@ -128,10 +128,8 @@ def _write_prefix(cache, q, prefix: PrefixKV, mask_1p):
 
 
 def _uniforms(keys_nk, group_s, stream_s, step_s):
-  """[S, 2]: step t of stream (g, j) from fold_in(key_gj, t), as `sampling.uniforms_tbk2`."""
-  keys = keys_nk[group_s, stream_s]
-  return jax.vmap(lambda key, t: jax.random.uniform(jax.random.fold_in(key, t), (2,)))(
-      keys, step_s)
+  """[S, 2]: step t of stream (g, j), as the static sampler draws it (`sampling.step_uniforms`)."""
+  return jax.vmap(sampling.step_uniforms)(keys_nk[group_s, stream_s], step_s)
 
 
 def _write(st: EngineState, g_x, j_x, t_x, tokens_x, lp_x, plp_x, valid_x) -> EngineState:
@@ -146,10 +144,6 @@ def _write(st: EngineState, g_x, j_x, t_x, tokens_x, lp_x, plp_x, valid_x) -> En
       policy_logprobs_nkt=put(st.policy_logprobs_nkt, jnp.where(valid_x, plp_x, zero)),
       mask_nkt=put(st.mask_nkt, valid_x),
       lengths_nk=st.lengths_nk.at[g, j_x].add(1, mode='drop'))
-
-
-def _is_stop(tokens_x, eos_id):
-  return jnp.any(tokens_x[..., None] == jnp.atleast_1d(eos_id).astype(tokens_x.dtype), axis=-1)
 
 
 # Below this many stream slots a phase of its own saves less than it costs to compile.
@@ -204,7 +198,7 @@ class _Programs:
     tokens_1k, lp_1k, plp_1k = sampling.draw(self.method, uniforms_1k2, first_1kv)
     tokens_k = tokens_1k[0]
     st = _write(st, g_k, j_k, t_k, tokens_k, lp_1k[0], plp_1k[0], jnp.ones((k,), bool))
-    live_k = ~_is_stop(tokens_k, self.eos_id) & (self.t_cap > 1)
+    live_k = ~sampling.is_stop(tokens_k, self.eos_id) & (self.t_cap > 1)
     cache = _write_prefix(st.cache, q, prefix, mask_1p)
     cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_k].set(q))
     return st.replace(
@@ -220,8 +214,9 @@ class _Programs:
     live_s = st.group_s >= 0
     g_s = jnp.maximum(st.group_s, 0)
     # A free slot decodes too (its output is dropped); its index stays inside its buffer.
-    cache = st.cache.replace(index=jnp.maximum(st.step_s - 1, 0)[:, None])
-    positions_s = self.lengths_n[g_s] + jnp.maximum(st.step_s - 1, 0)
+    index_s = jnp.maximum(st.step_s - 1, 0)
+    cache = st.cache.replace(index=index_s[:, None])
+    positions_s = self.lengths_n[g_s] + index_s
     logits_s1v, cache = self.fns.decode(
         self.dparams, st.last_s[:, None], positions_s[:, None], cache,
         kv_limit=None if kv_limit >= self.t_cap else kv_limit, **self.split)
@@ -230,7 +225,7 @@ class _Programs:
     tokens_s = tokens_s1[:, 0]
     st = _write(st, g_s, st.stream_s, st.step_s, tokens_s, lp_s1[:, 0], plp_s1[:, 0], live_s)
     step_s = st.step_s + live_s
-    ended_s = live_s & (_is_stop(tokens_s, self.eos_id) | (step_s >= self.t_cap))
+    ended_s = live_s & (sampling.is_stop(tokens_s, self.eos_id) | (step_s >= self.t_cap))
     refs_q = st.refs_q.at[cache.prefix_rows_b].add(-ended_s.astype(jnp.int32))
     return st.replace(cache=cache, group_s=jnp.where(ended_s, -1, st.group_s), step_s=step_s,
                       last_s=tokens_s, refs_q=refs_q, steps=st.steps + 1)
@@ -239,27 +234,25 @@ class _Programs:
 _STATIC = ('fns', 'k', 'max_new_tokens', 'method', 'unstack_layers', 'batch_sharding')
 
 
-def _per_layer(fns, unstack_layers) -> bool:
-  return bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
-
-
-def _on_each_shard(transition, fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id,
-                   state, *, k, max_new_tokens, method, unstack_layers, batch_sharding):
-  """`transition(programs, state)` run on every shard's state with its own prompt rows."""
-  n, d = prompt_tokens_np.shape[0], state.group_s.shape[0]
+def _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, d, *, k,
+                  max_new_tokens, method, unstack_layers, batch_sharding):
+  """`apply(transition, state)`: `transition(programs, state)` run on every shard's state with
+  its own prompt rows. What the shards share (the decode weights, `models.decode_weights`; the
+  stream keys; the rows split by shard) is computed here, once, so a caller building it before
+  its loop keeps it out of every step."""
   prepared = (params, None)
-  if getattr(fns, 'decode_weights', None):  # once, shared by the shards
-    prepared = fns.decode_weights(params, _per_layer(fns, unstack_layers))
-  keys = sampling.stream_keys(rng, n, k)  # by global group: the static sampler's streams
+  if getattr(fns, 'decode_weights', None):
+    prepared = fns.decode_weights(params, sampler_args.per_layer(fns, unstack_layers))
+  keys = sampling.stream_keys(rng, prompt_tokens_np.shape[0], k)  # the static sampler's streams
+  rows = [_split(x, d, batch_sharding) for x in (prompt_tokens_np, prompt_lengths_n, keys)]
 
-  def one(st, prompts, lengths, keys_nk):
-    programs = _Programs(fns, params, prepared, prompts, lengths, keys_nk, eos_id, k=k,
-                         max_new_tokens=max_new_tokens, method=method)
-    return transition(programs, st)
+  def apply(transition, state):
+    def one(st, prompts, lengths, keys_nk):
+      return transition(_Programs(fns, params, prepared, prompts, lengths, keys_nk, eos_id, k=k,
+                                  max_new_tokens=max_new_tokens, method=method), st)
+    return _on_shards(jax.vmap(one)(state, *rows), batch_sharding)
 
-  split = lambda x: _split(x, d, batch_sharding)  # noqa: E731
-  return _on_shards(jax.vmap(one)(state, split(prompt_tokens_np), split(prompt_lengths_n),
-                                  split(keys)), batch_sharding)
+  return apply
 
 
 @functools.partial(jit_by_platform, static_argnames=_STATIC + ('slots', 'prefix_rows'))
@@ -273,7 +266,8 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
   zeros_s = jnp.zeros((s,), jnp.int32)
   shape_nkt = (n // d, k, max_new_tokens)
   one = EngineState(
-      cache=_empty_cache(fns, params, p, q, s, max_new_tokens, _per_layer(fns, unstack_layers)),
+      cache=_empty_cache(fns, params, p, q, s, max_new_tokens,
+                         sampler_args.per_layer(fns, unstack_layers)),
       group_s=jnp.full((s,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,
       last_s=zeros_s + pad_id, refs_q=jnp.zeros((q,), jnp.int32),
       next_group=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32),
@@ -283,10 +277,10 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
       mask_nkt=jnp.zeros(shape_nkt, bool), lengths_nk=jnp.zeros((n // d, k), jnp.int32))
   state = _on_shards(jax.tree.map(lambda x: jnp.broadcast_to(x, (d,) + x.shape), one),
                      batch_sharding)
-  return _on_each_shard(lambda programs, st: programs.admit_all(st), fns, params,
-                        prompt_tokens_np, prompt_lengths_n, rng, eos_id, state, k=k,
-                        max_new_tokens=max_new_tokens, method=method,
-                        unstack_layers=unstack_layers, batch_sharding=batch_sharding)
+  run_shards = _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, d,
+                             k=k, max_new_tokens=max_new_tokens, method=method,
+                             unstack_layers=unstack_layers, batch_sharding=batch_sharding)
+  return run_shards(lambda programs, st: programs.admit_all(st), state)
 
 
 # The state is donated: the loop updates the caller's KV buffers in place, never a copy.
@@ -298,15 +292,17 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
   """Decode steps reading the first kv_limit stream slots, each followed by admissions, while
   work is left and the longest live stream (over every shard) needs more than kv_floor and at
   most kv_limit."""
+  run_shards = _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id,
+                             state.group_s.shape[0], k=k, max_new_tokens=max_new_tokens,
+                             method=method, unstack_layers=unstack_layers,
+                             batch_sharding=batch_sharding)
+
   def cond(st):
     need = _need(st)
     return _work_left(st) & (need <= kv_limit) & ((need > kv_floor) | (kv_floor == 0))
 
   def body(st):
-    return _on_each_shard(lambda programs, st: programs.admit_all(programs.decode(st, kv_limit)),
-                          fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, st, k=k,
-                          max_new_tokens=max_new_tokens, method=method,
-                          unstack_layers=unstack_layers, batch_sharding=batch_sharding)
+    return run_shards(lambda programs, st: programs.admit_all(programs.decode(st, kv_limit)), st)
 
   return jax.lax.while_loop(cond, body, state)
 

@@ -183,7 +183,7 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
   num_prompts = prompt_tokens_bp.shape[0]
   first_bkv, cache = _prefill(
       fns, params, prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens,
-      mode=mode, per_layer=_per_layer(fns, unstack_layers))
+      mode=mode, per_layer=sampler_args.per_layer(fns, unstack_layers))
   shape_bk, shape_bkt = (num_prompts, k), (num_prompts, k, max_new_tokens)
   state = SamplingState(
       step=jnp.zeros((), jnp.int32),
@@ -203,11 +203,6 @@ def start(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, eos_id, pad_id, 
   return _shard_state(state, batch_sharding)
 
 
-def _per_layer(fns, unstack_layers) -> bool:
-  """Whether the decode runs unrolled over per-layer weights and caches."""
-  return bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
-
-
 # The state is donated so the while_loop updates the cache in the caller's buffers, not a copy.
 @functools.partial(jit_by_platform, static_argnames=('fns', 'method', 'mode', 'batch_sharding',
                                                      'unstack_layers'),
@@ -220,7 +215,7 @@ def decode_loop(fns, params, state: SamplingState, eos_id, pad_id, *, method,
   # (`models.decode_weights`).
   layers = None
   if getattr(fns, 'decode_weights', None):
-    params, layers = fns.decode_weights(params, _per_layer(fns, unstack_layers))
+    params, layers = fns.decode_weights(params, sampler_args.per_layer(fns, unstack_layers))
 
   def cond(state):
     return (state.step < max_new_tokens) & ~jnp.all(state.done_bk)

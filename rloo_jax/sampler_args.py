@@ -138,6 +138,11 @@ def decode_unstacked(exp) -> bool:
   return value == 'unstacked'
 
 
+def per_layer(fns, unstack_layers) -> bool:
+  """Whether a decode runs unrolled over per-layer weights and caches (both samplers)."""
+  return bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
+
+
 def validate_decode_layout(rloo_config) -> None:
   """config.rloo.decode_layers: a known value; rollout_slots: 0, or the engine's checks."""
   _decode_layers(rloo_config)

@@ -131,9 +131,13 @@ def mask_after_eos(tokens_bk: jax.Array, done_bk: jax.Array, *, eos_id, pad_id: 
   """
   valid_bk = ~done_bk
   tokens_bk = jnp.where(valid_bk, tokens_bk, jnp.asarray(pad_id).astype(tokens_bk.dtype))
-  stops_s = jnp.atleast_1d(jnp.asarray(eos_id)).astype(tokens_bk.dtype)
-  is_stop_bk = jnp.any(tokens_bk[..., None] == stops_s, axis=-1)
-  return tokens_bk, valid_bk, done_bk | (valid_bk & is_stop_bk)
+  return tokens_bk, valid_bk, done_bk | (valid_bk & is_stop(tokens_bk, eos_id))
+
+
+def is_stop(tokens, eos_id):
+  """Whether each token is one of the stop ids `eos_id` (an int or an int array [S])."""
+  stops_s = jnp.atleast_1d(jnp.asarray(eos_id)).astype(tokens.dtype)
+  return jnp.any(tokens[..., None] == stops_s, axis=-1)
 
 
 def stream_keys(rng: jax.Array, num_prompts: int, k: int) -> jax.Array:
@@ -179,9 +183,13 @@ def uniforms_tbk2(keys_bk, num_steps: int):
   Drawn before the decode loop (T * B * K * 8 bytes), in one batched draw, so the loop body,
   which runs once per token in sequence, does no hashing."""
   def at(t):
-    return jax.vmap(jax.vmap(
-        lambda key: jax.random.uniform(jax.random.fold_in(key, t), (2,))))(keys_bk)
+    return jax.vmap(jax.vmap(lambda key: step_uniforms(key, t)))(keys_bk)
   return jax.vmap(at)(jnp.arange(num_steps))
+
+
+def step_uniforms(key, t):
+  """A stream's two uniforms of step t, from fold_in(key, t): every sampler draws with these."""
+  return jax.random.uniform(jax.random.fold_in(key, t), (2,))
 
 
 def _first_above(weights, u):

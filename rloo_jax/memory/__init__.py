@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from rloo_jax import experiment, packing, sampler_args
+from rloo_jax import engine, experiment, packing, sampler_args
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
 from rloo_jax.memory import slots as slots_lib
@@ -277,7 +277,8 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       **programs_lib.microbatch(c),
       rollout_chunk_prompts=programs_lib.chunk_prompts(c),
       # The rollout engine's stream slots and prompt rows (0, 0: the static sampler).
-      **dict(zip(("rollout_slots", "rollout_prefix_rows"), programs_lib.engine_slots(c))),
+      **dict(zip(("rollout_slots", "rollout_prefix_rows"), programs_lib.engine_slots(
+          c, engine.shards(exp.layout.batch_sharding)))),
       # Model FLOPs: rollout + reference + update (num_epochs passes over every row, i.e.
       # epochs x minibatches steps); the backward's recompute is reported apart, not included.
       flops_per_iteration=int(f["rollout"] + f["reference"] + f["update"]),

@@ -359,9 +359,10 @@ def _engine_rollout(exp, x, names, _compile, found, resident):
   shapes = jax.eval_shape(functools.partial(engine.start, exp.fns, **static, **pools), *args,
                           x.token_id)
   if "engine" not in names:
-    # Uncompiled: the outputs split over the batch axes, the slot and prefix pools whole.
-    size = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
-    return shapes, size(shapes.cache), size(shapes.output()) // exp.layout.batch_parallelism
+    # Uncompiled: the outputs and every shard's slot and prefix pools split over the batch axes.
+    ways = exp.layout.batch_parallelism
+    return (shapes, *(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) // ways
+                      for t in (shapes.cache, shapes.output())))
   start, s0 = _compile(lambda: engine.start.lower(exp.fns, *args, x.token_id, **static, **pools))
   state = _with_shardings(shapes, start.output_shardings)
   phase, s1 = _compile(lambda: engine.phase.lower(exp.fns, *args, state, kv_limit=t_cap,
