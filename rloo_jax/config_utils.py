@@ -147,7 +147,10 @@ def base_config() -> ml_collections.ConfigDict:
       # The continuous-batching engine (rloo_jax.engine): this many streams decode at once, a
       # slot refilled as its stream ends (0: the static sampler, the batch until its longest
       # stream ends); rollout_prefix_rows prompts' KV held for them (0: 2 * slots / k).
-      rollout_slots=0, rollout_prefix_rows=0))
+      rollout_slots=0, rollout_prefix_rows=0,
+      # DAPO's dynamic sampling (rloo_jax.dynamic_sampling): train only on groups whose rewards
+      # differ, rolling out further prompt batches for them, at most this many rollouts a step.
+      dynamic_sampling=False, dynamic_sampling_max_rounds=4))
   c.advantage = ml_collections.ConfigDict(dict(estimator="rloo", options={}))
   c.kl = ml_collections.ConfigDict(dict(beta=0.05, estimator="k1", reduction="sum"))
   c.loss = ml_collections.ConfigDict(dict(

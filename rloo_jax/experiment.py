@@ -19,8 +19,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from rloo_jax import (adapters, advantage, config_utils, loss, offpolicy, packing, rollout,
-                      sampler_args, sampling, tasks)
+from rloo_jax import (adapters, advantage, config_utils, dynamic_sampling, loss, offpolicy,
+                      packing, rollout, sampler_args, sampling, tasks)
 from rloo_jax import sharding as sharding_lib
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import chat, pipeline
@@ -62,8 +62,7 @@ class Experiment:
   rewards: Optional[RewardSet]  # what the policy is trained on (None: `build_abstract`)
   eval_rewards: Optional[RewardSet]  # what evaluations report; the first judges win rates
   method: sampling.Method
-  # The mesh and rules (a 1-device mesh for a 1-device run: one code path) and the train
-  # state's shardings.
+  # The mesh and rules (one device: a 1-device mesh, one code path); the state's shardings.
   layout: sharding_lib.Layout
   state_shardings: Any = None
   # The frozen base's model functions (with LoRA: the reference); `fns` without LoRA.
@@ -186,6 +185,7 @@ def validate_config(config) -> None:
                   "sft.steps", "optim.learning_rate", "optim.warmup_steps",
                   "optim.max_grad_norm", "loss.clip_eps")
   overlong.check_config(config)
+  dynamic_sampling.check_config(config)
   need = sequence_length(config)
   if arch is not None and need > arch.max_seq_len:
     raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "

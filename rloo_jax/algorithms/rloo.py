@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from rloo_jax import adapters, packing, policy_init, rollout, update
+from rloo_jax import adapters, dynamic_sampling, packing, policy_init, rollout, update
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms.base import AlgorithmBase
 
@@ -140,6 +140,14 @@ class RLOO(AlgorithmBase):
                                              shared_prefix=bool(c.train.shared_prefix)),
                            in_shardings=(rows_sh,) * 5, out_shardings=rows_sh)
     self.take_fn = jax.jit(lambda rows, idx: rows.take(idx, self.k), out_shardings=rows_sh)
+    self.dynamic = (dynamic_sampling.DynamicSampler(
+        exp, k=self.k, max_rounds=int(c.rloo.dynamic_sampling_max_rounds))
+        if c.rloo.get("dynamic_sampling", False) else None)
+    self._batches = None  # the prompt stream, which dynamic sampling draws further batches from
+
+  def batches(self):
+    self._batches = super().batches()
+    return self._batches
 
   def score_fn(self, ref_params, adv_state, rows, rewards_bk, usable_bk):
     """`update.score_rollout` as the iteration runs it: ({kl_bk, penalised_bk, advantages_bk,
@@ -179,15 +187,24 @@ class RLOO(AlgorithmBase):
     layout = exp.layout
     rng = jax.random.fold_in(state.rng, int(state.step))
 
-    def reference(out):
+    def reference(out, data):
       # Lengths (and so the rollout metrics) are unchanged by the trim; only columns go. The
       # reference pass is dispatched here, before the rewards, and runs while they are scored.
       out = trim_rollout(exp, out, exp.loss_spec.aggregation, exp.loss_spec.max_len)
-      rows = rollout_rows(self, batch, out)
+      rows = rollout_rows(self, data, out)
       return out, rows, self.reference_fn(state.ref_params, rows)
 
-    _, rewards_bk, usable_bk, num_nonfinite, parts, timings, (out, rows, ref_logp) = (
-        rollout.timed_rollout(exp, state.policy_params, batch, rng, k=k, on_sampled=reference))
+    dynamic = {}
+    if self.dynamic is None:
+      _, rewards_bk, usable_bk, num_nonfinite, parts, timings, (out, rows, ref_logp) = (
+          rollout.timed_rollout(exp, state.policy_params, batch, rng, k=k,
+                                on_sampled=lambda out: reference(out, batch)))
+    else:  # the groups to train on are known only once their rewards are
+      if self._batches is None:
+        self.batches()
+      batch, out, rewards_bk, usable_bk, num_nonfinite, parts, timings, dynamic = self.dynamic(
+          state.policy_params, batch, self._batches, rng)
+      out, rows, ref_logp = reference(out, batch)
     t0 = time.perf_counter()
     b = rewards_bk.shape[0]  # the global batch
     n = b * k
@@ -207,6 +224,7 @@ class RLOO(AlgorithmBase):
                           for row, u in zip(rewards_bk, usable_bk)])
     adv = layout.gather(scored["advantages_bk"])
     m.update(rollout_metrics(exp, out, rewards_bk, usable_bk, num_nonfinite, parts, timings))
+    m.update(dynamic)
     m.update(
         kl=float(layout.gather(scored["kl_bk"]).mean()),
         penalised_reward=float(layout.gather(scored["penalised_bk"])[usable_bk].mean())
