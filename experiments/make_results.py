@@ -50,11 +50,16 @@ was not available offline; four other independently written notes in the offline
 the same numbers. They measure a different judge, baseline and scale from ours (ours: the gold
 reward judges the policy against the SFT policy, both greedy), so compare orderings, not levels.
 GRPO is not in the paper."""
+MEDIANS = ("mismatch/logp_abs_diff", "mismatch/logp_abs_diff_max", "mismatch/corrected_tokens",
+           "clip_fraction", "dynamic/rounds", "dynamic/frac_equal_sampled",
+           "dynamic/equal_groups_kept")
 ORDER = ["rloo_k4", "rloo_k2", "raft_k4", "raft_k2", "reinforce_ema", "vanilla_pg", "ppo", "dpo",
          "grpo_k4"]
 LABELS = {"rloo_k4": "RLOO k=4", "rloo_k2": "RLOO k=2", "raft_k4": "RAFT k=4",
           "raft_k2": "RAFT k=2", "reinforce_ema": "REINFORCE w/ baseline",
-          "vanilla_pg": "Vanilla PG", "ppo": "PPO", "dpo": "DPO", "grpo_k4": "GRPO k=4"}
+          "vanilla_pg": "Vanilla PG", "ppo": "PPO", "dpo": "DPO", "grpo_k4": "GRPO k=4",
+          "rloo_k4_tis": "RLOO k=4 + TIS", "gspo_k4": "GSPO k=4", "cispo_k4": "CISPO k=4",
+          "dapo_k4": "DAPO k=4"}
 
 
 def read_runs(root: str) -> dict:
@@ -92,9 +97,13 @@ def names(runs, every: bool = False):
 
 
 def last5(rs) -> str:
-  """The mean train reward of each run's last 5 iterations, over its seeds."""
-  xs = [np.mean([v for _, v in sorted(series(r["metrics"], "train/reward_mean").items())][-5:])
-        for r in rs if series(r["metrics"], "train/reward_mean")]
+  """The mean train reward of each run's last 5 iterations, over its seeds: of every sample
+  drawn (with dynamic sampling, not only the groups trained on)."""
+  key = lambda r: ("train/dynamic/reward_mean_sampled"  # noqa: E731
+                   if series(r["metrics"], "train/dynamic/reward_mean_sampled")
+                   else "train/reward_mean")
+  xs = [np.mean([v for _, v in sorted(series(r["metrics"], key(r)).items())][-5:])
+        for r in rs if series(r["metrics"], key(r))]
   return mean_spread(xs) if xs else "- (offline)"
 
 
@@ -110,10 +119,10 @@ def mean_curve(runs, key):
   return np.asarray(steps), np.asarray(mean)
 
 
-def table1(runs: dict, metric: str = "greedy_reward") -> list[str]:
+def table1(runs: dict, metric: str = "greedy_reward", every: bool = True) -> list[str]:
   lines = ["| method | seeds | SFT start | after RL (mean ± std over seeds) | gain | mean train "
            "reward, last 5 iters | wall s / run |", "|---|---|---|---|---|---|---|"]
-  for name in names(runs, every=True):
+  for name in names(runs, every=every):
     if name not in runs:
       lines.append(f"| {LABELS.get(name, name)} | - | - | not run | - | - | - |")
       continue
@@ -123,6 +132,17 @@ def table1(runs: dict, metric: str = "greedy_reward") -> list[str]:
     lines.append(f"| {LABELS.get(name, name)} | {','.join(str(r['seed']) for r in rs)} | "
                  f"{np.mean(before):.3f} | {mean_spread(after)} | "
                  f"{np.mean(after) - np.mean(before):+.3f} | {last5(rs)} | {wall(rs)} |")
+  return lines
+
+
+def medians(runs: dict, keys) -> list[str]:
+  """Each run's median over its iterations and seeds of each train metric in `keys`."""
+  lines = ["| method | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+  for name in names(runs):
+    vals = [[v for r in runs[name] for v in series(r["metrics"], f"train/{k}").values()]
+            for k in keys]
+    lines.append(f"| {LABELS.get(name, name)} | "
+                 + " | ".join(f"{np.median(v):.4g}" if v else "-" for v in vals) + " |")
   return lines
 
 
@@ -343,7 +363,12 @@ def main():
   parser.add_argument("--ablations", default="/work/runs/ablations_arithmetic")
   parser.add_argument("--bench", default="/work/runs/bench_rloo_vs_ppo.json")
   parser.add_argument("--out", default=os.path.join(REPO, "docs", "RESULTS.md"))
+  parser.add_argument("--print_table", default="", help="a sweep root: print its table only")
   args = parser.parse_args()
+  if args.print_table:
+    runs = read_runs(args.print_table)
+    print("\n".join(table1(runs, every=False) + [""] + medians(runs, MEDIANS)))
+    return
   out_dir = os.path.join(os.path.dirname(args.out), "results")
   os.makedirs(out_dir, exist_ok=True)
   t1, abl = read_runs(args.table1), read_runs(args.ablations)

@@ -159,7 +159,10 @@ def base_config() -> ml_collections.ConfigDict:
       ratio_level="sequence", aggregation="sequence_sum",
       # The sampler-trainer gap's correction (loss.is_weights): none | tis | seq_tis | seq_mask
       # | icepop, the ratio's cap, and icepop's lower bound. Metrics under mismatch/ either way.
-      is_correction="none", is_cap=2.0, is_low=0.5))
+      is_correction="none", is_cap=2.0, is_low=0.5,
+      # What the ratio losses divide by: 'sampler' (its recorded log-probs) | 'recompute' (the
+      # trainer's, one more forward before the update; the sampler's are then the correction's).
+      old_logprobs="sampler"))
   # Rewards: weighted sum of any number of functions named by import path.
   c.rewards = ml_collections.ConfigDict(dict(
       fns=["rloo_jax.rewards.verifiers:arithmetic_exact_match"], weights=[1.0],

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from rloo_jax import offpolicy
 # Re-exported: callers name them loss.X.
-from rloo_jax.offpolicy import IS_CORRECTIONS, is_weights, mismatch_metrics  # noqa: F401
+from rloo_jax.offpolicy import (IS_CORRECTIONS, is_weights, mismatch_metrics,  # noqa: F401
+                               sequence_weights)
 from rloo_jax.reductions import (AGGREGATIONS, Normalizer, aggregate,  # noqa: F401
                                  entropy_metric, masked_mean, masked_sum)
 from rloo_jax.reductions import counts as _counts
@@ -179,7 +180,7 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
                   clip_eps: float = 0.2, clip_eps_high: Optional[float] = None,
                   ratio_level: str = "sequence", aggregation: str = "sequence_sum",
                   max_len: Optional[int] = None, entropy_bt: Optional[Array] = None,
-                  normalizer: Optional[Normalizer] = None):
+                  normalizer: Optional[Normalizer] = None, weights_bt: Optional[Array] = None):
   """PPO's clipped surrogate, -min(r A, clip(r, 1 - eps, 1 + eps_high) A).
 
   ratio_level='sequence' (default, the paper's RLOO with the completion as one action): one ratio
@@ -189,8 +190,11 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
   Returns (loss, metrics) with the fraction of clipped units (sequences, or tokens), the
   approximate KL (k3) to the sampling policy per token and, given `entropy_bt`, the mean entropy.
   With `normalizer`, the loss and metrics are shares to sum over microbatches (see `policy_loss`).
+  `weights_bt`: importance weights (`is_weights`) on each unit's term, a sequence's the mean of
+  its tokens'.
   """
   norm = _counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
+  w_bt = 1.0 if weights_bt is None else jax.lax.stop_gradient(weights_bt)
   eps_low = clip_eps
   eps_high = clip_eps if clip_eps_high is None else clip_eps_high
   adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
@@ -205,7 +209,8 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
     ratio = jnp.exp(jnp.clip(log_ratio_bt.sum(-1), -20.0, 20.0))
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    loss = -jnp.sum(jnp.minimum(unclipped, clipped)) / norm.sequences
+    w_b = 1.0 if weights_bt is None else sequence_weights(w_bt, mask_bt)
+    loss = -jnp.sum(w_b * jnp.minimum(unclipped, clipped)) / norm.sequences
     clip_fraction = jnp.sum((clipped < unclipped).astype(jnp.float32)) / norm.sequences
   elif ratio_level == "token":
     # Per-sequence advantages [B] broadcast over tokens; PPO's GAE passes per-token ones [B, T].
@@ -213,7 +218,8 @@ def ppo_clip_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages
     ratio = jnp.exp(log_ratio_bt)
     unclipped = ratio * adv_bt
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv_bt
-    loss = aggregate(-jnp.minimum(unclipped, clipped), mask_bt, aggregation, normalizer=norm)
+    loss = aggregate(-w_bt * jnp.minimum(unclipped, clipped), mask_bt, aggregation,
+                     normalizer=norm)
     clip_fraction = masked_sum((clipped < unclipped).astype(jnp.float32), mask_bt) / norm.tokens
   else:
     raise ValueError(f"unknown ratio_level {ratio_level!r}; choose 'sequence' or 'token' "
@@ -273,7 +279,7 @@ def normalizer(spec_or_aggregation: Union[LossSpec, str], mask_bt: Array,
 
 def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Array,
                 advantages_b: Array, entropy_bt: Optional[Array] = None, *,
-                normalizer: Optional[Normalizer] = None):
+                normalizer: Optional[Normalizer] = None, sampler_logp_bt: Optional[Array] = None):
   """The configured policy loss of one minibatch, or microbatch: (loss, metrics).
 
   `entropy_bt`: per-token entropies [B, T] (`token_entropy`, or `chunked_logprobs(...,
@@ -285,33 +291,40 @@ def policy_loss(spec: LossSpec, logp_bt: Array, old_logp_bt: Array, mask_bt: Arr
   microbatch's contribution: sum losses, gradients and metrics over the microbatches and they
   equal the whole minibatch's (to float rounding) in every aggregation, loss type and ratio
   level; don't average them. Without `normalizer`, each is the batch's own (today's) value.
+
+  The sampler's log-probs are the correction's behaviour policy and one side of the gap the
+  mismatch metrics measure: `old_logp_bt`, the trainer's current `logp_bt` the other side; or,
+  given `sampler_logp_bt` (config.loss.old_logprobs='recompute'), those, and `old_logp_bt` the
+  trainer's own log-probs of the policy that sampled, which the ratio losses divide by.
   """
   t = spec.max_len if spec.max_len is not None else mask_bt.shape[1]
   norm = _counts(mask_bt, t) if normalizer is None else normalizer
-  # `old_logp_bt` are the sampler's log-probs: the behaviour policy of the correction and the
-  # gap the mismatch metrics measure.
-  weights, cut = is_weights(logp_bt, old_logp_bt, mask_bt, spec.is_correction, spec.is_cap,
+  trainer_bt, behaviour_bt = ((logp_bt, old_logp_bt) if sampler_logp_bt is None
+                              else (old_logp_bt, sampler_logp_bt))
+  weights, cut = is_weights(trainer_bt, behaviour_bt, mask_bt, spec.is_correction, spec.is_cap,
                             spec.is_low)
-  mismatch = mismatch_metrics(logp_bt, old_logp_bt, mask_bt, cut, norm)
+  mismatch = mismatch_metrics(trainer_bt, behaviour_bt, mask_bt, cut, norm)
+  weights_bt = None if spec.is_correction == "none" else weights
   if spec.type == "reinforce":
     value, metrics = reinforce_loss(
         logp_bt, mask_bt, advantages_b, aggregation=spec.aggregation, max_len=t,
-        entropy_bt=entropy_bt, normalizer=norm,
-        weights_bt=None if spec.is_correction == "none" else weights)
+        entropy_bt=entropy_bt, normalizer=norm, weights_bt=weights_bt)
   elif spec.type == "ppo_clip":
     value, metrics = ppo_clip_loss(
         logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
         clip_eps_high=spec.clip_eps_high, ratio_level=spec.ratio_level,
-        aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt, normalizer=norm)
+        aggregation=spec.aggregation, max_len=t, entropy_bt=entropy_bt, normalizer=norm,
+        weights_bt=weights_bt)
   elif spec.type == "gspo":
     value, metrics = offpolicy.gspo_loss(
         logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
-        clip_eps_high=spec.clip_eps_high, entropy_bt=entropy_bt, normalizer=norm)
+        clip_eps_high=spec.clip_eps_high, entropy_bt=entropy_bt, normalizer=norm,
+        weights_bt=weights_bt)
   elif spec.type == "cispo":
     value, metrics = offpolicy.cispo_loss(
         logp_bt, old_logp_bt, mask_bt, advantages_b, clip_eps=spec.clip_eps,
         clip_eps_high=spec.clip_eps_high, aggregation=spec.aggregation, max_len=t,
-        entropy_bt=entropy_bt, normalizer=norm)
+        entropy_bt=entropy_bt, normalizer=norm, weights_bt=weights_bt)
   else:
     raise ValueError(f"unknown config.loss.type {spec.type!r}; choose one of {LOSS_TYPES}")
   return value, {**metrics, **mismatch}

@@ -16,6 +16,9 @@ Array = jax.Array
 
 # Corrections of the gap between the sampler's log-probs and the trainer's (`is_weights`).
 IS_CORRECTIONS = ("none", "tis", "seq_tis", "seq_mask", "icepop")
+# What the ratio losses divide by (config.loss.old_logprobs): the sampler's log-probs, or the
+# trainer's recomputation of them before the update (the sampler's then the correction's).
+OLD_LOGPROBS = ("sampler", "recompute")
 
 
 def check_config(config) -> None:
@@ -24,13 +27,24 @@ def check_config(config) -> None:
   if correction not in IS_CORRECTIONS:
     raise ValueError(f"unknown config.loss.is_correction {correction!r}; choose one of "
                      f"{IS_CORRECTIONS}")
+  old = config.loss.get("old_logprobs", "sampler")
+  if old not in OLD_LOGPROBS:
+    raise ValueError(f"unknown config.loss.old_logprobs {old!r}; choose one of {OLD_LOGPROBS}")
+  if old == "recompute" and config.get("algorithm", "rloo") != "rloo":
+    raise ValueError(f"config.loss.old_logprobs='recompute' applies to RLOO's losses; "
+                     f"config.algorithm={config.algorithm!r}: set old_logprobs='sampler'")
+  if old == "recompute" and config.loss.type == "reinforce":
+    raise ValueError("config.loss.old_logprobs='recompute' gives a ratio loss its old policy; "
+                     "loss.type='reinforce' has no ratio (its correction weighs the current "
+                     "policy against the sampler): set old_logprobs='sampler'")
   if correction == "none":
     return
   cap, low = float(config.loss.get("is_cap", 2.0)), float(config.loss.get("is_low", 0.5))
-  if config.loss.type != "reinforce":
-    raise ValueError(f"config.loss.is_correction applies to loss.type='reinforce'; "
-                     f"{config.loss.type!r} already divides by the sampler's probabilities "
-                     "in its ratio: set is_correction='none'")
+  if config.loss.type != "reinforce" and old != "recompute":
+    raise ValueError(f"config.loss.is_correction with loss.type={config.loss.type!r} needs "
+                     "config.loss.old_logprobs='recompute': its ratio divides by the sampler's "
+                     "probabilities already, so the correction needs the trainer's own as the "
+                     "old policy (or set is_correction='none')")
   if not 0.0 <= low < 1.0 < cap:
     raise ValueError(f"config.loss.is_cap={cap} and is_low={low}: the band must hold 1 "
                      "(0 <= is_low < 1 < is_cap)")
@@ -68,6 +82,14 @@ def is_weights(logp_bt: Array, sampler_logp_bt: Array, mask_bt: Array, correctio
                    f"{IS_CORRECTIONS}")
 
 
+def sequence_weights(weights_bt: Array, mask_bt: Array) -> Array:
+  """[B]: the mean of each sequence's token weights (no gradient), the weight of a loss term
+  taken per sequence; equal to them for the sequence-level corrections."""
+  w = jax.lax.stop_gradient(jnp.asarray(weights_bt, jnp.float32))
+  return (jnp.sum(jnp.where(mask_bt, w, 0.0), -1)
+          / jnp.maximum(jnp.sum(mask_bt, -1), 1).astype(jnp.float32))
+
+
 def mismatch_metrics(logp_bt: Array, sampler_logp_bt: Array, mask_bt: Array, cut_bt: Array,
                      norm: Normalizer) -> dict:
   """The sampler-trainer gap of this batch's tokens (shares over microbatches, as the losses;
@@ -87,11 +109,12 @@ def mismatch_metrics(logp_bt: Array, sampler_logp_bt: Array, mask_bt: Array, cut
 
 def gspo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
               clip_eps: float, clip_eps_high: Optional[float] = None,
-              entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None):
+              entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None,
+              weights_bt: Optional[Array] = None):
   """GSPO (Zheng et al., 2025): PPO's clipped surrogate on the length-normalised sequence ratio
   s = (pi(y) / pi_old(y)) ** (1 / |y|), -mean_b min(s A, clip(s, 1 - eps, 1 + eps_high) A); the
   gradient flows through s. Its clip range is small (the paper's eps: 3e-4 / 4e-4).
-  Returns (loss, metrics) as `ppo_clip_loss`."""
+  Returns (loss, metrics) as `ppo_clip_loss`; `weights_bt` as its sequence level."""
   norm = counts(mask_bt, mask_bt.shape[-1]) if normalizer is None else normalizer
   eps_high = clip_eps if clip_eps_high is None else clip_eps_high
   adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
@@ -100,7 +123,8 @@ def gspo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: 
   length_b = jnp.maximum(jnp.sum(mask_bt, -1), 1).astype(jnp.float32)
   s_b = jnp.exp(jnp.clip(log_ratio_bt.sum(-1) / length_b, -20.0, 20.0))
   unclipped, clipped = s_b * adv, jnp.clip(s_b, 1.0 - clip_eps, 1.0 + eps_high) * adv
-  loss = -jnp.sum(jnp.minimum(unclipped, clipped)) / norm.sequences
+  w_b = 1.0 if weights_bt is None else sequence_weights(weights_bt, mask_bt)
+  loss = -jnp.sum(w_b * jnp.minimum(unclipped, clipped)) / norm.sequences
   metrics = {"policy_loss": loss,
              "clip_fraction": jnp.sum((clipped < unclipped).astype(jnp.float32)) / norm.sequences,
              "approx_kl": masked_sum(jnp.exp(log_ratio_bt) - 1.0 - log_ratio_bt, mask_bt)
@@ -112,11 +136,12 @@ def gspo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: 
 def cispo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b: Array, *,
                clip_eps: float, clip_eps_high: Optional[float] = None,
                aggregation: str = "token_mean", max_len: Optional[int] = None,
-               entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None):
+               entropy_bt: Optional[Array] = None, normalizer: Optional[Normalizer] = None,
+               weights_bt: Optional[Array] = None):
   """CISPO (MiniMax-M1, 2025): REINFORCE with each token's importance weight clipped and held
   constant, -sg(clip(r_t, 1 - eps, 1 + eps_high)) A log pi(y_t), reduced with `aggregation`: no
   token loses its gradient, as PPO's clip drops it. Returns (loss, metrics), clip_fraction the
-  fraction of tokens whose weight was clipped."""
+  fraction of tokens whose weight was clipped; `weights_bt` (`is_weights`) multiply it."""
   norm = counts(mask_bt, max_len or mask_bt.shape[-1]) if normalizer is None else normalizer
   eps_high = clip_eps if clip_eps_high is None else clip_eps_high
   adv = jax.lax.stop_gradient(advantages_b.astype(jnp.float32))
@@ -125,7 +150,8 @@ def cispo_loss(logp_bt: Array, old_logp_bt: Array, mask_bt: Array, advantages_b:
                            0.0)
   ratio = jnp.exp(log_ratio_bt)
   weight = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + eps_high)
-  loss = aggregate(-weight * adv[:, None] * logp, mask_bt, aggregation, normalizer=norm)
+  held = weight if weights_bt is None else weight * jax.lax.stop_gradient(weights_bt)
+  loss = aggregate(-held * adv[:, None] * logp, mask_bt, aggregation, normalizer=norm)
   metrics = {"policy_loss": loss,
              "clip_fraction": masked_sum((weight != ratio).astype(jnp.float32), mask_bt)
                               / norm.tokens,

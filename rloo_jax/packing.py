@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from flax import struct
 import jax
@@ -172,6 +172,7 @@ class PackedMicrobatch:
   cmask_nt: jax.Array
   old_logp_nt: jax.Array
   advantages_n: jax.Array
+  sampler_logp_nt: Optional[jax.Array] = None  # as `rollout.GroupedRows`'
   # The head runs `chunk_scale` times the positions a chunk of grouped rows would, over one row
   # in place of a group's k: the same logits per chunk, in k times fewer, larger products.
   chunk_scale: int = struct.field(pytree_node=False, default=1)
@@ -225,6 +226,7 @@ class PackedRows:
   cmask_nt: jax.Array
   old_logp_nt: jax.Array
   advantages_n: jax.Array
+  sampler_logp_nt: Optional[jax.Array] = None
   chunk_scale: int = struct.field(pytree_node=False, default=1)
 
   def microbatch(self, i) -> PackedMicrobatch:
@@ -233,7 +235,8 @@ class PackedRows:
     mine = self.microbatch_n == i
     return PackedMicrobatch(*rows, self.start_n, self.completions_nt,
                             self.cmask_nt & mine[:, None], self.old_logp_nt,
-                            jnp.where(mine, self.advantages_n, 0.0), self.chunk_scale)
+                            jnp.where(mine, self.advantages_n, 0.0), self.sampler_logp_nt,
+                            chunk_scale=self.chunk_scale)
 
   def accumulate(self, fn, constrain=lambda x: x, combine=None):
     """`fn(microbatch)` (a pytree of arrays) over the microbatches in use, summed (or by
@@ -300,7 +303,7 @@ def pack(rows, pl, *, k: int, budget: int, rows_per_microbatch: int,
       start_n=(pl.shard_n * l + pl.start_n).astype(i32),
       count_d=jnp.full((rows_per_microbatch,), pl.count, i32),
       completions_nt=rows.completions_nt, cmask_nt=rows.cmask_nt, old_logp_nt=rows.old_logp_nt,
-      advantages_n=rows.advantages_n, chunk_scale=k)
+      advantages_n=rows.advantages_n, sampler_logp_nt=rows.sampler_logp_nt, chunk_scale=k)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,9 @@ class SequenceRows(head_loss.DenseHead):
   cmask_nt: jax.Array             # bool [N, T]: completion tokens up to and including EOS
   old_logp_nt: jax.Array          # float32 [N, T]: log-probs under the policy that sampled
   advantages_n: jax.Array         # float32 [N] (zeros until the advantages are computed)
+  # config.loss.old_logprobs='recompute': the sampler's log-probs, old_logp_nt then holding the
+  # trainer's recomputation of them (the ratio's old policy); None otherwise.
+  sampler_logp_nt: Optional[jax.Array] = None
   grouped: ClassVar[bool] = False
 
   @property
@@ -105,6 +108,7 @@ class GroupedRows(head_loss.DenseHead):
   cmask_nt: jax.Array                 # bool [N, T]
   old_logp_nt: jax.Array              # float32 [N, T]
   advantages_n: jax.Array             # float32 [N]
+  sampler_logp_nt: Optional[jax.Array] = None  # as SequenceRows'
   grouped: ClassVar[bool] = True
 
   @property
@@ -136,7 +140,8 @@ class GroupedRows(head_loss.DenseHead):
         prompt(self.prompt_tokens_bp), prompt(self.prompt_positions_bp),
         prompt(self.prompt_mask_bp), sample(self.completion_positions_nt),
         sample(self.completions_nt), sample(self.cmask_nt), sample(self.old_logp_nt),
-        sample(self.advantages_n))
+        sample(self.advantages_n),
+        None if self.sampler_logp_nt is None else sample(self.sampler_logp_nt))
 
 
 def logprobs(rows, fns, params, *, chunk_size: int, with_entropy: bool = False):

@@ -103,12 +103,13 @@ def gradients(params, rows, frozen=None, *, fns, spec: loss.LossSpec, k: int, ch
         logp, entropy = rollout.logprobs(mb, fns, full, chunk_size=chunk_size,
                                          with_entropy=True)
         return loss.policy_loss(spec, logp, mb.old_logp_nt, mb.cmask_nt, mb.advantages_n,
-                                entropy, normalizer=norm)
+                                entropy, normalizer=norm, sampler_logp_bt=mb.sampler_logp_nt)
       coef = loss.linear_coefficients(spec, mb.cmask_nt, mb.advantages_n, normalizer=norm)
       value, logp, entropy = mb.linear_loss(fns, full, coef, chunk_size=chunk_size)
       # The metrics from the same log-probs (no gradient); policy_loss among them equals value.
       _, metrics = loss.policy_loss(spec, jnp.where(mb.cmask_nt, logp, 0.0), mb.old_logp_nt,
-                                    mb.cmask_nt, mb.advantages_n, entropy, normalizer=norm)
+                                    mb.cmask_nt, mb.advantages_n, entropy, normalizer=norm,
+                                    sampler_logp_bt=mb.sampler_logp_nt)
       return value, metrics
     (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return constrain(grads, param_shardings), value, metrics
@@ -180,11 +181,14 @@ class TrainStep:
     return self.grad_fn._cache_size()  # pylint: disable=protected-access
 
 
-def reference_logprobs(ref_params, rows, *, fns, k: int, chunk_size: int, microbatches: int = 1,
-                       rows_sharding=None):
+def reference_logprobs(ref_params, rows, frozen=None, *, fns, k: int, chunk_size: int,
+                       microbatches: int = 1, rows_sharding=None):
   """The reference policy's log-probs [N, T] of the rows' completions, float32, computed in
   `microbatches` slices (the rows come back in their own order); packed rows, over their
-  microbatches (each gives its samples' log-probs, zero elsewhere)."""
+  microbatches (each gives its samples' log-probs, zero elsewhere). `frozen`: LoRA's base, the
+  params then its adapters (the policy's log-probs: config.loss.old_logprobs='recompute')."""
+  if frozen is not None:
+    ref_params = lora.join(frozen, ref_params)
   if isinstance(rows, packing.PackedRows):
     return rows.accumulate(lambda mb: mb.logprobs(fns, ref_params, chunk_size=chunk_size)[0],
                            lambda mb: constrain(mb, rows_sharding))
@@ -201,20 +205,21 @@ def reference_logprobs(ref_params, rows, *, fns, k: int, chunk_size: int, microb
 
 
 class ReferencePass:
-  """`reference_logprobs` jitted, `ref(ref_params, rows) -> [N, T]`; with a `packing.Packer`
-  (config.train.microbatch_tokens) the rollout's rows are packed first."""
+  """`reference_logprobs` jitted, `ref(ref_params, rows[, frozen]) -> [N, T]`; with a
+  `packing.Packer` (config.train.microbatch_tokens) the rollout's rows are packed first."""
 
   def __init__(self, *, fns, k: int, chunk_size: int, microbatches: int, ref_sharding,
-               rows_sharding, packer: packing.Packer | None = None):
+               rows_sharding, packer: packing.Packer | None = None, frozen_sharding=None):
     self.packer = packer
     self.fn = platform.jit_by_platform(
         functools.partial(reference_logprobs, fns=fns, k=k, chunk_size=chunk_size,
                           microbatches=microbatches, rows_sharding=rows_sharding),
-        in_shardings=(ref_sharding, rows_sharding), out_shardings=rows_sharding,
-        sharding=rows_sharding)
+        in_shardings=(ref_sharding, rows_sharding,
+                      *(() if frozen_sharding is None else (frozen_sharding,))),
+        out_shardings=rows_sharding, sharding=rows_sharding)
 
-  def __call__(self, ref_params, rows):
-    return self.fn(ref_params, rows if self.packer is None else self.packer(rows))
+  def __call__(self, ref_params, rows, *frozen):
+    return self.fn(ref_params, rows if self.packer is None else self.packer(rows), *frozen)
 
   def lower(self, ref_params, rows):
     return self.fn.lower(ref_params, rows if self.packer is None else self.packer.abstract(rows))

@@ -5,6 +5,7 @@ batch drawn from another policy corrected by its full sequence ratio has the exa
 gradient. GSPO and CISPO against values and gradients computed by hand."""
 
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -126,10 +127,104 @@ def test_a_corrected_update_runs_unfused_and_reports_the_gap(tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5 * float(jnp.abs(b).max()))
   assert 0.0 <= float(m1["mismatch/logp_abs_diff"]) < 1e-5
   assert float(m1["mismatch/logp_abs_diff_max"]) >= float(m1["mismatch/logp_abs_diff"])
-  with pytest.raises(ValueError, match=r"config.loss.is_correction applies to "
-                                       r"loss.type='reinforce'"):
+  with pytest.raises(ValueError, match=r"config.loss.is_correction with loss.type='ppo_clip' "
+                                       r"needs config.loss.old_logprobs='recompute'"):
     config.loss.update(type="ppo_clip", is_correction="tis")
     experiment.validate_config(config)
+  with pytest.raises(ValueError, match=r"loss.type='reinforce' has no ratio"):
+    config.loss.update(type="reinforce", old_logprobs="recompute")
+    experiment.validate_config(config)
+
+
+# The ratio losses at their first step (theta = the recomputed old policy), each with its
+# gradient's factor against REINFORCE's: GSPO's ratio is length-normalised (1 / L).
+RATIO_SPECS = [
+    (dict(type="ppo_clip", ratio_level="sequence"), 1.0),
+    (dict(type="ppo_clip", ratio_level="token"), 1.0),
+    (dict(type="cispo", clip_eps=1.0, clip_eps_high=0.28, aggregation="sequence_sum"), 1.0),
+    (dict(type="gspo", clip_eps=3e-4, clip_eps_high=4e-4), 1.0 / 3),
+]
+
+
+@pytest.mark.parametrize("kind, factor", RATIO_SPECS, ids=[s["type"] + "_" + s.get(
+    "ratio_level", "") for s, _ in RATIO_SPECS])
+def test_ratio_losses_corrected_against_the_sampler_give_the_exact_on_policy_gradient(kind,
+                                                                                     factor):
+  """config.loss.old_logprobs='recompute': the ratio divides by the trainer's log-probs of the
+  policy that sampled, and the sequence ratio pi_old / pi_sampler (uncapped) corrects for the
+  sampler's: over every group of 2 the sampler could draw, the expected gradient at theta = old
+  is minus the exact policy gradient (times the loss's own factor); uncorrected it is not."""
+  policy = ToyPolicy(vocab=3, length=3, seed=1)
+  sampler_theta = policy.theta + 0.4 * jax.random.normal(jax.random.PRNGKey(7),
+                                                         policy.theta.shape)
+  seqs = policy.sequences
+  groups = seqs[jnp.asarray(list(itertools.product(range(len(seqs)), repeat=2)))]
+  p_group = jnp.exp(policy.logp(sampler_theta, groups).sum(-1))
+  adv, _ = advantage.call("rloo", policy.reward(groups))
+  sampler_logp = _token_logp(policy, sampler_theta, groups)
+  mask = jnp.ones(groups.shape[1:], bool)
+
+  def expected_loss(theta, spec):
+    def one(g, s, a):
+      logp = _token_logp(policy, theta, g)
+      return loss.policy_loss(spec, logp, jax.lax.stop_gradient(logp), mask, a,
+                              sampler_logp_bt=s)[0]
+    return jnp.sum(p_group * jax.vmap(one)(groups, sampler_logp, adv))
+
+  exact = np.asarray(policy.exact_gradient()) * factor
+  full = loss.LossSpec(**kind, is_correction="seq_tis", is_cap=1e30)
+  got = np.asarray(jax.grad(expected_loss)(policy.theta, full))
+  np.testing.assert_allclose(-got, exact, atol=1e-5 * np.abs(exact).max())
+  biased = np.asarray(jax.grad(expected_loss)(policy.theta, loss.LossSpec(**kind)))
+  assert np.abs(-biased - exact).max() > 0.05 * np.abs(exact).max()
+
+
+def test_a_recomputed_old_policy_weighs_each_ratio_term_by_the_truncated_gap():
+  """With the sampler's log-probs beside the trainer's recomputed ones: token-level PPO's terms
+  are each multiplied by min(pi_old / pi_sampler, cap), GSPO's sequence term by the mean of its
+  tokens' weights; the metrics measure the sampler against the recomputed policy."""
+  logp, sampler, mask, adv = _batch(gap=0.5)
+  old = logp - 0.05  # the policy moved a little since the recomputation
+  m, a = np.asarray(mask), np.asarray(adv)[:, None]
+  w = np.where(m, np.minimum(np.exp(np.asarray(old) - np.asarray(sampler)), 2.0), 0.0)
+  r = np.exp(np.asarray(logp) - np.asarray(old))
+  term = np.minimum(r * a, np.clip(r, 0.8, 1.2) * a)
+  spec = loss.LossSpec("ppo_clip", ratio_level="token", aggregation="token_mean",
+                       is_correction="tis")
+  value, metrics = loss.policy_loss(spec, logp, old, mask, adv, sampler_logp_bt=sampler)
+  np.testing.assert_allclose(float(value), -(w * term)[m].sum() / m.sum(), rtol=1e-5)
+  diff = np.where(m, np.asarray(sampler) - np.asarray(old), 0.0)
+  np.testing.assert_allclose(metrics["mismatch/logp_abs_diff_max"], np.abs(diff).max(),
+                             rtol=1e-6)
+  spec = loss.LossSpec("gspo", clip_eps=0.1, is_correction="tis")
+  value, _ = loss.policy_loss(spec, logp, old, mask, adv, sampler_logp_bt=sampler)
+  s = np.exp((np.log(r) * m).sum(-1) / m.sum(-1))
+  seq = np.minimum(s * a[:, 0], np.clip(s, 0.9, 1.1) * a[:, 0])
+  w_b = w.sum(-1) / m.sum(-1)
+  np.testing.assert_allclose(float(value), -(w_b * seq).sum() / 6, rtol=1e-5)
+
+
+def test_a_recomputed_old_policy_trains_a_corrected_ratio_loss(tmp_path):
+  """old_logprobs='recompute' with ppo_clip and TIS: the update divides by the trainer's own
+  log-probs, which on the float32 tiny model are the sampler's up to rounding, so the
+  iteration matches the uncorrected one and the gap it logs is of rounding size."""
+  from rloo_jax import algorithms  # pylint: disable=import-outside-toplevel
+  results = []
+  for extra in ({}, {"old_logprobs": "recompute", "is_correction": "tis"}):
+    config = tiny_config()
+    config.train.num_iterations = 1
+    config.train.num_epochs = 2
+    # Reward j for sample j of each group (deterministic): every advantage is nonzero.
+    config.rewards.fns = [os.path.join(os.path.dirname(__file__),
+                                       "test_dynamic_sampling.py:by_position")]
+    config.loss.update(type="ppo_clip", **extra)
+    results.append(algorithms.run(config, str(tmp_path / str(len(results))))["last_metrics"])
+  plain, corrected = results
+  assert corrected["loss"] == pytest.approx(plain["loss"], rel=1e-3, abs=1e-6)
+  assert corrected["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-3)
+  assert plain["grad_norm"] > 1e-3
+  assert 0.0 <= corrected["mismatch/logp_abs_diff"] < 1e-5
+  assert corrected["mismatch/corrected_tokens"] == 0.0
 
 
 def test_gspo_clips_the_length_normalised_sequence_ratio():

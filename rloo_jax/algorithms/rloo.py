@@ -130,6 +130,15 @@ class RLOO(AlgorithmBase):
         fns=exp.base_fns or exp.fns, k=self.k, chunk_size=chunk,
         microbatches=update.microbatches(c, per="rollout"), ref_sharding=state_sh.ref_params,
         rows_sharding=rows_sh, packer=packer_of(exp, per="rollout"))
+    # config.loss.old_logprobs='recompute': the policy's own log-probs before the update, the
+    # ratio's old policy (the sampler's stay the correction's behaviour policy).
+    lora_base = getattr(state_sh, "lora", False)
+    self.old_fn = update.ReferencePass(
+        fns=exp.fns, k=self.k, chunk_size=chunk,
+        microbatches=update.microbatches(c, per="rollout"), ref_sharding=state_sh.params,
+        rows_sharding=rows_sh, packer=packer_of(exp, per="rollout"),
+        frozen_sharding=state_sh.ref_params if lora_base else None,
+    ) if c.loss.get("old_logprobs", "sampler") == "recompute" else None
     self.advantage_fn = jax.jit(functools.partial(
         update.advantages_of, beta=float(c.kl.beta), kl_estimator=c.kl.estimator,
         kl_reduction=c.kl.reduction, estimator=c.advantage.estimator,
@@ -192,7 +201,11 @@ class RLOO(AlgorithmBase):
       # reference pass is dispatched here, before the rewards, and runs while they are scored.
       out = trim_rollout(exp, out, exp.loss_spec.aggregation, exp.loss_spec.max_len)
       rows = rollout_rows(self, data, out)
-      return out, rows, self.reference_fn(state.ref_params, rows)
+      ref_logp = self.reference_fn(state.ref_params, rows)
+      if self.old_fn is not None:
+        old = self.old_fn(state.params, rows, *((state.ref_params,) if state.lora else ()))
+        rows = rows.replace(old_logp_nt=old, sampler_logp_nt=rows.old_logp_nt)
+      return out, rows, ref_logp
 
     dynamic = {}
     if self.dynamic is None:
