@@ -81,9 +81,11 @@ class Evaluator:
                                       overlong=c.data.overlong)
     return batches.num_dropped, len(self.records)
 
-  def completions(self, params, method, k: int = 1):
+  def completions(self, params, method, k: int = 1, answers: bool = False):
     """k completions per record (texts, in record order), the weighted reward [N*k], lengths
-    [N*k] and each function's scores {name: [N*k]}, for this process's rows of every batch."""
+    [N*k] and each function's scores {name: [N*k]}, for this process's rows of every batch
+    (the texts) or of all processes (the rest). answers=True adds [N*k] answer ids for maj@k:
+    each sample's, the index in its group of the first sample giving the same final answer."""
     exp, c = self.exp, self.exp.config
     batches = pipeline.prompt_batches(self.records, exp.tokenizer,
                                       global_batch_size=self.batch_size,
@@ -92,7 +94,7 @@ class Evaluator:
                                       overlong=c.data.overlong,
                                       process_index=jax.process_index(),
                                       process_count=jax.process_count())
-    texts, scores, lengths, per_fn = [], [], [], {}
+    texts, scores, lengths, per_fn, ids = [], [], [], {}, []
     for i, batch in enumerate(batches):
       out, r_bk, local_texts, parts = rollout.rollout(
           exp, params, batch, jax.random.fold_in(self.rng, i), k=k, method=method,
@@ -104,8 +106,11 @@ class Evaluator:
       texts.extend(t for t, v in zip(local_texts, local_valid) if v)
       for name, v in parts.items():
         per_fn.setdefault(name, []).append(np.asarray(v).reshape(-1, k)[valid].reshape(-1))
-    return (texts, np.concatenate(scores), np.concatenate(lengths),
-            {name: np.concatenate(chunks) for name, chunks in per_fn.items()})
+      if answers:  # a group's texts are on one process; its ids gathered like its scores
+        ids.append(exp.layout.gather_rows(answer_ids(local_texts, k))[valid].reshape(-1))
+    out = (texts, np.concatenate(scores), np.concatenate(lengths),
+           {name: np.concatenate(chunks) for name, chunks in per_fn.items()})
+    return out + (np.concatenate(ids),) if answers else out
 
   def greedy_completions(self, params) -> list[Optional[str]]:
     """Each record's greedy completion, unscored (None where its prompt is over
@@ -148,15 +153,20 @@ class Evaluator:
 
   def pass_at_k(self, params, n: int) -> dict:
     """pass@k (k = 1, 2, 4, ..., n) and maj@n of n sampled completions a prompt."""
-    texts, _, _, per_fn = self.completions(params, self.exp.method, k=n)
+    _, _, _, per_fn, ids = self.completions(params, self.exp.method, k=n, answers=True)
     at = float(self.exp.config.train.get("eval_correct_at", 1.0))
     correct = (np.nan_to_num(per_fn[self.rewards.first], nan=-np.inf) >= at).reshape(-1, n)
-    if len(texts) != correct.size:
-      raise ValueError("config.train.eval_samples: maj@n reads every sample's text, which only "
-                       "one process holds; evaluate with one process or set eval_samples=0")
-    numbers = [gsm8k_answer.extract_answer(t) for t in texts]
-    answers = [t.strip() if x is None else str(x) for t, x in zip(texts, numbers)]
-    return passk.summarize(correct, [answers[i * n:(i + 1) * n] for i in range(len(correct))])
+    return passk.summarize(correct, ids.reshape(-1, n).tolist())
+
+
+def answer_ids(texts, k: int) -> np.ndarray:
+  """int32 [len(texts) / k, k]: for each group of k texts, the index of the first text in the
+  group with the same final answer (the number a GSM8K-style completion ends on, else the
+  stripped text), so equal ids mean equal answers."""
+  numbers = [gsm8k_answer.extract_answer(t) for t in texts]
+  answers = [t.strip() if x is None else str(x) for t, x in zip(texts, numbers)]
+  groups = [answers[i:i + k] for i in range(0, len(answers), k)]
+  return np.asarray([[g.index(a) for a in g] for g in groups], np.int32).reshape(-1, k)
 
 
 def format_summary(summary: dict, *, label: Optional[str] = None) -> str:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rloo_jax import passk
+from rloo_jax import evaluation, passk
 
 
 @pytest.mark.parametrize("n,c,k", [(5, 2, 2), (5, 0, 3), (5, 5, 1), (8, 3, 4), (10, 1, 1),
@@ -21,6 +21,11 @@ def test_pass_at_k_is_the_chance_a_k_subset_holds_a_correct_sample(n, c, k):
   assert passk.pass_at_k(n, c, 1) == pytest.approx(c / n)
   with pytest.raises(ValueError, match="1 <= k <= n"):
     passk.pass_at_k(n, c, n + 1)
+
+
+def test_answer_ids_name_each_sample_by_the_first_in_its_group_with_its_answer():
+  texts = ["so the answer is 4", "4", "#### 5", " 4 ", "x", "y", "x ", "The total is 7."]
+  np.testing.assert_array_equal(evaluation.answer_ids(texts, 4), [[0, 0, 2, 0], [0, 1, 0, 3]])
 
 
 def test_majority_vote_takes_the_most_common_answer_ties_first_given():

@@ -251,6 +251,7 @@ def get_config(arg=None):
   # A reward with spread: with all-zero rewards the update is Adam-normalised float noise.
   c.rewards.fns = ["tests.test_sharding:length_reward"]
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+  c.train.eval_samples = 2  # pass@k and maj@k: each process holds its own groups' texts
   return c
 """
 
@@ -301,8 +302,14 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
   for a, b in zip(*rows):
     for k in ("train/loss", "train/kl", "train/reward_mean", "train/completion_length"):
       assert abs(a[k] - b[k]) <= 1e-3 * max(1.0, abs(b[k])), (k, a[k], b[k])
-  with open(os.path.join(mp_dir, "summary.json")) as f:
-    assert json.load(f)["iterations"] == 2
+  summaries = []
+  for workdir in (mp_dir, sp_dir):
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summaries.append(json.load(f))
+  assert summaries[0]["iterations"] == 2
+  keys = [k for k in summaries[1]["after"] if k.startswith(("pass@", "maj@"))]
+  assert "maj@2" in keys and "pass@2" in keys
+  assert {k: summaries[0]["after"][k] for k in keys} == {k: summaries[1]["after"][k] for k in keys}
 
 
 @pytest.mark.parametrize("mesh, override, message", [
