@@ -130,6 +130,8 @@ def inputs(exp) -> Inputs:
                         jax.ShapeDtypeStruct((n, t), jnp.int32),
                         jax.ShapeDtypeStruct((n, t), jnp.bool_),
                         jax.ShapeDtypeStruct((n, t), jnp.float32))
+  if c.loss.get("old_logprobs", "sampler") == "recompute":  # the sampler's beside the trainer's
+    rows = rows.replace(sampler_logp_nt=rows.old_logp_nt)
   # Every field's leading axis is prompts or rows; a minibatch holds 1 / num_minibatches of
   # each (whole groups with GroupedRows, single samples with SequenceRows).
   m = c.train.num_minibatches
