@@ -1,22 +1,17 @@
 """Table 1 in miniature on the arithmetic task (held-out exact-match accuracy, greedy).
 
-Every run starts from the same SFT policy (configs/arithmetic.py, 1500 steps, seed 0) and trains
-30 iterations. Sample budget per iteration: the k-sample methods take 32 prompts x k; the
-single-sample methods (Vanilla PG, REINFORCE w/ baseline, PPO) take 128 prompts x 1, the same 128
-samples as RLOO k=4. DPO trains offline on best-vs-worst pairs of 4 SFT samples per prompt.
+Every run starts from the same SFT policy (configs/arithmetic.py, seed 0) and trains with the
+default experiment's budget (100 iterations, its learning rates). Sample budget per iteration:
+the k-sample methods take 32 prompts x k; the single-sample methods (Vanilla PG, REINFORCE with
+baseline, PPO) take 128 prompts x 1, the same 128 samples as RLOO k=4. DPO trains offline on
+best-vs-worst pairs of 4 SFT samples per prompt.
 
     python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/table1_arithmetic
 """
 CONFIG = "configs/arithmetic.py"
 SEEDS = (0, 1, 2)
-COMMON = {
-    "train.num_iterations": 30, "train.eval_every": 10, "train.eval_prompts": 128,
-    "train.eval_batch_size": 128, "train.checkpoint_every": 30, "train.keep_checkpoints": 1,
-    "train.progress_bar": False, "rloo.num_prompts": 32,
-    # The SFT budget and learning rates these tables were measured with (configs/arithmetic.py's
-    # defaults then).
-    "sft.learning_rate": 3e-3, "sft.steps": 1500, "optim.learning_rate": 3e-4,
-}
+COMMON = {"train.checkpoint_every": 100, "train.keep_checkpoints": 1,
+          "train.progress_bar": False}
 SINGLE = {"rloo.k": 1, "rloo.num_prompts": 128}
 
 
