@@ -8,7 +8,6 @@ tokens as 8 completions, token-major); no 'xla' past XLA_MAX tokens.
 
     python experiments/bench_attention.py --lengths 1024,2048 --heads 2,6 --head_dim 64  # CPU
     python experiments/bench_attention.py          # a GPU: Qwen2.5-1.5B's heads, 1K-16K, bf16
-    python experiments/bench_attention.py --lengths 2048,8192,16384,32768 --repeats 3  # H200 doc
 """
 import argparse
 import json

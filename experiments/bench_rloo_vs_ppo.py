@@ -6,8 +6,7 @@ per iteration, interleaved), `variance` (trace of the RLOO gradient estimate's c
 and 4) and `prefix` (rollout seconds, the prompt's KV cache shared by its k streams vs tiled).
 
     python experiments/bench_rloo_vs_ppo.py --sft=/work/runs/table1_arithmetic/_shared
-
-Without --sft the policy is random (its rewards are all 0, so the variance part is skipped).
+    # without --sft the policy is random (its rewards are all 0: the variance part is skipped)
 """
 import argparse
 import copy
@@ -47,8 +46,7 @@ def measure_memory(rloo, ppo, n, p, t):
   b = n // k
   s = jax.ShapeDtypeStruct
   rloo_state, ppo_state = rloo.abstract_state(), ppo.abstract_state()
-  # What the rows are made of: prompts [B, P], lengths [B], completions, their mask and
-  # log-probs [N, T] (N = B * k).
+  # The rows' inputs: prompts [B, P], lengths [B], completions, mask, log-probs [N, T] (N = B k).
   inputs = (s((b, p), jnp.int32), s((b,), jnp.int32), s((n, t), jnp.int32), s((n, t), jnp.bool_),
             s((n, t), jnp.float32))
   rloo_rows = jax.eval_shape(lambda *a: rollout.make_rows(
@@ -57,16 +55,13 @@ def measure_memory(rloo, ppo, n, p, t):
   ppo_score_args = (ppo_state.ref_params, ppo_state.value_params, seq_rows, s((n,), jnp.float32),
                     s((n,), jnp.bool_))
   ppo_rows = jax.eval_shape(ppo.score_fn, *ppo_score_args)[0]
-  out = {}
-  out["rloo"] = dict(
-      state_bytes=tree_bytes(rloo_state),
-      train_step=memory_of(rloo.step_fn, rloo_state, rloo_rows),
-      # The scoring pass's program of any size: the reference's log-probs (RLOO.reference_fn).
-      score=memory_of(rloo.reference_fn, rloo_state.ref_params, rloo_rows))
-  out["ppo"] = dict(
-      state_bytes=tree_bytes(ppo_state),
-      train_step=memory_of(ppo.step_fn, ppo_state, ppo_rows),
-      score=memory_of(ppo.score_fn, *ppo_score_args))
+  out = {"rloo": dict(state_bytes=tree_bytes(rloo_state),
+                      train_step=memory_of(rloo.step_fn, rloo_state, rloo_rows),
+                      # The scoring pass's program of any size: the reference's log-probs.
+                      score=memory_of(rloo.reference_fn, rloo_state.ref_params, rloo_rows)),
+         "ppo": dict(state_bytes=tree_bytes(ppo_state),
+                     train_step=memory_of(ppo.step_fn, ppo_state, ppo_rows),
+                     score=memory_of(ppo.score_fn, *ppo_score_args))}
   policy = tree_bytes(rloo_state.params)
   for name, m in out.items():
     m["peak_estimate_bytes"] = m["state_bytes"] + max(m["train_step"]["temp"], m["score"]["temp"])
@@ -84,8 +79,7 @@ def time_iterations(rloo, ppo, params, data, iterations: int):
             "ppo": ppo.init_state(jax.tree.map(jnp.copy, params))}
   algos = {"rloo": rloo, "ppo": ppo}
   times = {"rloo": [], "ppo": []}
-  # The first two iterations are dropped: they compile (PPO's second iteration compiles its
-  # rollout and scoring again, for the state as its update step returns it).
+  # The first two iterations compile, so are dropped (PPO's second compiles for its new state).
   warmup = 2
   for i in range(iterations + warmup):
     batch = next(data)

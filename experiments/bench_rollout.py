@@ -1,29 +1,21 @@
 """The rollout engine (`sampler.sample(slots=S)`) beside the static sampler, at the same KV memory,
-on completion lengths forced from a distribution (docs/PERFORMANCE.md, "Rollout engine").
-
-Lengths: the model's end-token logit is set so that at completion step t a stream ends with
-probability h(t) = P(L = t) / P(L >= t) of the distribution (discretised, the mass above the cap
-T ending there), so each stream's length is a draw from it, independent of the others (each
-stream samples with its own uniforms). `lognormal`: median T/4, sigma 1; `uniform`: 1..T;
-`full`: no end token, every stream runs to T (the engine's overhead).
-
-Same KV memory: the static sampler decodes B = slots / k prompts at a time (B*k streams of T
-slots), the engine `slots` streams of T slots. Useful tokens: every stream's tokens up to and
-including its end. Figures: medians over --repeats after a compiling run, side by side.
+on completion lengths forced from a distribution (docs/PERFORMANCE.md, "Rollout engine": the
+forcing, the same-memory rule, the figures). `lognormal`: median T/4, sigma 1; `uniform`: 1..T;
+`full`: no end token. Useful tokens: every stream's up to and including its end; medians over
+--repeats after a compiling run.
 
     python experiments/bench_rollout.py
 """
 import argparse
 import json
 import math
-import statistics
-import time
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
 
+import gpu_check  # experiments/, beside this file: its median_s
 from rloo_jax import engine as engine_lib
 from rloo_jax import models, sampler, sampler_args, sampling
 
@@ -86,31 +78,16 @@ def decode_cost(fns, params, a) -> dict:
   return out
 
 
-def median_s(run, repeats):
-  jax.block_until_ready(run())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(run())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--groups", type=int, default=128)
-  ap.add_argument("--k", type=int, default=4)
-  ap.add_argument("--slots", type=int, default=32)
-  ap.add_argument("--prefix_rows", type=int, default=0)
-  ap.add_argument("--max_new_tokens", type=int, default=256)
-  ap.add_argument("--prompt_len", type=int, default=32)
-  ap.add_argument("--hidden", type=int, default=256)
-  ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--vocab", type=int, default=1024)
-  ap.add_argument("--repeats", type=int, default=3)
+  for flag, default in (("groups", 128), ("k", 4), ("slots", 32), ("prefix_rows", 0),
+                        ("max_new_tokens", 256), ("prompt_len", 32), ("hidden", 256), ("layers", 4),
+                        ("vocab", 1024), ("repeats", 3)):
+    ap.add_argument(f"--{flag}", type=int, default=default)
   ap.add_argument("--dists", default="lognormal,uniform,full")
   a = ap.parse_args()
   t_cap, b = a.max_new_tokens, a.slots // a.k
+  prefix_rows = a.prefix_rows or sampler_args.default_prefix_rows(a.slots, a.k)
   config = models.TransformerConfig.llama(
       vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=4,
       num_kv_heads=2, head_dim=a.hidden // 4, intermediate_size=2 * a.hidden,
@@ -135,10 +112,11 @@ def main():
       outs["engine"] = state = engine_lib.run(
           fns, params, jnp.asarray(prompts), jnp.asarray(lengths), jax.random.key(1),
           jnp.asarray([EOS]), jnp.int32(0), k=a.k, max_new_tokens=t_cap, method=kw["method"],
-          slots=a.slots, prefix_rows=a.prefix_rows or sampler_args.default_prefix_rows(a.slots, a.k))
+          slots=a.slots, prefix_rows=prefix_rows)
       return state.tokens_nkt
 
-    seconds = {"static": median_s(static, a.repeats), "engine": median_s(engine, a.repeats)}
+    seconds = {name: gpu_check.median_s(lambda _, f=f: f(), a.repeats)
+               for name, f in (("static", static), ("engine", engine))}
     useful = {"static": sum(int(np.sum(o.lengths_bk)) for o in outs["static"]),
               "engine": int(np.sum(outs["engine"].lengths_nk))}
     row = {f"{name}_tok_s": round(useful[name] / seconds[name], 1) for name in seconds}

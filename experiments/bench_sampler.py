@@ -1,11 +1,8 @@
 """Rollout latency of the sampler: prefix-shared KV cache vs unshared vs HF generate.
 
-Prints ONE JSON line: seconds per rollout (median over --repeats, after a compiling warm-up call),
-tokens/s, the configuration and ratios for `shared` (each prompt prefilled and cached once for its
-k streams, the sampler's default), `unshared` (prompts tiled k times), `unstacked` (per-layer
-weight and KV buffers, config.rloo.decode_layers='unstacked') and `hf` (transformers' generate on
-the same weights, temperature 1; null without torch). Modes are timed round-robin in one process,
-so load hits them alike.
+Prints ONE JSON line: seconds per rollout (median over --repeats after a compiling call), tokens/s
+and ratios of each mode (docs/PERFORMANCE.md: shared, unshared, unstacked, and hf, transformers'
+generate on the same weights, null without torch), timed round-robin so load hits them alike.
 
   python experiments/bench_sampler.py --prompt_len=512 --new_tokens=32 --modes=shared,unshared,hf
   python experiments/bench_sampler.py --prompt_len=64 --new_tokens=64 --modes=shared,unstacked
@@ -48,9 +45,8 @@ def parse_args(argv=None):
 
 
 def hf_generate_fn(config, params, tokens, args, eos_id, pad_id):
-  """A transformers LlamaForCausalLM of our weights (written by the project's own exporter,
-  float32, and loaded back) and a call that generates k samples per prompt with it; the model's
-  logits' largest difference from ours and the versions."""
+  """A transformers Llama of our weights (`hf_export`, float32, loaded back): a call generating k
+  samples a prompt, its logits on the first two prompts (to compare with ours), the versions."""
   import torch
   import transformers
 
@@ -94,9 +90,7 @@ def main(argv=None):
   kw = dict(k=args.k, max_new_tokens=args.new_tokens, method=method, eos_id=eos_id, pad_id=pad_id)
 
   runners, compile_s, mean_len = {}, {}, {}
-  for mode in args.modes:
-    if mode == "hf":
-      continue
+  for mode in (m for m in args.modes if m != "hf"):
     layout = {"mode": "shared", "unstack_layers": True} if mode == "unstacked" else {"mode": mode}
 
     def run(layout=layout, counter=[0]):  # noqa: B006

@@ -5,9 +5,7 @@ random-weight Llama, one gradient step per rollout batch, beta = 0.05, the synth
 peers' scripts use too. Also the model FLOP/s (`rloo_jax.memory.flops`, remat not counted), what
 the timed iterations trained on, the tokens the trainer's throughput metrics imply, `peak_rss_gb`.
 
-    python experiments/bench_step.py --hidden 256 --layers 4
-    python experiments/bench_step.py --hidden 896 --layers 24 --heads 14 --vocab 151936 \
-        --prompts 4 --prompt_len 64 --new_tokens 64 --iterations 2   # Qwen2.5-0.5B-shaped
+    python experiments/bench_step.py --hidden 256 --layers 4   # size (b); (c): docs/SCALE.md
 """
 import argparse
 import json
@@ -51,8 +49,7 @@ def synthetic_reward(prompts, completions, **fields):
 
 
 def delayed(reward, seconds: float):
-  """`reward` after `seconds` of host time per call: a slow verifier, a sandboxed code run or a
-  remote judge, whose latency the reference pass can hide (it runs on the devices meanwhile)."""
+  """`reward` after `seconds` of host time a call, as a slow verifier or a remote judge takes."""
   def fn(prompts, completions, **fields):
     time.sleep(seconds)
     return reward(prompts, completions, **fields)

@@ -3,8 +3,6 @@ r"""TRL's RLOOTrainer on the same workload as experiments/bench_step.py, for a s
 
     bash experiments/setup_trl_venv.sh
     .venv-trl/bin/python experiments/bench_trl_rloo.py --hidden 64 --layers 2
-
-A random Llama, one gradient step per generation batch, beta = 0.05, the same synthetic reward.
 One JSON line: the median seconds per training step, each step including its generation.
 """
 import argparse
@@ -61,8 +59,7 @@ def main():
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="bfloat16: TRL's bf16 mixed precision (torch CPU autocast)")
   p.add_argument("--fixed_length", type=int, default=0, choices=(0, 1),
-                 help="1: the end token suppressed (min_new_tokens), every completion is "
-                      "--new_tokens long")
+                 help="1: end token suppressed (min_new_tokens): every completion --new_tokens")
   args = p.parse_args()
   torch.manual_seed(0)
   torch.set_num_threads(args.threads)

@@ -4,10 +4,9 @@ r"""Tunix's GRPOLearner with advantage_estimator='rloo' on experiments/bench_ste
     bash experiments/setup_tunix_venv.sh
     .venv-tunix/bin/python experiments/bench_tunix_rloo.py --hidden 64 --layers 2
 
-Tunix's Llama3 in the bench's shape (random float32 weights), its vanilla rollout, Adam as
-bench_step's, no end token (eos -1: fixed-length completions). GRPOConfig skips AlgorithmConfig's
-list check, which would reject the registered "rloo" estimator. The reward runs once per step:
-the gaps between its calls, the first (the update's compile) dropped, are the step times.
+No end token (eos -1: fixed-length completions); Adam as bench_step's. GRPOConfig skips
+AlgorithmConfig's list check, which would reject the registered "rloo" estimator. Step times: the
+gaps between reward calls (one a step), the first (the update's compile) dropped.
 """
 import argparse
 import json

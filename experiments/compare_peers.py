@@ -40,8 +40,7 @@ OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryErro
 
 
 def malloc_env(hugepages: bool) -> dict:
-  """The environment every side runs with: glibc's malloc madvising huge pages, or not (the
-  caller's other tunables kept either way)."""
+  """Every side's environment: glibc's malloc madvising huge pages or not (other tunables kept)."""
   given = os.environ.get("GLIBC_TUNABLES", "")
   tunables = [t for t in given.split(":") if t and t != HUGEPAGES_TUNABLE]
   if hugepages:
@@ -85,11 +84,6 @@ def run_side(python, script, args, mem_limit_gb, env=None):
                     mem_limit_gb=mem_limit_gb, output_tail=text[-1500:])
 
 
-def round_order(r, sides):
-  """Round r's order: the sides rotated r places."""
-  return sides[r % len(sides):] + sides[:r % len(sides)]
-
-
 def compare_size(name, size, pythons, rounds, mem_limit_gb, omp_wait_policy, malloc):
   """One size's line: every round's seconds and ratios, the medians, and the peers' fate."""
   # Torch's OpenMP threads spin while they wait: beside a busy process a 2-thread TRL step at (a)
@@ -103,7 +97,8 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, omp_wait_policy, mal
   load_before = load()
   per_round, last = [], {}
   for r in range(rounds):
-    row = {"order": [side for side in round_order(r, list(SIDES)) if side not in status]}
+    order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]  # the sides rotated r places
+    row = {"order": [side for side in order if side not in status]}
     for side in row["order"]:
       result, failure = run_side(pythons.get(side, sys.executable), SCRIPTS[side],
                                  bench_args(size) + SIDE_ARGS[side], mem_limit_gb,
@@ -156,8 +151,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--sizes", default="a,b", help="comma separated: a, b, c (and t, tiny)")
   p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--iterations", type=int, default=0,
-                 help="timed iterations per run (0: each size's default, 8 at a/b, 2 at c)")
+  p.add_argument("--iterations", type=int, default=0, help="timed iterations a run (0: the size's)")
   p.add_argument("--trl_python", default=os.path.join(REPO, ".venv-trl", "bin", "python"))
   p.add_argument("--tunix_python", default=os.path.join(REPO, ".venv-tunix", "bin", "python"))
   p.add_argument("--trl_omp_wait_policy", default="", choices=("", "PASSIVE", "ACTIVE"),

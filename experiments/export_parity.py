@@ -108,8 +108,7 @@ def torch_side(out_root):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--trl_python", default=os.path.join(os.path.dirname(HERE), ".venv-trl", "bin",
-                                                      "python"))
+  p.add_argument("--trl_python", default=os.path.join(HERE, "..", ".venv-trl", "bin", "python"))
   p.add_argument("--out", default="/tmp/rloo_jax_export_parity")
   p.add_argument("--side", default="both", choices=("both", "torch"))
   p.add_argument("--write_reference", action="store_true",

@@ -30,11 +30,6 @@ from rloo_jax.memory.flops import model_flops_per_iteration
 from rloo_jax.models import decode_weights, presets, transformer
 
 
-def _sig(x: float) -> float:
-  """x to 5 significant figures (CPU and GPU figures span orders of magnitude)."""
-  return float(f"{x:.5g}")
-
-
 def median_s(run, repeats, setup=lambda: None) -> float:
   """Median seconds of `run(setup())` over `repeats` calls after an untimed (compiling) one;
   `setup` runs outside the timing (the decode loop donates its state: a fresh one each call)."""
@@ -53,17 +48,15 @@ def decode_check(args) -> dict:
                   max_seq_len=args.prompt_len + args.new_tokens, **_shrunk(args))
   graphdef, params = transformer.create(m, seed=0)
   fns = transformer.model_fns(graphdef)
-  prompts = jnp.asarray(np.random.default_rng(0).integers(3, m.vocab_size, (args.prompts,
-                                                                           args.prompt_len)),
-                        jnp.int32)
+  ids = np.random.default_rng(0).integers(3, m.vocab_size, (args.prompts, args.prompt_len))
+  prompts = jnp.asarray(ids, jnp.int32)
   lengths = jnp.full((args.prompts,), args.prompt_len, jnp.int32)
   stops, pad = jnp.asarray([-1], jnp.int32), jnp.int32(0)  # no end token: every step runs
   method = sampling.Temperature(1.0)
-  # What a step must read: every weight once, as the decode reads it (cast to the activation
-  # dtype, `models.decode_weights`).
+  # A step reads every weight once, cast to the activation dtype (`models.decode_weights`).
   weight_bytes = sum(x.size * x.dtype.itemsize
                      for x in jax.tree.leaves(decode_weights.cast(m, params)))
-  out = {}
+  out, sig = {}, lambda x: float(f"{x:.5g}")  # 5 significant figures  # noqa: E731
   for layout in args.decode_layers.split(","):
     kw = dict(method=method, mode="shared", unstack_layers=layout == "unstacked")
     start = lambda: sampler.start(fns, params, prompts, lengths, jax.random.PRNGKey(0),  # noqa
@@ -79,9 +72,9 @@ def decode_check(args) -> dict:
     out[layout] = dict(
         start_s=round(start_s, 5), decode_s=round(decode_s, 5), decode_steps=steps,
         streams=streams, weight_gb=weight_bytes / 1e9, kv_cache_gb=kv_bytes / 1e9,
-        decode_step_ms=_sig(1e3 * decode_s / steps), roofline_step_ms=_sig(1e3 * step_roofline_s),
-        decode_tokens_per_s=_sig(measured), roofline_tokens_per_s=_sig(roofline),
-        roofline_over_measured=_sig(roofline / measured))
+        decode_step_ms=sig(1e3 * decode_s / steps), roofline_step_ms=sig(1e3 * step_roofline_s),
+        decode_tokens_per_s=sig(measured), roofline_tokens_per_s=sig(roofline),
+        roofline_over_measured=sig(roofline / measured))
   return out
 
 
@@ -128,8 +121,7 @@ def update_check(args) -> dict:
 
 
 def memory_check(args) -> dict:
-  """The plan of configs/arithmetic.py's job at these shape flags on the bench task (one device),
-  then one real iteration; `memory_stats()['peak_bytes_in_use']` beside the plan's peak."""
+  """configs/arithmetic.py's plan on the bench task beside one iteration's `peak_bytes_in_use`."""
   c = load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "arithmetic.py"))
   task = bench_job(c, args)
   c.mesh.update(data=1, fsdp=1)

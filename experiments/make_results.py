@@ -12,8 +12,7 @@ import os
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Ahmadian et al. (2024), Table 1: simulated (GPT-4) win rates in %, TL;DR (Pythia-6.9B), HH
-# (Pythia-6.9B), HH (Llama-7B), as PAPER_SOURCE quotes them (the paper was not readable offline).
+# Ahmadian et al. (2024), Table 1 as PAPER_SOURCE quotes it (PAPER_COLUMNS): win rates in %.
 PAPER_TABLE1 = {"rloo_k4": (77.9, 43.7, 64.1), "raft_k4": (73.2, 42.1, 63.3),
                 "rloo_k2": (74.2, 47.6, 62.2), "raft_k2": (72.1, 37.7, 58.4),
                 "reinforce_ema": (70.7, 37.9, 55.3), "vanilla_pg": (70.4, 36.4, 52.3),
@@ -204,7 +203,6 @@ def _finish(fig, axes, path: str) -> str:
 def plot_curves(runs: dict, out_dir: str, prefix: str, eval_key: str = "eval/greedy_reward",
                 eval_label: str = "held-out greedy accuracy") -> list[str]:
   plt = _plt()
-  paths = []
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   for name in names(runs):
     rs = runs[name]
@@ -219,7 +217,7 @@ def plot_curves(runs: dict, out_dir: str, prefix: str, eval_key: str = "eval/gre
               title="training reward")
   axes[1].set(xlabel="iteration (DPO: gradient step)", ylabel=eval_label,
               title="held-out evaluation (mean over seeds)")
-  paths.append(_finish(fig, axes, os.path.join(out_dir, f"{prefix}_reward_vs_iteration.png")))
+  first = _finish(fig, axes, os.path.join(out_dir, f"{prefix}_reward_vs_iteration.png"))
 
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   for name in names(runs):
@@ -229,8 +227,7 @@ def plot_curves(runs: dict, out_dir: str, prefix: str, eval_key: str = "eval/gre
       ax.plot(smooth(kl), smooth(r), label=LABELS.get(name, name))
   ax.set(xlabel="KL(policy || SFT) per completion (k1, nats; moving avg 5)",
          ylabel="sampled reward", title="reward vs KL over training (mean over seeds)")
-  paths.append(_finish(fig, [ax], os.path.join(out_dir, f"{prefix}_reward_vs_kl.png")))
-  return paths
+  return [first, _finish(fig, [ax], os.path.join(out_dir, f"{prefix}_reward_vs_kl.png"))]
 
 
 def plot_win_rate_vs_kl(runs: dict, out_dir: str, prefix: str) -> list[str]:
@@ -238,7 +235,6 @@ def plot_win_rate_vs_kl(runs: dict, out_dir: str, prefix: str) -> list[str]:
   mean train/kl of the 5 iterations up to that step), mean over seeds; SFT is (0, 0.5)."""
   plt = _plt()
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  plotted = False
   for name in names(runs):
     per_step = {}
     for r in runs[name]:
@@ -253,8 +249,7 @@ def plot_win_rate_vs_kl(runs: dict, out_dir: str, prefix: str) -> list[str]:
     x = [np.mean([p[0] for p in per_step[s]]) for s in steps]
     y = [np.mean([p[1] for p in per_step[s]]) for s in steps]
     ax.plot(x, y, "o-", label=f"{LABELS.get(name, name)} (n={len(runs[name])})")
-    plotted = True
-  if not plotted:  # runs from before the win-rate metric
+  if not ax.lines:  # runs from before the win-rate metric
     plt.close(fig)
     return []
   ax.axhline(0.5, color="gray", lw=0.8, ls="--")
@@ -267,15 +262,13 @@ def plot_win_rate_vs_kl(runs: dict, out_dir: str, prefix: str) -> list[str]:
 def clip_table(runs: dict) -> list[str]:
   lines = ["| run | ratio level | mean active-clip fraction | max over iterations |",
            "|---|---|---|---|"]
-  found = False
   for name, rs in sorted(runs.items()):
     vals = [v for r in rs for v in series(r["metrics"], "train/clip_fraction").values()]
     if not vals or max(vals) == 0 and name != "ppo":
       continue
-    found = True
     level = "token (PPO)" if name.startswith("ppo") else "sequence (RLOO, loss.type=ppo_clip)"
     lines.append(f"| {name} (n={len(rs)}) | {level} | {np.mean(vals):.4f} | {np.max(vals):.4f} |")
-  return lines if found else lines + ["| (no run with a clipped objective finished) | | | |"]
+  return lines if lines[2:] else lines + ["| (no run with a clipped objective finished) | | | |"]
 
 
 def bench_section(path: str) -> list[str]:
@@ -358,8 +351,7 @@ def ablation_section(abl: dict, t1: dict) -> list[str]:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--table1", default="/work/runs/table1_arithmetic")
-  parser.add_argument("--summarize", default="/work/runs/table1_summarize",
-                      help="root of the summarize Table-1 sweep")
+  parser.add_argument("--summarize", default="/work/runs/table1_summarize")
   parser.add_argument("--ablations", default="/work/runs/ablations_arithmetic")
   parser.add_argument("--bench", default="/work/runs/bench_rloo_vs_ppo.json")
   parser.add_argument("--out", default=os.path.join(REPO, "docs", "RESULTS.md"))

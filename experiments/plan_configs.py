@@ -85,9 +85,8 @@ def plan(config: str, devices: int, memory_gb: float, target: str = "") -> dict:
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--only", default="", help="run the rows whose name starts with this")
-  p.add_argument("--targets", default="",
-                 help="comma-separated accelerator families (tpu-v5e, tpu-v5p, tpu-v6e, h100, "
-                      "h200): each row also compiled by that compiler, side by side")
+  p.add_argument("--targets", default="", help="comma-separated accelerator families (tpu-v5e, "
+                 "tpu-v5p, tpu-v6e, h100, h200): each row also compiled by that compiler")
   p.add_argument("--no_estimate", action="store_true",
                  help="with --targets: no CPU estimate column (its compiles are the slowest)")
   args = p.parse_args()

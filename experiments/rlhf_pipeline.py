@@ -2,13 +2,11 @@ r"""The whole RLHF pipeline in one command: SFT -> preference pairs -> reward mo
 win rate vs SFT judged by the gold reward, gold-vs-proxy and reward-vs-KL plots.
 
     python experiments/rlhf_pipeline.py --config=configs/summarize.py --workdir=/tmp/rlhf
-    python experiments/rlhf_pipeline.py --config=configs/summarize.py:smoke --workdir=/tmp/rlhf_s
-    python experiments/rlhf_pipeline.py --config=configs/summarize.py --workdir=/tmp/rlhf_b1 \
-        --config.kl.beta=0.01 --config.train.num_iterations=100
+    python experiments/rlhf_pipeline.py --config=configs/summarize.py:smoke --workdir=/tmp/rlhf_s \
+        --config.kl.beta=0.01   # any --config.* override (docs/RLHF.md)
 
 Prints the table (also <workdir>/rlhf_table.md) and writes gold_vs_proxy.png, reward_vs_kl.png and
-rlhf_summary.json into the workdir. Rerunning with the same workdir reuses finished stages.
-The logic lives in `rloo_jax.rlhf.pipeline` (importable, tested).
+rlhf_summary.json into the workdir; a rerun reuses finished stages (`rloo_jax.rlhf.pipeline`).
 """
 from absl import app
 from absl import flags

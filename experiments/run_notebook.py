@@ -1,8 +1,7 @@
 """Runs a notebook of notebooks/ top to bottom in a real kernel and prints its result lines
 (tables, accuracies, greedy answers, verdicts, exported files) and the seconds it took.
 
-    python experiments/run_notebook.py              # quickstart.ipynb at full size (the README's
-                                                    # default experiment, then the JSONL task)
+    python experiments/run_notebook.py              # quickstart.ipynb at full size
     RLOO_QUICKSTART_SIZE=test python experiments/run_notebook.py   # the CI size
     RLOO_GSM8K_OFFLINE=1 python experiments/run_notebook.py gsm8k  # gsm8k.ipynb's offline run
 """

@@ -3,8 +3,7 @@
 # google-tunix 0.1.7 with the versions it resolved to when compare_peers' figures were taken
 # (pinned, so the figures stay reproducible; tunix itself asks for less). CPU jax.
 #
-#   bash experiments/setup_tunix_venv.sh [VENV_DIR]     # default: .venv-tunix at the repo root
-#   python experiments/compare_peers.py --tunix_python .venv-tunix/bin/python
+#   bash experiments/setup_tunix_venv.sh [VENV_DIR]     # default: .venv-tunix, compare_peers' too
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-tunix}"

@@ -4,8 +4,7 @@ process of its own, loaded by `hf.load_checkpoint(..., shardings=...)` onto N si
 devices (fsdp=N) in a fresh process. One JSON line: parameter bytes, baseline and peak RSS and
 their ratios to them, the RSS after the load (anonymous and file-backed), the seconds.
 
-    python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 8
-    python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 1 --unsharded
+    python experiments/sharded_load.py --dir /tmp/qwen2.5-1.5b-random --devices 8 [--unsharded]
 """
 import argparse
 import json

@@ -6,15 +6,12 @@ overrides...}]; a run's `algorithm` override picks what `rloo_jax.algorithms.run
 (the default, with any registered advantage estimator), 'ppo' or 'dpo'.
 
     python experiments/sweep.py --sweep=configs/sweeps/table1_arithmetic.py --root=runs/t1 \
-        --seeds=0 --only=rloo_k4,ppo --sft_from=/tmp/rloo_arith   # --dry_run: list, train nothing
-    python experiments/sweep.py --sweep=configs/sweeps/table1_tldr.py --root=runs/table1_tldr_1b \
-        --config_arg=model=/ckpt/pythia-1b-tldr-sft,rm=/ckpt/pythia-1b-tldr-rm
+        --seeds=0 --only=rloo_k4,ppo --sft_from=/tmp/rloo_arith   # --config_arg: docs/TASKS.md
 
 <root>/<name>/seed<s>/ holds a run's metrics.jsonl, summary.json and run.json (name, overrides,
-seed, wall time, command); a run with a summary.json is skipped, so a killed sweep restarts where
-it stopped. Every run starts from one SFT policy, trained once in <root>/_shared (seed 0) or
-copied from `--sft_from` (a workdir whose sft/ has the same base config). Compiled executables
-are cached in <root>/_jax_cache.
+seed, wall time, command); a run with a summary.json is skipped: a killed sweep resumes. Every
+run starts from one SFT policy, trained once in <root>/_shared (seed 0) or copied from
+`--sft_from` (a workdir whose sft/ has the same base config); compiles cached in <root>/_jax_cache.
 """
 import argparse
 import copy
@@ -93,8 +90,7 @@ def main(argv=None):
   parser.add_argument("--seeds", default="", help="comma-separated; default: the sweep's SEEDS")
   parser.add_argument("--only", default="", help="comma-separated run names")
   parser.add_argument("--sft_from", default="", help="workdir whose sft/ to share")
-  parser.add_argument("--config_arg", default=None,
-                      help="replaces the argument of the sweep's CONFIG (path:arg)")
+  parser.add_argument("--config_arg", help="replaces the argument of the sweep's CONFIG (path:arg)")
   parser.add_argument("--dry_run", action="store_true", help="validate and list, train nothing")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args(argv)
