@@ -348,6 +348,19 @@ def ablation_section(abl: dict, t1: dict) -> list[str]:
       f"| 8 | {acc(abl.get('rloo_k8'))} | {acc(abl.get('rloo_k8_p16'))} |"]
 
 
+def splice(path: str, generated: list[str], header: list[str]) -> list[str]:
+  """The file's lines with `generated` in place of its own generated sections (its Table 1
+  heading up to the heading after "RLOO vs PPO"), the hand-kept rest unchanged; a new file: the
+  header, then `generated`."""
+  old = open(path).read().splitlines() if os.path.exists(path) else []
+  start = next((i for i, l in enumerate(old) if l.startswith(generated[0][:30])), None)
+  if start is None:
+    return header + generated
+  bench = next(i for i in range(start, len(old)) if old[i].startswith("## RLOO vs PPO"))
+  end = next((i for i in range(bench + 1, len(old)) if old[i].startswith("## ")), len(old))
+  return old[:start] + generated + [""] + old[end:]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--table1", default="/work/runs/table1_arithmetic")
@@ -368,8 +381,7 @@ def main():
   figures = lambda paths: [x for p in paths for x in (  # noqa: E731
       f"![{os.path.basename(p)}]({os.path.relpath(p, os.path.dirname(args.out))})", "")]
   para = lambda text, **kw: " ".join(text.format(**kw).split())  # noqa: E731
-  md = ["# Results", "", para(HEADER), "",
-        "## Table 1 in miniature: arithmetic (held-out exact-match accuracy, greedy, 128 prompts)",
+  md = ["## Table 1 in miniature: arithmetic (held-out exact-match accuracy, greedy, 256 prompts)",
         "", para(TABLE1, root=args.table1), ""]
   md += table1(t1) + ["", para(PAPER), ""]
   md += figures(plot_curves(t1, out_dir, "arithmetic") if t1 else [])
@@ -393,8 +405,9 @@ def main():
   md += ["## RLOO vs PPO: the seed's hardware claims", "",
          f"Command: `python experiments/bench_rloo_vs_ppo.py --sft={args.table1}/_shared "
          f"--iterations=4 --repeats=12 --out={args.bench}`", ""] + bench_section(args.bench)
+  lines = splice(args.out, md, ["# Results", "", para(HEADER), ""])
   with open(args.out, "w") as f:
-    f.write("\n".join(md) + "\n")
+    f.write("\n".join(lines) + "\n")
   print(f"wrote {args.out} and {out_dir}/*.png")
 
 

@@ -156,6 +156,10 @@ def test_sweep_trains_every_algorithm_from_one_sft_policy_and_resumes(tmp_path):
   assert out.count("done, skipped") == 3, out
   # make_results renders those runs as Table 1's rows (the other sources missing, said so).
   results = tmp_path / "docs" / "RESULTS.md"
+  results.parent.mkdir()
+  # Only its generated sections are replaced; what is kept by hand around them stays.
+  results.write_text("# Results\n\nby hand\n\n## Table 1 in miniature: arithmetic (old)\nold\n"
+                     "## RLOO vs PPO: old\nold bench\n## Kept by hand\nkept\n")
   subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "make_results.py"),
                   f"--table1={root}", f"--summarize={tmp_path / 'none'}",
                   f"--ablations={tmp_path / 'none'}", f"--bench={tmp_path / 'none.json'}",
@@ -166,6 +170,8 @@ def test_sweep_trains_every_algorithm_from_one_sft_policy_and_resumes(tmp_path):
     assert f"{summaries[name]['before']['greedy_reward']:.3f}" in row, row
   assert "| RLOO k=4 | - | - | not run |" in md
   assert "Not run (no benchmark JSON given)." in md
+  assert md.startswith("# Results\n\nby hand\n") and md.endswith("## Kept by hand\nkept\n")
+  assert "old bench" not in md and "\nold\n" not in md
   assert any(f.endswith(".png") for f in os.listdir(tmp_path / "docs" / "results"))
 
 
