@@ -14,6 +14,7 @@ import os
 
 from absl import logging
 import ml_collections
+from ml_collections import config_dict
 
 
 def parse_arg(arg: str | None, lazy: bool = False, **spec):
@@ -191,8 +192,8 @@ def base_config() -> ml_collections.ConfigDict:
       # tokens, one row per batch shard a microbatch, so no column past a completion's end is
       # computed; the same gradient. At least max_prompt_len - 1 + max_new_tokens (a group that
       # fits no row is split, its prompt again in each row); needs shared_prefix and excludes
-      # microbatch_size. 0 = off.
-      microbatch_tokens=0,
+      # microbatch_size. 0 = off; 'auto': the largest that fits the device (memory/budget.py).
+      microbatch_tokens=config_dict.FieldReference(0, field_type=object),
       # Sequence positions per chunk of the log-prob computation: [N, chunk, V] logits live at
       # once instead of [N, T, V], the largest activation at a 150k vocab.
       logprob_chunk_size=32,

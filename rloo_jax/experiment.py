@@ -125,8 +125,8 @@ def _model_checks(config) -> Optional[transformer.TransformerConfig]:
 def _batch_checks(config) -> None:
   """Microbatches, log-prob chunks, trimming and rollout chunks (after the minibatch checks)."""
   r, t = config.rloo, config.train
-  _check_at_least(config, 0, "train.microbatch_size", "train.microbatch_tokens",
-                  "rloo.trim_bucket", "rloo.rollout_chunk_prompts")
+  _check_at_least(config, 0, "train.microbatch_size", "rloo.trim_bucket",
+                  "rloo.rollout_chunk_prompts")
   _check_at_least(config, 1, "train.logprob_chunk_size")
   packing.check_config(config)
   if t.shared_prefix:

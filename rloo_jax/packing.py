@@ -44,6 +44,10 @@ def check_config(config) -> None:
   """config.train.microbatch_tokens against the rest of the config, before anything compiles."""
   r, t = config.rloo, config.train
   budget = t.get("microbatch_tokens", 0)
+  if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                           or budget < 0):
+    raise ValueError(f"config.train.microbatch_tokens = {budget!r}: a token budget (an int), "
+                     "0 (off) or 'auto' (the largest that fits)")
   if not budget:
     return
   need = min_tokens(config.data.max_prompt_len, r.max_new_tokens)
@@ -53,7 +57,7 @@ def check_config(config) -> None:
   if t.get("microbatch_size", 0):
     raise ValueError("config.train.microbatch_tokens and config.train.microbatch_size both cut "
                      "the update: set one of them to 0")
-  if budget < need:
+  if budget != "auto" and budget < need:
     raise ValueError(f"config.train.microbatch_tokens={budget} cannot hold a completion at "
                      f"full length with its prompt: set it to at least {need} "
                      "(data.max_prompt_len - 1 + rloo.max_new_tokens), or 0 (off)")

@@ -62,7 +62,7 @@ def main(argv):
   # Imported after the device set is fixed (nothing they import may touch a device, but the
   # order keeps it so).
   from rloo_jax import algorithms, experiment, memory  # pylint: disable=import-outside-toplevel
-  from rloo_jax.memory import targets  # pylint: disable=import-outside-toplevel
+  from rloo_jax.memory import budget, targets  # pylint: disable=import-outside-toplevel
   try:
     if _TARGET.value and _DEVICES.value:
       raise ValueError("--target and --devices: give one (--target compiles for the "
@@ -77,8 +77,10 @@ def main(argv):
                        "programs only (config.algorithm='rloo')")
     exp = experiment.build_abstract(checked.config, devices=devices, num_layers=_LAYERS.value)
     memory_gb = _MEMORY.value or (target.memory_gb if target else memory.DEFAULT_DEVICE_MEMORY_GB)
-    report = memory.plan(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=memory_gb,
-                         accelerator=bool(_DEVICES.value) and not _AS_COMPILED.value,
+    accelerator = bool(_DEVICES.value) and not _AS_COMPILED.value
+    algo = budget.resolve(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=memory_gb,
+                          accelerator=accelerator, log=lambda s: print(s, file=sys.stderr))
+    report = memory.plan(algo, device_memory_gb=memory_gb, accelerator=accelerator,
                          speedups=_SPEEDUPS.value)
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("RLOO_JAX_TRACEBACK"):

@@ -174,6 +174,9 @@ def test_packed_reference_log_probs_equal_the_unpacked_ones(tmp_path, attention,
     (dict(microbatch_size=2), r"microbatch_tokens and config.train.microbatch_size both cut"),
     (dict(microbatch_tokens=20), r"microbatch_tokens=20 cannot hold a completion at full length "
                                  r"with its prompt: set it to at least"),
+    (dict(microbatch_tokens="most"), r"microbatch_tokens = 'most': a token budget \(an int\), 0 "
+                                     r"\(off\) or 'auto'"),
+    (dict(microbatch_tokens="auto", shared_prefix=False), r"microbatch_tokens packs whole"),
 ])
 def test_bad_packing_settings_are_refused_naming_the_key(tmp_path, change, message):
   from rloo_jax import algorithms  # pylint: disable=import-outside-toplevel
@@ -205,6 +208,35 @@ def test_a_packed_run_trains_and_reports_the_loss_of_the_unpacked_one(tmp_path):
   assert abs(plain["loss"]) > 1e-3 and plain["grad_norm"] > 1e-3
   for key in ("loss", "grad_norm", "entropy", "kl", "reward_mean"):
     np.testing.assert_allclose(packed[key], plain[key], rtol=1e-4, atol=1e-7, err_msg=key)
+
+
+def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path):
+  """config.train.microbatch_tokens='auto': the candidates double from the least budget to a
+  shard's whole minibatch; the largest whose plan fits the device's memory is taken, and a run
+  with it trains, naming its pick."""
+  from rloo_jax import algorithms, memory  # pylint: disable=import-outside-toplevel
+  from rloo_jax.memory import budget  # pylint: disable=import-outside-toplevel
+  config = tiny_config()
+  config.train.microbatch_tokens = "auto"
+  least = packing.min_tokens(config.data.max_prompt_len, MAX_NEW_TOKENS)
+  tried = budget.candidates(config, 1)
+  assert tried == [least, 2 * least, 4 * least, 8 * least, 16 * least]  # 4 prompts x k=4
+  algo = RLOO(experiment.build(config, str(tmp_path)))
+  peaks = [memory.plan(budget.with_budget(algo, b))["peak_gb_per_device"] for b in tried]
+  assert peaks == sorted(peaks) and peaks[0] < peaks[-1], peaks
+  i = max(j for j in range(len(tried) - 1) if peaks[j] < peaks[j + 1])
+  lines = []
+  got = budget.resolve(algo, device_memory_gb=(peaks[i] + peaks[i + 1]) / 2, log=lines.append)
+  assert got.exp.config.train.microbatch_tokens == tried[i], (lines, peaks)
+  assert got.step_fn.packer.budget == tried[i]
+  none = budget.resolve(algo, device_memory_gb=peaks[0] / 2, log=lines.append)
+  assert none.exp.config.train.microbatch_tokens == least and "none of" in lines[-1]
+  config.train.num_iterations = 1
+  config.rewards.fns = [_length_reward]
+  log = []
+  m = algorithms.run(config, str(tmp_path / "run"), log=log.append)["last_metrics"]
+  assert any(f"microbatch_tokens='auto': {tried[-1]} tokens" in line for line in log), log
+  assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
 
 def test_the_planner_names_packed_microbatches_and_their_budgets(tmp_path):

@@ -22,6 +22,7 @@ from rloo_jax import experiment, loop, memory, sharding
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms import dpo, ppo
 from rloo_jax.algorithms.rloo import RLOO
+from rloo_jax.memory import budget
 from rloo_jax.rewards import RewardSet
 
 
@@ -101,5 +102,7 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
     algo = build(checked, workdir, log=log, **build_kw)
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.
+    if isinstance(algo, RLOO):  # config.train.microbatch_tokens='auto', planned on the mesh
+      algo = budget.resolve(algo, log=log)
     memory.check(algo, log=log)
     return loop.run(algo, workdir, log=log)

@@ -92,9 +92,12 @@ def packer_of(exp, *, per: str):
   completions of up to P - 1 + T tokens each (prompt included) takes at most
   2 N (P - 1 + T) / budget + 1 rows (and never more than N)."""
   c = exp.config
-  budget = int(c.train.get("microbatch_tokens", 0) or 0)
+  budget = c.train.get("microbatch_tokens", 0) or 0
+  if budget == "auto":  # until `memory.budget.resolve` replaces it
+    budget = packing.min_tokens(c.data.max_prompt_len, c.rloo.max_new_tokens)
   if not budget:
     return None
+  budget = int(budget)
   shards = exp.layout.batch_parallelism
   n = c.rloo.num_prompts * c.rloo.k // (c.train.num_minibatches if per == "minibatch" else 1)
   most = min(n, 2 * n * packing.min_tokens(c.data.max_prompt_len, c.rloo.max_new_tokens)

@@ -1,0 +1,65 @@
+"""config.train.microbatch_tokens='auto': the largest packed-row budget with which the job fits.
+
+The candidates double from the least budget (one completion at full length with its prompt, a
+row) to one that holds every completion of a batch shard's minibatch share in one row; each is
+planned (`memory.plan`: every program compiled, the device's memory against its peak) and the
+largest that fits is taken, by bisection (the peak grows with the budget), so a job compiles a
+few plans at start-up. None fitting: the least, and the preflight (`memory.check`) says what
+else to turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from rloo_jax import memory, packing
+
+
+def candidates(config, shards: int) -> list[int]:
+  """The budgets tried, smallest first."""
+  c = config
+  least = packing.min_tokens(c.data.max_prompt_len, c.rloo.max_new_tokens)
+  per_shard = -(-c.rloo.num_prompts * c.rloo.k // c.train.num_minibatches // shards)
+  out = [least]
+  while out[-1] * 2 < per_shard * least:
+    out.append(out[-1] * 2)
+  return out + [per_shard * least] if per_shard > 1 else out
+
+
+def with_budget(algo, budget: int):
+  """The algorithm object again, its config's budget set (programs not yet compiled)."""
+  config = algo.exp.config.copy_and_resolve_references()
+  with config.unlocked():  # 'auto' typed the resolved field as a string
+    del config.train["microbatch_tokens"]
+    config.train.microbatch_tokens = int(budget)
+  return type(algo)(dataclasses.replace(algo.exp, config=config))
+
+
+def resolve(algo, *, device_memory_gb: Optional[float] = None, accelerator: bool = False,
+            log=print):
+  """`algo` with 'auto' replaced by the largest candidate that fits (itself otherwise).
+  device_memory_gb: default, what the mesh's first local device reports, else
+  `memory.DEFAULT_DEVICE_MEMORY_GB`."""
+  if algo.exp.config.train.get("microbatch_tokens", 0) != "auto":
+    return algo
+  if device_memory_gb is None:
+    limit = memory.device_memory_bytes(algo.exp.layout.mesh.local_devices[0])
+    device_memory_gb = limit / memory.GIB if limit else memory.DEFAULT_DEVICE_MEMORY_GB
+  tried = candidates(algo.exp.config, algo.exp.layout.batch_parallelism)
+  lo, hi, best = 0, len(tried) - 1, None
+  while lo <= hi:
+    mid = (lo + hi) // 2
+    candidate = with_budget(algo, tried[mid])
+    report = memory.plan(candidate, device_memory_gb=device_memory_gb, accelerator=accelerator)
+    if report["fits"]:
+      best, lo = (candidate, tried[mid], report["peak_gb_per_device"]), mid + 1
+    else:
+      hi = mid - 1
+  if best is None:
+    log(f"[plan] config.train.microbatch_tokens='auto': none of {tried} fits "
+        f"{device_memory_gb:.2f} GiB; the least, {tried[0]}")
+    return with_budget(algo, tried[0])
+  log(f"[plan] config.train.microbatch_tokens='auto': {best[1]} tokens a packed row (the "
+      f"largest of {tried} that fits {device_memory_gb:.2f} GiB: peak {best[2]:.3g} GiB)")
+  return best[0]
