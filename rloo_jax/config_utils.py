@@ -149,6 +149,11 @@ def base_config() -> ml_collections.ConfigDict:
       # slot refilled as its stream ends (0: the static sampler, the batch until its longest
       # stream ends); rollout_prefix_rows prompts' KV held for them (0: 2 * slots / k).
       rollout_slots=0, rollout_prefix_rows=0,
+      # Its stream KV paged: a pool of this many pages of rollout_page_size slots, a page taken
+      # as a stream's length reaches it and freed when it ends (0: each slot owns
+      # max_new_tokens slots). At least one stream at the cap; short of pages, the oldest
+      # streams go first and the youngest start again (the same tokens).
+      rollout_pages=0, rollout_page_size=64,
       # DAPO's dynamic sampling (rloo_jax.dynamic_sampling): train only on groups whose rewards
       # differ, rolling out further prompt batches for them, at most this many rollouts a step.
       dynamic_sampling=False, dynamic_sampling_max_rounds=4))

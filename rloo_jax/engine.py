@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from rloo_jax import engine_paging as paging
 from rloo_jax import sampler_args, sampling
 from rloo_jax.models.cache import PrefixKV
 from rloo_jax.platform import jit_by_platform
@@ -53,6 +54,11 @@ class EngineState:
   policy_logprobs_nkt: jax.Array
   mask_nkt: jax.Array
   lengths_nk: jax.Array
+  # Paged KV (`pages`; None: every slot owns T stream slots): which pages are free [NP], each
+  # slot's admission number [S] (older streams get pages first), and preemptions so far [].
+  free_p: Any = None
+  age_s: Any = None
+  preempted: Any = None
 
   def output(self) -> sampling.SampleOutput:
     """The shards' outputs as one [N, k, T] batch (shard d's rows d*N/D.., as placed)."""
@@ -89,8 +95,11 @@ def _on_shards(tree, batch_sharding):
       batch_sharding.mesh, jax.sharding.PartitionSpec(batch_sharding.spec[0]))), tree)
 
 
-def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool):
-  """The engine's DecodeCache: Q prefix rows of P columns and S one-stream rows of T slots."""
+def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool, pages: int = 0,
+                 page_size: int = 0):
+  """The engine's DecodeCache: Q prefix rows of P columns and S one-stream rows of T slots; or,
+  paged, a pool of `pages` pages of `page_size` slots (and the scratch page) that the S stream
+  rows' page tables, all pointing at the scratch page, index."""
   tokens = jnp.zeros((1, p), jnp.int32)
   _, prefix = jax.eval_shape(fns.prefill, params, tokens, tokens, tokens > 0)
 
@@ -101,11 +110,14 @@ def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool):
   pool = init(PrefixKV(rows(prefix.k_lbphd, q, p), rows(prefix.v_lbphd, q, p),
                        None if prefix.positions_bp is None else jnp.zeros((q, p), jnp.int32)),
               jnp.zeros((q, p), bool), 1, 1)
-  one = PrefixKV(rows(prefix.k_lbphd, s, 1), rows(prefix.v_lbphd, s, 1))
-  streams = init(one, jnp.zeros((s, 1), bool), 1, t)
+  n = pages + 1 if pages else s
+  one = PrefixKV(rows(prefix.k_lbphd, n, 1), rows(prefix.v_lbphd, n, 1))
+  streams = init(one, jnp.zeros((n, 1), bool), 1, page_size if pages else t)
   return pool.replace(k_lbkhdt=streams.k_lbkhdt, v_lbkhtd=streams.v_lbkhtd,
                       index=jnp.zeros((s, 1), jnp.int32),
-                      prefix_rows_b=jnp.zeros((s,), jnp.int32))
+                      prefix_rows_b=jnp.zeros((s,), jnp.int32),
+                      pages_bm=jnp.full((s, -(-t // page_size)), pages, jnp.int32)
+                      if pages else None)
 
 
 def _write_prefix(cache, q, prefix: PrefixKV, mask_1p):
@@ -181,8 +193,9 @@ class _Programs:
 
   def _can_admit(self, st):
     free = jnp.sum(st.group_s < 0)
+    pages = True if st.free_p is None else jnp.sum(st.free_p) >= self.k  # a page each to start
     return (st.next_group < self.prompts_np.shape[0]) & (free >= self.k) & jnp.any(
-        st.refs_q == 0)
+        st.refs_q == 0) & pages
 
   def _admit(self, st):
     k, g = self.k, st.next_group
@@ -201,6 +214,8 @@ class _Programs:
     live_k = ~sampling.is_stop(tokens_k, self.eos_id) & (self.t_cap > 1)
     cache = _write_prefix(st.cache, q, prefix, mask_1p)
     cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_k].set(q))
+    if st.age_s is not None:
+      st = st.replace(age_s=st.age_s.at[slots_k].set(g))
     return st.replace(
         cache=cache, group_s=st.group_s.at[slots_k].set(jnp.where(live_k, g, -1)),
         stream_s=st.stream_s.at[slots_k].set(j_k), step_s=st.step_s.at[slots_k].set(1),
@@ -215,6 +230,8 @@ class _Programs:
     g_s = jnp.maximum(st.group_s, 0)
     # A free slot decodes too (its output is dropped); its index stays inside its buffer.
     index_s = jnp.maximum(st.step_s - 1, 0)
+    if st.free_p is not None:  # paged: a page for each stream entering one; stalled if none
+      st, live_s = paging.grant(st, live_s, index_s)
     cache = st.cache.replace(index=index_s[:, None])
     positions_s = self.lengths_n[g_s] + index_s
     logits_s1v, cache = self.fns.decode(
@@ -227,8 +244,16 @@ class _Programs:
     step_s = st.step_s + live_s
     ended_s = live_s & (sampling.is_stop(tokens_s, self.eos_id) | (step_s >= self.t_cap))
     refs_q = st.refs_q.at[cache.prefix_rows_b].add(-ended_s.astype(jnp.int32))
-    return st.replace(cache=cache, group_s=jnp.where(ended_s, -1, st.group_s), step_s=step_s,
-                      last_s=tokens_s, refs_q=refs_q, steps=st.steps + 1)
+    st = st.replace(cache=cache, group_s=jnp.where(ended_s, -1, st.group_s), step_s=step_s,
+                    last_s=jnp.where(live_s, tokens_s, st.last_s), refs_q=refs_q,
+                    steps=st.steps + 1)
+    if st.free_p is None:
+      return st
+    st = paging.free(st, ended_s)
+    # No stream could step (each needs a page, none is free): the youngest holding pages
+    # starts again from its first token, its pages freed; it draws the same tokens again.
+    stuck = jnp.any(st.group_s >= 0) & ~jnp.any(live_s)
+    return jax.lax.cond(stuck, paging.preempt_youngest, lambda st: st, st)
 
 
 _STATIC = ('fns', 'k', 'max_new_tokens', 'method', 'unstack_layers', 'batch_sharding')
@@ -255,26 +280,29 @@ def _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, 
   return apply
 
 
-@functools.partial(jit_by_platform, static_argnames=_STATIC + ('slots', 'prefix_rows'))
+@functools.partial(jit_by_platform,
+                   static_argnames=_STATIC + ('slots', 'prefix_rows', 'pages', 'page_size'))
 def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
-          max_new_tokens, method, slots, prefix_rows, unstack_layers=False,
-          batch_sharding=None) -> EngineState:
-  """Every shard's empty slots and prefix rows, then its first groups admitted."""
+          max_new_tokens, method, slots, prefix_rows, pages=0, page_size=0,
+          unstack_layers=False, batch_sharding=None) -> EngineState:
+  """Every shard's empty slots, prefix rows (and pages), then its first groups admitted."""
   n, p = prompt_tokens_np.shape
   d = shards(batch_sharding)
-  s, q = slots // d, prefix_rows // d
+  s, q, npages = slots // d, prefix_rows // d, pages // d
   zeros_s = jnp.zeros((s,), jnp.int32)
   shape_nkt = (n // d, k, max_new_tokens)
   one = EngineState(
       cache=_empty_cache(fns, params, p, q, s, max_new_tokens,
-                         sampler_args.per_layer(fns, unstack_layers)),
+                         sampler_args.per_layer(fns, unstack_layers), npages, page_size),
       group_s=jnp.full((s,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,
       last_s=zeros_s + pad_id, refs_q=jnp.zeros((q,), jnp.int32),
       next_group=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32),
       tokens_nkt=jnp.full(shape_nkt, pad_id, jnp.int32),
       logprobs_nkt=jnp.zeros(shape_nkt, jnp.float32),
       policy_logprobs_nkt=jnp.zeros(shape_nkt, jnp.float32),
-      mask_nkt=jnp.zeros(shape_nkt, bool), lengths_nk=jnp.zeros((n // d, k), jnp.int32))
+      mask_nkt=jnp.zeros(shape_nkt, bool), lengths_nk=jnp.zeros((n // d, k), jnp.int32),
+      free_p=jnp.ones((npages,), bool) if pages else None,
+      age_s=zeros_s if pages else None, preempted=jnp.zeros((), jnp.int32) if pages else None)
   state = _on_shards(jax.tree.map(lambda x: jnp.broadcast_to(x, (d,) + x.shape), one),
                      batch_sharding)
   run_shards = _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, d,
@@ -308,17 +336,20 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
 
 
 def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
-        max_new_tokens, method, slots, prefix_rows, unstack_layers=False,
-        batch_sharding=None, kv_buckets=4) -> EngineState:
+        max_new_tokens, method, slots, prefix_rows, pages=0, page_size=0,
+        unstack_layers=False, batch_sharding=None, kv_buckets=4) -> EngineState:
   """The rollout: `start`, then `phase`s until every group is admitted and every stream ended.
   A phase's steps attend to the first L stream slots, L the smallest of
   `kv_limits(T, kv_buckets)` holding the longest live stream (one compiled phase per L, kept
   until that stream needs more, or under half the next smaller L), so a step's attention cost
-  follows the longest live stream, not the cap. slots, prefix_rows: over all D shards."""
+  follows the longest live stream, not the cap. slots, prefix_rows, pages: over all D shards
+  (pages: 0, each slot owning T stream slots; else a pool of that many pages of page_size
+  slots, which a stream takes as its length reaches them and frees when it ends)."""
   args = (fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id)
   static = dict(k=k, max_new_tokens=max_new_tokens, method=method,
                 unstack_layers=unstack_layers, batch_sharding=batch_sharding)
-  state = start(*args, pad_id, slots=slots, prefix_rows=prefix_rows, **static)
+  state = start(*args, pad_id, slots=slots, prefix_rows=prefix_rows, pages=pages,
+                page_size=page_size, **static)
   limits = kv_limits(max_new_tokens, kv_buckets)
   while True:
     left, need = jax.device_get((_work_left(state), _need(state)))

@@ -236,7 +236,8 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
            method: sampling.Method, eos_id: int | Sequence[int], pad_id: int,
            mode: str = 'shared',
            max_seq_len: int | None = None, batch_sharding=None,
-           unstack_layers: bool = False, slots: int = 0, prefix_rows: int = 0) -> SampleOutput:
+           unstack_layers: bool = False, slots: int = 0, prefix_rows: int = 0, pages: int = 0,
+           page_size: int = 64) -> SampleOutput:
   """Samples k completions of max_new_tokens tokens for each right-padded prompt.
 
   Args:
@@ -269,6 +270,8 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
       continuous-batching engine (`rloo_jax.engine`) decodes `slots` streams at once, refilling
       a slot as its stream ends, with `prefix_rows` prompts' KV held (0: its default). Same
       output, token for token; mode must be 'shared'.
+    pages, page_size: the engine's stream KV as a pool of `pages` pages of `page_size` slots
+      (0: each slot owns max_new_tokens), which a stream takes as its length reaches them.
 
   Returns:
     SampleOutput with tokens_bkt, logprobs_bkt, policy_logprobs_bkt, mask_bkt, lengths_bk.
@@ -290,9 +293,11 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     d = engine.shards(batch_sharding)
     slots, prefix_rows = sampler_args.check_slots(slots, k, prefix_rows, ways=d,
                                                   rows=len(prompt_lengths_b))
+    sampler_args.check_pages(pages, page_size, max_new_tokens, ways=d)
     return engine.run(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b),
                       rng, eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method,
-                      slots=slots, prefix_rows=prefix_rows, batch_sharding=batch_sharding,
+                      slots=slots, prefix_rows=prefix_rows, pages=pages,
+                      page_size=page_size if pages else 0, batch_sharding=batch_sharding,
                       unstack_layers=bool(unstack_layers)).output()
   state = start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
                 eos_id, pad_id,

@@ -152,6 +152,25 @@ def validate_decode_layout(rloo_config) -> None:
                        "prefill among its k streams: set config.rloo.sampler_mode='shared'")
     check_slots(rloo_config.rollout_slots, rloo_config.k,
                 rloo_config.get('rollout_prefix_rows', 0), key='config.rloo.rollout_slots')
+    check_pages(rloo_config.get('rollout_pages', 0), rloo_config.get('rollout_page_size', 64),
+                rloo_config.max_new_tokens, key='config.rloo.rollout_pages')
+  elif rloo_config.get('rollout_pages', 0):
+    raise ValueError("config.rloo.rollout_pages pages the rollout engine's KV: set "
+                     "config.rloo.rollout_slots too (or rollout_pages=0)")
+
+
+def check_pages(pages, page_size, max_new_tokens: int, key: str = 'pages',
+                ways: int = 1) -> None:
+  """The engine's page pool: 0 (off), or on each of `ways` shards at least the pages of one
+  stream at full length."""
+  if not pages:
+    return
+  need = -(-max_new_tokens // page_size) if isinstance(page_size, int) and page_size > 0 else 0
+  if (not need or isinstance(pages, bool) or not isinstance(pages, int) or pages % ways
+      or pages // ways < need):
+    raise ValueError(f'{key} = {pages!r} (pages of {page_size!r} slots) must hold one stream at '
+                     f'max_new_tokens = {max_new_tokens} on each of the {ways} batch shard(s): '
+                     f'a multiple of {ways} of at least {ways * max(need, 1)} (0: no pages)')
 
 
 def default_prefix_rows(slots: int, k: int, ways: int = 1) -> int:
@@ -187,4 +206,6 @@ def decode_options(exp) -> dict:
   engine's slots (config.rloo.rollout_slots; 0: the static sampler)."""
   r = exp.config.rloo
   return dict(unstack_layers=decode_unstacked(exp), slots=int(r.get('rollout_slots', 0) or 0),
-              prefix_rows=int(r.get('rollout_prefix_rows', 0) or 0))
+              prefix_rows=int(r.get('rollout_prefix_rows', 0) or 0),
+              pages=int(r.get('rollout_pages', 0) or 0),
+              page_size=int(r.get('rollout_page_size', 64)))

@@ -112,7 +112,36 @@ def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
   assert int(state.steps.max()) <= int(static.lengths_bk.max(axis=1).sum())
 
 
+@pytest.mark.parametrize('family, unstack', [('llama', False), ('gemma3', True)])
+def test_paged_streams_in_a_pool_of_one_streams_pages_draw_the_static_samplers_tokens(
+    family, unstack, monkeypatch):
+  """Paged KV (`pages`): 6 slots share 5 pages of 4 slots, what one stream at the cap of 20
+  needs, so streams stall for pages and are preempted to start again. The pool starts full of
+  large values and its pages pass from stream to stream; the tokens are still the static
+  sampler's, with sliding windows and unrolled layers too."""
+  fns, params = _tiny(family)
+  clean = engine._empty_cache
+
+  def poisoned(*args):
+    cache = clean(*args)
+    fill = lambda x: jnp.full_like(x, 30.0) if x.dtype == jnp.float32 else x  # noqa: E731
+    return cache.replace(k_lbkhdt=jax.tree.map(fill, cache.k_lbkhdt),
+                         v_lbkhtd=jax.tree.map(fill, cache.v_lbkhtd))
+
+  monkeypatch.setattr(engine, '_empty_cache', poisoned)
+  paged = dict(slots=6, pages=5, page_size=4, unstack_layers=unstack)
+  static, ours = _both(fns, params, sampling.Temperature(1.0), **paged)
+  _assert_same(static, ours)
+  tokens, lengths = _prompts()
+  state = engine.run(fns, params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(3),
+                     jnp.asarray(STOPS), jnp.int32(PAD), k=3, max_new_tokens=20,
+                     method=sampling.Temperature(1.0), prefix_rows=2, **paged)
+  assert int(state.preempted.sum()) > 0 and int(state.next_group.sum()) == 5
+  assert bool(state.free_p.all())  # every page back in the pool
+
+
 @pytest.mark.parametrize('kw, match', [
+    (dict(slots=6, pages=3, page_size=1), r'pages = 3 \(pages of 1 slots\) must hold one stream'),
     (dict(slots=2), 'slots = 2 must be an integer >= k = 3'),
     (dict(slots=6, prefix_rows=7), 'prefix_rows = 7 must be an integer in 1..slots = 6'),
     (dict(slots=6, mode='unshared'), "set mode='shared'"),
@@ -132,16 +161,21 @@ def test_config_rollout_slots_drives_rollouts_evaluation_and_generate(tmp_path):
   from rloo_jax import experiment, rollout, sampler_args  # pylint: disable=import-outside-toplevel
   from test_trim import first_batch, tiny_config  # pylint: disable=import-outside-toplevel
   outs = []
-  for slots in (0, 8):
+  for slots, pages in ((0, 0), (8, 0), (8, 6)):  # 6 pages of 4: two streams at the cap of 12
     config = tiny_config()
-    config.rloo.rollout_slots = slots
-    exp = experiment.build(config, str(tmp_path / str(slots)))
+    config.rloo.update(rollout_slots=slots, rollout_pages=pages, rollout_page_size=4)
+    exp = experiment.build(config, str(tmp_path / f'{slots}_{pages}'))
     assert sampler_args.decode_options(exp)['slots'] == slots
+    assert sampler_args.decode_options(exp)['pages'] == pages
     params = models.create(exp.model_config)[1]
     outs.append(rollout.sample_batch(exp, params, first_batch(exp), jax.random.key(0),
                                      k=exp.config.rloo.k)[0])
-  _assert_same(*(jax.tree.map(np.asarray, o) for o in outs))
+  _assert_same(*(jax.tree.map(np.asarray, o) for o in outs[:2]))
+  _assert_same(*(jax.tree.map(np.asarray, o) for o in outs[::2]))
   config = tiny_config()
   config.rloo.rollout_slots = 2
   with pytest.raises(ValueError, match=r'config.rloo.rollout_slots = 2 must be an integer >= k'):
+    experiment.validate_config(config)
+  config.rloo.update(rollout_slots=0, rollout_pages=8)
+  with pytest.raises(ValueError, match=r'config.rloo.rollout_pages pages the rollout engine'):
     experiment.validate_config(config)

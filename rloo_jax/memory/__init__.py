@@ -279,6 +279,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       # The rollout engine's stream slots and prompt rows (0, 0: the static sampler).
       **dict(zip(("rollout_slots", "rollout_prefix_rows"), programs_lib.engine_slots(
           c, engine.shards(exp.layout.batch_sharding)))),
+      rollout_pages=int(c.rloo.get("rollout_pages", 0) or 0),
       # Model FLOPs: rollout + reference + update (num_epochs passes over every row, i.e.
       # epochs x minibatches steps); the backward's recompute is reported apart, not included.
       flops_per_iteration=int(f["rollout"] + f["reference"] + f["update"]),
@@ -314,7 +315,9 @@ def format_table(r: dict) -> str:
            f"  KV cache          {r['kv_cache_gb']:10.4g}  (one rollout chunk of "
            f"{r['rollout_chunk_prompts']} prompts" + (
                f"; the engine's {r['rollout_slots']} stream slots + "
-               f"{r['rollout_prefix_rows']} prompt rows)" if r.get("rollout_slots") else ")"),
+               f"{r['rollout_prefix_rows']} prompt rows" + (
+                   f", its streams' KV in {r['rollout_pages']} pages)" if r.get("rollout_pages")
+                   else ")") if r.get("rollout_slots") else ")"),
            *([f"  reward model      {r['reward_model_gb']:10.4g}  (hf_reward_model:, resident)"]
              if r.get("reward_model_gb") else []),
            f"  {'program':16}{'peak':>10}{'temp':>10}{'args':>10}{'out':>10}{'alias':>10}"

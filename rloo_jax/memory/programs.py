@@ -357,7 +357,9 @@ def _engine_rollout(exp, x, names, _compile, found, resident):
                 unstack_layers=sampler_args.decode_unstacked(exp),
                 batch_sharding=exp.layout.batch_sharding)
   args = (x.state.policy_params, *x.prompts, x.rng, x.stop_ids)
-  pools = dict(slots=slots, prefix_rows=prefix_rows)
+  pages = int(c.rloo.get("rollout_pages", 0) or 0)
+  pools = dict(slots=slots, prefix_rows=prefix_rows, pages=pages,
+               page_size=int(c.rloo.get("rollout_page_size", 64)) if pages else 0)
   shapes = jax.eval_shape(functools.partial(engine.start, exp.fns, **static, **pools), *args,
                           x.token_id)
   if "engine" not in names:

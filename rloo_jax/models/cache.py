@@ -37,6 +37,10 @@ class DecodeCache:
   int for every stream (the static sampler), or [B, K], each stream its own (`rloo_jax.engine`).
   `prefix_rows_b` [B] (the engine's): the prefix rows are a pool and stream row b reads pool row
   prefix_rows_b[b], so a group's k streams share one prefill wherever their slots are.
+  `pages_bm` [B, M] (the engine's paged KV, `rollout_pages`): the stream buffers are then a pool
+  of pages of G slots ([L, pages + 1, 1, Hkv, D, G]: the last page a scratch page that nothing
+  owns) and stream row b's slot i lives in page pages_bm[b, i // G] at i % G (`write_page`,
+  `read_pages`), so a stream holds only the pages its length has reached.
   """
 
   prefix_k_lbhdp: Any  # [L, B, Hkv, D, P] (or L x [B, Hkv, D, P])
@@ -48,6 +52,7 @@ class DecodeCache:
   # The prompt's positions, which a sliding window reads (None: the prefill recorded none).
   prefix_positions_bp: jax.Array | None = None
   prefix_rows_b: jax.Array | None = None
+  pages_bm: jax.Array | None = None
 
   def prefix_for_rows(self, x):
     """Pool rows `x` [Npool, ...] as the stream rows read them (x itself without a pool)."""
@@ -78,6 +83,40 @@ def write_slot(kv, l, k_bkhd, v_bkhd, slot):
                                         (l, zero, zero, zero, slot, zero))
   return ((keys, values), jax.lax.dynamic_index_in_dim(keys, l, keepdims=False),
           jax.lax.dynamic_index_in_dim(values, l, keepdims=False))
+
+
+def write_page(kv, l, k_bkhd, v_bkhd, slot_bk, pages_bm):
+  """`write_slot` into paged stream buffers (`DecodeCache.pages_bm`, one stream a row): row b's
+  token goes to page pages_bm[b, slot // G] at slot % G. Returns (kv, layer l's key pages, its
+  value pages)."""
+  keys, values = kv
+  g = (keys[0] if isinstance(keys, tuple) else keys).shape[-1]
+  slot_b = slot_bk[:, 0]
+  page_b = jnp.take_along_axis(pages_bm, (slot_b // g)[:, None], axis=1)[:, 0]
+  off_b = slot_b % g
+  if isinstance(keys, tuple):
+    k_l = keys[l].at[page_b, 0, :, :, off_b].set(k_bkhd[:, 0].astype(keys[l].dtype))
+    v_l = values[l].at[page_b, 0, :, off_b, :].set(v_bkhd[:, 0].astype(values[l].dtype))
+    return (keys[:l] + (k_l,) + keys[l + 1:], values[:l] + (v_l,) + values[l + 1:]), k_l, v_l
+  keys = keys.at[l, page_b, 0, :, :, off_b].set(k_bkhd[:, 0].astype(keys.dtype))
+  values = values.at[l, page_b, 0, :, off_b, :].set(v_bkhd[:, 0].astype(values.dtype))
+  return ((keys, values), jax.lax.dynamic_index_in_dim(keys, l, keepdims=False),
+          jax.lax.dynamic_index_in_dim(values, l, keepdims=False))
+
+
+def read_pages(k_pool, v_pool, pages_bm, slots: int):
+  """Each stream row's first `slots` slots gathered from its pages, in the unpaged layouts:
+  keys [B, 1, Hkv, D, slots], values [B, 1, Hkv, slots, D]. Slots past a stream's index read
+  pages it does not own (the scratch page, or a page another stream now holds): the decode
+  mask hides them."""
+  g = k_pool.shape[-1]
+  m = -(-slots // g)
+  k = k_pool[pages_bm[:, :m]]  # [B, m, 1, Hkv, D, G]
+  v = v_pool[pages_bm[:, :m]]  # [B, m, 1, Hkv, G, D]
+  b, _, one, h, d, _ = k.shape
+  k = jnp.moveaxis(k, 1, 4).reshape(b, one, h, d, m * g)[..., :slots]
+  v = jnp.moveaxis(v, 1, 3).reshape(b, one, h, m * g, d)[..., :slots, :]
+  return k, v
 
 
 def _scatter_slots(keys, values, l, k_bkhd, v_bkhd, slot_bk):

@@ -26,7 +26,7 @@ from flax import nnx
 from rloo_jax.models import attention_ops
 from rloo_jax.models.block import stacked_blocks
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
-    DecodeCache, PrefixKV, init_cache, write_slot)
+    DecodeCache, PrefixKV, init_cache, read_pages, write_page, write_slot)
 from rloo_jax.models.config import (  # noqa: F401  (re-exported)
     _DTYPES, TransformerConfig, dtype_of)
 from rloo_jax.models import decode_weights as decode_weights_lib
@@ -268,8 +268,13 @@ class Transformer(nnx.Module):
       prefix = tuple(cache.prefix_for_rows(x) for x in prefix)  # the engine's pool rows
 
       def store(k, v):  # the stream buffers ride in the carry, written in place
-        (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, idx)
-        k_l, v_l = k_l[..., :kv_limit], v_l[..., :kv_limit, :]
+        if cache.pages_bm is None:
+          (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, idx)
+          k_l, v_l = k_l[..., :kv_limit], v_l[..., :kv_limit, :]
+        else:  # the engine's paged buffers: the pages of each stream's first kv_limit slots
+          (k_all, v_all), k_l, v_l = write_page(kv, l, k, v, idx, cache.pages_bm)
+          k_l, v_l = read_pages(k_l, v_l, cache.pages_bm,
+                                kv_limit or cache.pages_bm.shape[1] * k_l.shape[-1])
         return (prefix[0], k_l), (prefix[1], v_l), (k_all, v_all)
 
       x, kv = block(x, rotary, spec, store, fused=True)
