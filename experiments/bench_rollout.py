@@ -1,8 +1,8 @@
-"""The rollout engine (`sampler.sample(slots=S)`) beside the static sampler, at the same KV memory,
-on completion lengths forced from a distribution (docs/PERFORMANCE.md, "Rollout engine": the
-forcing, the same-memory rule, the figures). `lognormal`: median T/4, sigma 1; `uniform`: 1..T;
-`full`: no end token. Useful tokens: every stream's up to and including its end; medians over
---repeats after a compiling run.
+"""The rollout engine (`sampler.sample(slots=S)`), and paged with --paged_slots slots in pages of
+as many stream slots as its S, beside the static sampler at the same KV memory, on completion
+lengths forced from a distribution (docs/PERFORMANCE.md, "Rollout engine": the forcing, the
+same-memory rule, the figures). `lognormal`: median T/4, sigma 1; `uniform`: 1..T; `full`: no
+end token. Useful tokens: every stream's up to its end; medians over --repeats after a compile.
 
     python experiments/bench_rollout.py
 """
@@ -82,7 +82,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   for flag, default in (("groups", 128), ("k", 4), ("slots", 32), ("prefix_rows", 0),
                         ("max_new_tokens", 256), ("prompt_len", 32), ("hidden", 256), ("layers", 4),
-                        ("vocab", 1024), ("repeats", 3)):
+                        ("vocab", 1024), ("repeats", 3), ("paged_slots", 64), ("page_size", 32)):
     ap.add_argument(f"--{flag}", type=int, default=default)
   ap.add_argument("--dists", default="lognormal,uniform,full")
   a = ap.parse_args()
@@ -108,19 +108,22 @@ def main():
                         for i in range(0, a.groups, b)]
       return [o.tokens_bkt for o in outs["static"]]
 
-    def engine():
-      outs["engine"] = state = engine_lib.run(
+    def engine(name="engine", slots=a.slots, pages=0):
+      outs[name] = state = engine_lib.run(
           fns, params, jnp.asarray(prompts), jnp.asarray(lengths), jax.random.key(1),
           jnp.asarray([EOS]), jnp.int32(0), k=a.k, max_new_tokens=t_cap, method=kw["method"],
-          slots=a.slots, prefix_rows=prefix_rows)
+          slots=slots, prefix_rows=prefix_rows, pages=pages, page_size=a.page_size)
       return state.tokens_nkt
 
+    paged = lambda: engine("paged", a.paged_slots, a.slots * t_cap // a.page_size)  # noqa: E731
     seconds = {name: gpu_check.median_s(lambda _, f=f: f(), a.repeats)
-               for name, f in (("static", static), ("engine", engine))}
+               for name, f in (("static", static), ("engine", engine), ("paged", paged))}
     useful = {"static": sum(int(np.sum(o.lengths_bk)) for o in outs["static"]),
-              "engine": int(np.sum(outs["engine"].lengths_nk))}
+              **{n: int(np.sum(outs[n].lengths_nk)) for n in ("engine", "paged")}}
     row = {f"{name}_tok_s": round(useful[name] / seconds[name], 1) for name in seconds}
     row["ratio"] = round(row["engine_tok_s"] / row["static_tok_s"], 3)
+    row["paged_ratio"] = round(row["paged_tok_s"] / row["static_tok_s"], 3)
+    row["paged_preempted"] = int(outs["paged"].preempted.max())
     mean_len = useful["engine"] / (a.groups * a.k)
     steps = {"static": sum(int(o.lengths_bk.max()) - 1 for o in outs["static"]),
              "engine": int(outs["engine"].steps.max())}
@@ -131,7 +134,8 @@ def main():
     print(f"{dist:10s} mean length {mean_len:6.1f} of {t_cap}: static {seconds['static']:.3f} s "
           f"({useful['static']} tokens), engine {seconds['engine']:.3f} s ({useful['engine']} "
           f"tokens, {steps['engine']} steps, {row['engine_occupancy']:.0%} of slots live), "
-          f"useful tokens/s ratio {row['ratio']:.2f}x")
+          f"useful tokens/s ratio {row['ratio']:.2f}x; paged ({a.paged_slots} slots) "
+          f"{seconds['paged']:.3f} s, {row['paged_ratio']:.2f}x")
     result[dist] = row
   print(json.dumps(result))
 

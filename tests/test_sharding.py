@@ -140,6 +140,14 @@ def mesh_worker(workdir: str) -> dict:
                        metric_diffs=_metric_diffs(m, ref_m1),
                        kv_shard=list(st.cache.k_lbkhdt.addressable_shards[0].data.shape),
                        kv_shape=list(st.cache.k_lbkhdt.shape))
+  # Paged, each shard's pool one stream at the cap for its 2 slots: streams stall and restart.
+  with c.unlocked():
+    c.rloo.rollout_page_size = 2
+    c.rloo.rollout_pages = 8 * -(-c.rloo.max_new_tokens // 2)
+  algo = RLOO(experiment.build(c, workdir, task=task))
+  state, m = algo.iteration(algo.init_state(params0), batch1)
+  out["paged"] = dict(state_diff=_max_diff(_host(state), ref_s1),
+                      metric_diffs=_metric_diffs(m, ref_m1))
 
   # A checkpoint written on (2, 4, 1) restores onto (8, 1, 1) and onto one device; both continue.
   for name, algo in (("8x1x1", algos[(8, 1, 1)]), ("1 device", algo1)):
@@ -227,6 +235,9 @@ def test_the_rollout_engine_over_eight_shards_matches_the_static_sampler_on_one_
   assert not bad, bad
   # [D=8, L, S/D=2, 1, Hkv, D, T] split over the shards: one shard's slots a device.
   assert r["kv_shape"][0] == 8 and r["kv_shard"][0] == 1, r
+  r = mesh_results["paged"]  # its KV paged, a pool of one stream's pages on each shard
+  assert r["state_diff"] < ATOL, r
+  assert not {k: v for k, v in r["metric_diffs"].items() if v > MTOL}, r
 
 
 def test_checkpoint_restores_onto_another_mesh_and_training_continues(mesh_results):
