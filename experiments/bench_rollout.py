@@ -1,5 +1,5 @@
-"""The rollout engine (`sampler.sample(slots=S)`), and paged with --paged_slots slots in pages of
-as many stream slots as its S, beside the static sampler at the same KV memory, on completion
+"""The rollout engine (`sampler.sample(slots=S)`) beside the static sampler at the same KV memory,
+and paged (--paged_slots slots in --paged_memory of that KV memory), on completion
 lengths forced from a distribution (docs/PERFORMANCE.md, "Rollout engine": the forcing, the
 same-memory rule, the figures). `lognormal`: median T/4, sigma 1; `uniform`: 1..T; `full`: no
 end token. Useful tokens: every stream's up to its end; medians over --repeats after a compile.
@@ -82,9 +82,10 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   for flag, default in (("groups", 128), ("k", 4), ("slots", 32), ("prefix_rows", 0),
                         ("max_new_tokens", 256), ("prompt_len", 32), ("hidden", 256), ("layers", 4),
-                        ("vocab", 1024), ("repeats", 3), ("paged_slots", 64), ("page_size", 32)):
+                        ("vocab", 1024), ("repeats", 3), ("paged_slots", 32), ("page_size", 32)):
     ap.add_argument(f"--{flag}", type=int, default=default)
   ap.add_argument("--dists", default="lognormal,uniform,full")
+  ap.add_argument("--paged_memory", type=float, default=0.5)
   a = ap.parse_args()
   t_cap, b = a.max_new_tokens, a.slots // a.k
   prefix_rows = a.prefix_rows or sampler_args.default_prefix_rows(a.slots, a.k)
@@ -115,7 +116,8 @@ def main():
           slots=slots, prefix_rows=prefix_rows, pages=pages, page_size=a.page_size)
       return state.tokens_nkt
 
-    paged = lambda: engine("paged", a.paged_slots, a.slots * t_cap // a.page_size)  # noqa: E731
+    pages = int(a.slots * t_cap * a.paged_memory) // a.page_size
+    paged = lambda: engine("paged", a.paged_slots, pages)  # noqa: E731
     seconds = {name: gpu_check.median_s(lambda _, f=f: f(), a.repeats)
                for name, f in (("static", static), ("engine", engine), ("paged", paged))}
     useful = {"static": sum(int(np.sum(o.lengths_bk)) for o in outs["static"]),
