@@ -179,6 +179,22 @@ def test_ratio_losses_corrected_against_the_sampler_give_the_exact_on_policy_gra
   assert np.abs(-biased - exact).max() > 0.05 * np.abs(exact).max()
 
 
+def test_dapo_clip_higher_clips_each_side_at_its_own_epsilon():
+  """DAPO's token-level surrogate with clip-higher (eps 0.2 below, 0.28 above), token-mean, by
+  hand: a token whose ratio is past 1.28 with A > 0 and one under 0.8 with A < 0 are clipped."""
+  old = jnp.zeros((2, 3))
+  logp = jnp.array([[0.3, 0.1, 0.0], [-0.3, 0.2, 0.0]])
+  mask = jnp.array([[True, True, False], [True, True, True]])
+  adv = jnp.array([1.5, -0.5])
+  value, m = loss.ppo_clip_loss(logp, old, mask, adv, clip_eps=0.2, clip_eps_high=0.28,
+                                ratio_level="token", aggregation="token_mean")
+  r = np.exp(np.asarray(logp))
+  terms = [min(r[0, 0], 1.28) * 1.5, r[0, 1] * 1.5,  # e^0.3 = 1.35 clipped at 1.28
+           max(r[1, 0], 0.8) * -0.5, r[1, 1] * -0.5, 1.0 * -0.5]  # e^-0.3 = 0.74 at 0.8
+  assert float(value) == pytest.approx(-np.sum(terms) / 5, rel=1e-6)
+  assert float(m["clip_fraction"]) == pytest.approx(2 / 5)
+
+
 def test_a_recomputed_old_policy_weighs_each_ratio_term_by_the_truncated_gap():
   """With the sampler's log-probs beside the trainer's recomputed ones: token-level PPO's terms
   are each multiplied by min(pi_old / pi_sampler, cap), GSPO's sequence term by the mean of its
