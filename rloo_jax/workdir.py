@@ -41,6 +41,9 @@ RESUMABLE_KEYS = (
     "train.check_memory", "train.compilation_cache_dir", "model.remat", "model.remat_names",
     "model.attention",
     "rloo.rollout_chunk_prompts",
+    # The rollout engine draws the static sampler's tokens whatever its slots and pages.
+    "rloo.rollout_slots", "rloo.rollout_prefix_rows", "rloo.rollout_pages",
+    "rloo.rollout_page_size",
 )
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "ml_collections",
              "rloo_jax")
