@@ -219,8 +219,11 @@ def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path):
   config = tiny_config()
   config.train.microbatch_tokens = "auto"
   least = packing.min_tokens(config.data.max_prompt_len, MAX_NEW_TOKENS)
+  assert budget.candidates(config, 1) == [least * 2 ** i for i in range(5)]  # 4 prompts x 4
+  assert budget.candidates(config, 4) == [least, 2 * least, 4 * least]  # over 4 batch shards
+  config.rloo.update(num_prompts=2, k=2)  # three candidates: each is a plan of every program
   tried = budget.candidates(config, 1)
-  assert tried == [least, 2 * least, 4 * least, 8 * least, 16 * least]  # 4 prompts x k=4
+  assert tried == [least, 2 * least, 4 * least]
   algo = RLOO(experiment.build(config, str(tmp_path)))
   peaks = [memory.plan(budget.with_budget(algo, b))["peak_gb_per_device"] for b in tried]
   assert peaks == sorted(peaks) and peaks[0] < peaks[-1], peaks
