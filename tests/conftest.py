@@ -24,6 +24,9 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
 
+import jax  # noqa: E402  (after the environment above)
+import pytest  # noqa: E402
+
 from rloo_jax import config_utils  # noqa: E402  (after the environment above: it imports jax)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -72,3 +75,12 @@ SLOWEST_FIRST = ("test_sampler.py", "test_trainer.py", "test_attention_ops.py", 
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
   items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Each test file's compiled programs released after it (the disk cache keeps them): three
+  suite runs in a row, each xdist worker that had run most of the files segfaulted inside XLA's
+  executable (de)serialization, which the same tests alone never did."""
+  yield
+  jax.clear_caches()
