@@ -16,7 +16,9 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "rloo_jax_test_xla_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# Every program, however small: the tests build the same few tiny models again and again, and a
+# warm suite loads them from disk (the suite at 0.2 s: a third slower, cold or warm).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # LLVM's optimisation of the generated CPU code costs more than the tests' tiny programs take
 # to run; XLA's HLO passes, the fusions and layouts the tests
 # check, run as they do for users. Numerics compare programs built the same way.
@@ -63,13 +65,13 @@ def run_processes(commands, *, env, timeout: float, cwd=None):
 # The files that take longest (summed test durations, `--durations=60`, two workers), longest
 # first: xdist hands out whole files in collection order (pytest.ini), so starting these first
 # keeps one of them from being the tail that runs alone at the end.
-SLOWEST_FIRST = ("test_sampler.py", "test_trainer.py", "test_attention_ops.py", "test_head_loss.py",
-                 "test_trim.py", "test_sharding.py", "test_experiments_tools.py",
-                 "test_experiments.py", "test_plan.py", "test_reliability.py", "test_sampling.py",
-                 "test_models.py", "test_paper_configs.py", "test_notebook.py", "test_winrate.py",
-                 "test_hf_reward_source.py", "test_lora_train.py", "test_loss.py",
-                 "test_export.py", "test_policy.py", "test_sharded_load.py", "test_baselines.py",
-                 "test_reward_model.py", "test_lora_export.py")
+SLOWEST_FIRST = ("test_experiments_tools.py", "test_sharding.py", "test_packing.py", "test_plan.py",
+                 "test_reliability.py", "test_trainer.py", "test_attention_ops.py", "test_engine.py",
+                 "test_trim.py", "test_paper_configs.py", "test_models.py", "test_loss.py",
+                 "test_notebook.py", "test_experiments.py", "test_lora_train.py",
+                 "test_hf_reward_source.py", "test_offpolicy.py", "test_export.py",
+                 "test_head_loss.py", "test_sampler.py", "test_sampling.py", "test_winrate.py",
+                 "test_reward_model.py", "test_lora_export.py", "test_policy.py")
 
 
 def pytest_collection_modifyitems(items):
