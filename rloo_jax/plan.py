@@ -78,10 +78,11 @@ def main(argv):
     exp = experiment.build_abstract(checked.config, devices=devices, num_layers=_LAYERS.value)
     memory_gb = _MEMORY.value or (target.memory_gb if target else memory.DEFAULT_DEVICE_MEMORY_GB)
     accelerator = bool(_DEVICES.value) and not _AS_COMPILED.value
-    algo = budget.resolve(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=memory_gb,
-                          accelerator=accelerator, log=lambda s: print(s, file=sys.stderr))
-    report = memory.plan(algo, device_memory_gb=memory_gb, accelerator=accelerator,
-                         speedups=_SPEEDUPS.value)
+    algo, report = budget.resolve(algorithms.ALGORITHMS["rloo"](exp), device_memory_gb=memory_gb,
+                                  accelerator=accelerator, log=lambda s: print(s, file=sys.stderr))
+    if report is None or _SPEEDUPS.value:  # the speed-ups compile variants the pick did not
+      report = memory.plan(algo, device_memory_gb=memory_gb, accelerator=accelerator,
+                           speedups=_SPEEDUPS.value)
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("RLOO_JAX_TRACEBACK"):
       raise

@@ -218,8 +218,14 @@ class ReferencePass:
                       *(() if frozen_sharding is None else (frozen_sharding,))),
         out_shardings=rows_sharding, sharding=rows_sharding)
 
+  def pack(self, rows):
+    """The rows this pass reads: packed once, and then shared with another pass of its packer."""
+    if self.packer is None or isinstance(rows, packing.PackedRows):
+      return rows
+    return self.packer(rows)
+
   def __call__(self, ref_params, rows, *frozen):
-    return self.fn(ref_params, rows if self.packer is None else self.packer(rows), *frozen)
+    return self.fn(ref_params, self.pack(rows), *frozen)
 
   def lower(self, ref_params, rows):
     return self.fn.lower(ref_params, rows if self.packer is None else self.packer.abstract(rows))

@@ -121,12 +121,6 @@ def test_the_bound_fills_the_batch_with_equal_groups_and_counts_them(tmp_path):
 def test_settings_that_cannot_work_are_refused_by_name(change, match):
   config = tiny_config()
   config.rloo.dynamic_sampling = True
-  with config.unlocked():
-    for key, value in change.items():
-      node = config
-      *parents, leaf = key.split(".")
-      for p in parents:
-        node = node[p]
-      node[leaf] = value
+  config.update_from_flattened_dict(change)
   with pytest.raises(ValueError, match=match):
     dynamic_sampling.check_config(config)

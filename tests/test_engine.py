@@ -81,21 +81,25 @@ def test_unstacked_layers_and_a_one_token_cap():
   _assert_same(*_both(fns, params, sampling.Temperature(1.0), slots=3, t=1))
 
 
+def _poison(monkeypatch, *fields):
+  """The engine's empty caches start with `fields` full of large values (float32 leaves): what
+  a previous stream could have left in a slot or page."""
+  clean = engine._empty_cache
+  fill = lambda x: jnp.full_like(x, 30.0) if x.dtype == jnp.float32 else x  # noqa: E731
+
+  def poisoned(*args):
+    cache = clean(*args)
+    return cache.replace(**{f: jax.tree.map(fill, getattr(cache, f)) for f in fields})
+
+  monkeypatch.setattr(engine, '_empty_cache', poisoned)
+
+
 def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
   """Stream and prefix buffers start full of large values (what a previous stream could have
   left at any slot past the new stream's index): the tokens are still the static sampler's,
   so nothing past a stream's own index, and no other prompt's prefix column, is read."""
   fns, params = _tiny('llama')
-  clean = engine._empty_cache
-
-  def poisoned(*args):
-    cache = clean(*args)
-    fill = lambda x: jnp.full_like(x, 30.0) if x.dtype == jnp.float32 else x  # noqa: E731
-    return cache.replace(k_lbkhdt=fill(cache.k_lbkhdt), v_lbkhtd=fill(cache.v_lbkhtd),
-                         prefix_k_lbhdp=fill(cache.prefix_k_lbhdp),
-                         prefix_v_lbhpd=fill(cache.prefix_v_lbhpd))
-
-  monkeypatch.setattr(engine, '_empty_cache', poisoned)
+  _poison(monkeypatch, 'k_lbkhdt', 'v_lbkhtd', 'prefix_k_lbhdp', 'prefix_v_lbhpd')
   # Phases reading 2, 4, 9 and 19 stream slots: a limit must never cut a live stream short.
   monkeypatch.setattr(engine, 'SMALLEST_KV_LIMIT', 2)
   assert engine.kv_limits(19, 4) == (2, 4, 9, 19)
@@ -120,15 +124,7 @@ def test_paged_streams_in_a_pool_of_one_streams_pages_draw_the_static_samplers_t
   large values and its pages pass from stream to stream; the tokens are still the static
   sampler's, with sliding windows and unrolled layers too."""
   fns, params = _tiny(family)
-  clean = engine._empty_cache
-
-  def poisoned(*args):
-    cache = clean(*args)
-    fill = lambda x: jnp.full_like(x, 30.0) if x.dtype == jnp.float32 else x  # noqa: E731
-    return cache.replace(k_lbkhdt=jax.tree.map(fill, cache.k_lbkhdt),
-                         v_lbkhtd=jax.tree.map(fill, cache.v_lbkhtd))
-
-  monkeypatch.setattr(engine, '_empty_cache', poisoned)
+  _poison(monkeypatch, 'k_lbkhdt', 'v_lbkhtd')
   paged = dict(slots=6, pages=5, page_size=4, unstack_layers=unstack)
   static, ours = _both(fns, params, sampling.Temperature(1.0), **paged)
   _assert_same(static, ours)

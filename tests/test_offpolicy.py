@@ -226,8 +226,12 @@ def test_a_recomputed_old_policy_trains_a_corrected_ratio_loss(tmp_path):
   iteration matches the uncorrected one and the gap it logs is of rounding size."""
   from rloo_jax import algorithms  # pylint: disable=import-outside-toplevel
   results = []
-  for extra in ({}, {"old_logprobs": "recompute", "is_correction": "tis"}):
+  recompute = {"old_logprobs": "recompute", "is_correction": "tis"}
+  for extra, packed in (({}, False), (recompute, False), (recompute, True)):
     config = tiny_config()
+    if packed:  # both scoring passes read the rows packed once
+      config.train.microbatch_tokens = 2 * (config.data.max_prompt_len
+                                            + config.rloo.max_new_tokens)
     config.train.num_iterations = 1
     config.train.num_epochs = 2
     # Reward j for sample j of each group (deterministic): every advantage is nonzero.
@@ -235,12 +239,14 @@ def test_a_recomputed_old_policy_trains_a_corrected_ratio_loss(tmp_path):
                                        "test_dynamic_sampling.py:by_position")]
     config.loss.update(type="ppo_clip", **extra)
     results.append(algorithms.run(config, str(tmp_path / str(len(results))))["last_metrics"])
-  plain, corrected = results
-  assert corrected["loss"] == pytest.approx(plain["loss"], rel=1e-3, abs=1e-6)
-  assert corrected["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-3)
+  plain, corrected, packed = results
+  for run in (corrected, packed):
+    assert run["loss"] == pytest.approx(plain["loss"], rel=1e-3, abs=1e-6)
+    assert run["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-3)
+    assert 0.0 <= run["mismatch/logp_abs_diff"] < 1e-5
+    assert run["mismatch/corrected_tokens"] == 0.0
   assert plain["grad_norm"] > 1e-3
-  assert 0.0 <= corrected["mismatch/logp_abs_diff"] < 1e-5
-  assert corrected["mismatch/corrected_tokens"] == 0.0
+  assert packed["loss"] == pytest.approx(corrected["loss"], rel=1e-4, abs=1e-6)
 
 
 def test_gspo_clips_the_length_normalised_sequence_ratio():

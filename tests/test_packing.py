@@ -229,11 +229,14 @@ def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path):
   assert peaks == sorted(peaks) and peaks[0] < peaks[-1], peaks
   i = max(j for j in range(len(tried) - 1) if peaks[j] < peaks[j + 1])
   lines = []
-  got = budget.resolve(algo, device_memory_gb=(peaks[i] + peaks[i + 1]) / 2, log=lines.append)
+  got, report = budget.resolve(algo, device_memory_gb=(peaks[i] + peaks[i + 1]) / 2,
+                               log=lines.append)
   assert got.exp.config.train.microbatch_tokens == tried[i], (lines, peaks)
   assert got.step_fn.packer.budget == tried[i]
-  none = budget.resolve(algo, device_memory_gb=peaks[0] / 2, log=lines.append)
+  assert report["peak_gb_per_device"] == peaks[i]  # the pick's plan, handed to memory.check
+  none, report = budget.resolve(algo, device_memory_gb=peaks[0] / 2, log=lines.append)
   assert none.exp.config.train.microbatch_tokens == least and "none of" in lines[-1]
+  assert report is None
   config.train.num_iterations = 1
   config.rewards.fns = [_length_reward]
   log = []

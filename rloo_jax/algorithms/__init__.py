@@ -102,7 +102,8 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
     algo = build(checked, workdir, log=log, **build_kw)
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.
+    report = None
     if isinstance(algo, RLOO):  # config.train.microbatch_tokens='auto', planned on the mesh
-      algo = budget.resolve(algo, log=log)
-    memory.check(algo, log=log)
+      algo, report = budget.resolve(algo, log=log)
+    memory.check(algo, log=log, report=report)
     return loop.run(algo, workdir, log=log)

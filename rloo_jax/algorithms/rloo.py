@@ -204,9 +204,10 @@ class RLOO(AlgorithmBase):
       # reference pass is dispatched here, before the rewards, and runs while they are scored.
       out = trim_rollout(exp, out, exp.loss_spec.aggregation, exp.loss_spec.max_len)
       rows = rollout_rows(self, data, out)
-      ref_logp = self.reference_fn(state.ref_params, rows)
+      inputs = self.reference_fn.pack(rows)  # packed once for both passes (the same packer)
+      ref_logp = self.reference_fn(state.ref_params, inputs)
       if self.old_fn is not None:
-        old = self.old_fn(state.params, rows, *((state.ref_params,) if state.lora else ()))
+        old = self.old_fn(state.params, inputs, *((state.ref_params,) if state.lora else ()))
         rows = rows.replace(old_logp_nt=old, sampler_logp_nt=rows.old_logp_nt)
       return out, rows, ref_logp
 

@@ -359,11 +359,24 @@ def device_memory_bytes(device) -> Optional[int]:
   return int(limit) if limit else None
 
 
-def check(algo, *, log=print, bytes_limit: Optional[int] = None) -> Optional[dict]:
+def device_memory_gb(exp, log=None) -> float:
+  """What the mesh's first local device may allocate, GiB; where its backend does not say,
+  DEFAULT_DEVICE_MEMORY_GB (said in `log`)."""
+  limit = device_memory_bytes(exp.layout.mesh.local_devices[0])
+  if limit is not None:
+    return limit / GIB
+  if log is not None:
+    log(f"[plan] the device reports no memory limit; planning for {DEFAULT_DEVICE_MEMORY_GB:g} "
+        "GiB")
+  return DEFAULT_DEVICE_MEMORY_GB
+
+
+def check(algo, *, log=print, bytes_limit: Optional[int] = None,
+          report: Optional[dict] = None) -> Optional[dict]:
   """config.train.check_memory: when the job's mesh is of accelerators, plans the RLOO job with
-  their memory (`bytes_limit`: default, what the mesh's first local device reports) and raises
-  DoesNotFit naming the settings to turn; on a mesh of CPU devices (or for PPO / DPO, which the
-  plan does not cover) it does nothing."""
+  their memory (`bytes_limit`: default, `device_memory_gb`) and raises DoesNotFit naming the
+  settings to turn; on a mesh of CPU devices (or for PPO / DPO, which the plan does not cover)
+  it does nothing. `report`: this job's plan at that memory, already made (`budget.resolve`)."""
   exp = algo.exp
   if not exp.config.train.get("check_memory", True):
     return None
@@ -373,18 +386,15 @@ def check(algo, *, log=print, bytes_limit: Optional[int] = None) -> Optional[dic
     log(f"[plan] config.train.check_memory: the memory plan covers the RLOO programs only; "
         f"{algo.name} is not checked")
     return None
-  limit = bytes_limit or device_memory_bytes(exp.layout.mesh.local_devices[0])
-  if limit is None:
-    limit = int(DEFAULT_DEVICE_MEMORY_GB * GIB)
-    log(f"[plan] the device reports no memory limit; planning for {DEFAULT_DEVICE_MEMORY_GB:g} "
-        "GiB")
-  report = plan(algo, device_memory_gb=limit / GIB)
+  gb = bytes_limit / GIB if bytes_limit else device_memory_gb(exp, log)
+  if report is None:
+    report = plan(algo, device_memory_gb=gb)
   log(format_table(report))
   if not report["fits"]:
     worst = max(report["programs"].items(), key=lambda kv: kv[1]["peak_gb"])
     raise DoesNotFit(
         f"the job needs {report['peak_gb_per_device']:.2f} GiB per device (the "
-        f"{PROGRAM_LABELS[worst[0]]}) but the device has {limit / GIB:.2f} GiB; set "
+        f"{PROGRAM_LABELS[worst[0]]}) but the device has {gb:.2f} GiB; set "
         + "; or ".join(report["advice"] or ["a smaller batch"])
         + " (config.train.check_memory=False skips this check)")
   return report

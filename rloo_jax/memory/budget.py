@@ -37,15 +37,14 @@ def with_budget(algo, budget: int):
 
 
 def resolve(algo, *, device_memory_gb: Optional[float] = None, accelerator: bool = False,
-            log=print):
-  """`algo` with 'auto' replaced by the largest candidate that fits (itself otherwise).
-  device_memory_gb: default, what the mesh's first local device reports, else
-  `memory.DEFAULT_DEVICE_MEMORY_GB`."""
+            log=print) -> tuple[object, Optional[dict]]:
+  """(`algo` with 'auto' replaced by the largest candidate that fits, that candidate's plan);
+  (algo, None) when it is not 'auto'; (the least candidate, None) when none fits.
+  device_memory_gb: default, `memory.device_memory_gb` of the mesh."""
   if algo.exp.config.train.get("microbatch_tokens", 0) != "auto":
-    return algo
+    return algo, None
   if device_memory_gb is None:
-    limit = memory.device_memory_bytes(algo.exp.layout.mesh.local_devices[0])
-    device_memory_gb = limit / memory.GIB if limit else memory.DEFAULT_DEVICE_MEMORY_GB
+    device_memory_gb = memory.device_memory_gb(algo.exp)
   tried = candidates(algo.exp.config, algo.exp.layout.batch_parallelism)
   lo, hi, best = 0, len(tried) - 1, None
   while lo <= hi:
@@ -53,13 +52,14 @@ def resolve(algo, *, device_memory_gb: Optional[float] = None, accelerator: bool
     candidate = with_budget(algo, tried[mid])
     report = memory.plan(candidate, device_memory_gb=device_memory_gb, accelerator=accelerator)
     if report["fits"]:
-      best, lo = (candidate, tried[mid], report["peak_gb_per_device"]), mid + 1
+      best, lo = (candidate, tried[mid], report), mid + 1
     else:
       hi = mid - 1
   if best is None:
     log(f"[plan] config.train.microbatch_tokens='auto': none of {tried} fits "
         f"{device_memory_gb:.2f} GiB; the least, {tried[0]}")
-    return with_budget(algo, tried[0])
+    return with_budget(algo, tried[0]), None
   log(f"[plan] config.train.microbatch_tokens='auto': {best[1]} tokens a packed row (the "
-      f"largest of {tried} that fits {device_memory_gb:.2f} GiB: peak {best[2]:.3g} GiB)")
-  return best[0]
+      f"largest of {tried} that fits {device_memory_gb:.2f} GiB: peak "
+      f"{best[2]['peak_gb_per_device']:.3g} GiB)")
+  return best[0], best[2]
