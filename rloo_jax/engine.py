@@ -251,9 +251,9 @@ class _Programs:
       return st
     st = paging.free(st, ended_s)
     # No stream could step (each needs a page, none is free): the youngest holding pages
-    # starts again from its first token, its pages freed; it draws the same tokens again.
+    # start again from their first token, their pages freed; they draw the same tokens again.
     stuck = jnp.any(st.group_s >= 0) & ~jnp.any(live_s)
-    return jax.lax.cond(stuck, paging.preempt_youngest, lambda st: st, st)
+    return jax.lax.cond(stuck, paging.preempt, lambda st: st, st)
 
 
 _STATIC = ('fns', 'k', 'max_new_tokens', 'method', 'unstack_layers', 'batch_sharding')

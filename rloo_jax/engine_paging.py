@@ -5,8 +5,9 @@ table (`DecodeCache.pages_bm`) says which page holds its slots i*G..(i+1)*G-1. B
 step, each live stream whose next slot starts a page it lacks gets a free one, the oldest
 streams first; one left without stalls for the step (its write goes to the scratch page, its
 output is dropped). A stream that ends gives its pages back. When no stream can step, the
-youngest holding pages is preempted: its pages freed, it starts again after its first token,
-and draws the same tokens again (each stream's draws depend only on its key and step).
+youngest streams holding pages are preempted, as few as let the others step: their pages freed,
+they start again after their first token and draw the same tokens again (each stream's draws
+depend only on its key and step).
 """
 
 from __future__ import annotations
@@ -49,17 +50,25 @@ def free(st, done_s):
                                                               pages_sm)))
 
 
-def preempt_youngest(st):
-  """The live stream of lowest priority (admitted last; last slot among its group) holding a
-  page starts again after its first token. Pages go to the highest priority first
-  (`grant`), so the oldest stream always steps and ends (the pool holds one whole
-  stream): no livelock."""
+def preempt(st):
+  """Stuck (no live stream got the page it needs): the youngest streams holding pages start
+  again after their first token, as few as leave a free page for each other holder, so every
+  older stream steps on. One victim a time starves a pool of streams in lockstep: its pages
+  carry a few streams one page further, and the pool is stuck again. Pages go to the highest
+  priority first (`grant`) and the pool holds one whole stream, so the oldest always steps and
+  ends: no livelock."""
   scratch, s = st.free_p.shape[0], st.group_s.shape[0]
-  holds_s = (st.group_s >= 0) & jnp.any(st.cache.pages_bm != scratch, axis=1)
-  victim = jnp.argmax(jnp.where(holds_s, st.age_s * s + jnp.arange(s), -1))
-  done_s = jnp.arange(holds_s.shape[0]) == victim
-  st = free(st, done_s)
-  g, j = st.group_s[victim], st.stream_s[victim]
-  return st.replace(step_s=st.step_s.at[victim].set(1),
-                    last_s=st.last_s.at[victim].set(st.tokens_nkt[g, j, 0]),
-                    lengths_nk=st.lengths_nk.at[g, j].set(1), preempted=st.preempted + 1)
+  held_s = jnp.sum(st.cache.pages_bm != scratch, axis=1)
+  holds_s = (st.group_s >= 0) & (held_s > 0)
+  order = jnp.argsort(-jnp.where(holds_s, st.age_s * s + jnp.arange(s), -1))  # youngest first
+  count = jnp.arange(1, s + 1)
+  freed = jnp.cumsum(jnp.where(holds_s, held_s, 0)[order])  # by the first `count` victims
+  enough = jnp.sum(st.free_p) + freed >= jnp.sum(holds_s) - count
+  victim_s = jnp.zeros((s,), bool).at[order].set(count <= jnp.argmax(enough) + 1) & holds_s
+  st = free(st, victim_s)
+  g_s, j_s = jnp.maximum(st.group_s, 0), st.stream_s
+  restart_g = jnp.where(victim_s, g_s, st.lengths_nk.shape[0])  # out of range: dropped
+  return st.replace(step_s=jnp.where(victim_s, 1, st.step_s),
+                    last_s=jnp.where(victim_s, st.tokens_nkt[g_s, j_s, 0], st.last_s),
+                    lengths_nk=st.lengths_nk.at[restart_g, j_s].set(1, mode='drop'),
+                    preempted=st.preempted + jnp.sum(victim_s, dtype=jnp.int32))

@@ -3,13 +3,15 @@ static sampler draws, whatever slot a stream lands in and whatever its slot held
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from numerics import FIXTURE_TERMS, assert_f32_close
 
-from rloo_jax import engine, models, sampler, sampling
+from rloo_jax import engine, engine_paging, models, sampler, sampling
 
 PAD = 0
 STOPS = (45, 46, 47)
@@ -175,3 +177,47 @@ def test_config_rollout_slots_drives_rollouts_evaluation_and_generate(tmp_path):
   config.rloo.update(rollout_slots=0, rollout_pages=8)
   with pytest.raises(ValueError, match=r'config.rloo.rollout_pages pages the rollout engine'):
     experiment.validate_config(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stand:  # what the paging functions read of an EngineState and its cache
+  pages_bm: jax.Array = None
+  k_lbkhdt: jax.Array = None  # its last axis: the page size
+  cache: _Stand = None
+  free_p: jax.Array = None
+  group_s: jax.Array = None
+  stream_s: jax.Array = None
+  age_s: jax.Array = None
+  step_s: jax.Array = None
+  last_s: jax.Array = None
+  tokens_nkt: jax.Array = None
+  lengths_nk: jax.Array = None
+  preempted: jax.Array = None
+  replace = dataclasses.replace
+
+
+def test_a_stuck_pool_preempts_the_fewest_youngest_streams_that_let_every_other_step():
+  """8 streams in lockstep, each holding 4 pages (of 1 slot) of a full pool of 32, each needing
+  a fifth: two victims (their 8 pages >= the 6 others' needs; one would free 4 < 7), the two
+  admitted last; then every older stream gets its page, and the victims the 2 left."""
+  s, k, per = 8, 4, 8
+  scratch = 32
+  pages = np.full((s, per), scratch, np.int32)
+  pages[:, :4] = np.arange(32).reshape(s, 4)
+  tokens = np.arange(2 * k * 5).reshape(2, k, 5)
+  st = _Stand(cache=_Stand(pages_bm=jnp.asarray(pages), k_lbkhdt=jnp.zeros((1, 33, 1, 1, 1))),
+              free_p=jnp.zeros((32,), bool),
+              group_s=jnp.repeat(jnp.arange(2), k), stream_s=jnp.tile(jnp.arange(k), 2),
+              age_s=jnp.asarray([3, 0, 1, 2, 7, 4, 6, 5]), step_s=jnp.full((s,), 5),
+              last_s=jnp.full((s,), 9), tokens_nkt=jnp.asarray(tokens),
+              lengths_nk=jnp.full((2, k), 5), preempted=jnp.int32(0))
+  st = engine_paging.preempt(st)
+  victims = [4, 6]  # ages 7 and 6
+  assert int(st.preempted) == 2
+  np.testing.assert_array_equal(np.flatnonzero(np.asarray(st.step_s) == 1), victims)
+  np.testing.assert_array_equal(np.asarray(st.last_s)[victims], tokens[1, [0, 2], 0])
+  np.testing.assert_array_equal(np.asarray(st.lengths_nk)[1], [1, 5, 1, 5])
+  assert int(st.free_p.sum()) == 8 and (np.asarray(st.cache.pages_bm)[victims] == scratch).all()
+  index_s = jnp.maximum(st.step_s - 1, 0)
+  st, steps_s = engine_paging.grant(st, st.group_s >= 0, index_s)
+  assert bool(steps_s.all()) and int(st.free_p.sum()) == 0
