@@ -169,6 +169,11 @@ def test_a_preset_plans_with_no_weights_and_no_data(preset_algo, tmp_path, monke
   f = r["flops"]
   assert r["flops_per_iteration"] == f["rollout"] + f["reference"] + f["update"]
   assert f["update"] == 3 * 2 * f["reference"]  # forward + backward, num_epochs = 2
+  # config.loss.old_logprobs='recompute': one more forward, the policy's, over the same rows.
+  shape = dict(num_prompts=4, prompt_len=8, k=2, new_tokens=8)
+  plain, old = (flops.model_flops_per_iteration(arch, **shape, recompute_old=x)
+                for x in (False, True))
+  assert plain["recompute"] == 0 and old["recompute"] == old["reference"] > 0
 
 
 def as_platform(monkeypatch, platform):

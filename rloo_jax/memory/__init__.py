@@ -256,8 +256,9 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
   peak = max(p.peak for p in compiled.programs.values())
   shape = dict(num_prompts=c.rloo.num_prompts, prompt_len=c.data.max_prompt_len, k=c.rloo.k,
                new_tokens=c.rloo.max_new_tokens, shared_prefix=bool(c.train.shared_prefix))
-  f = flops_lib.model_flops_per_iteration(m, **shape, num_epochs=c.train.num_epochs,
-                                          mode=c.rloo.sampler_mode)
+  f = flops_lib.model_flops_per_iteration(
+      m, **shape, num_epochs=c.train.num_epochs, mode=c.rloo.sampler_mode,
+      recompute_old=c.loss.get("old_logprobs", "sampler") == "recompute")
   f["remat_recompute"] = flops_lib.remat_recompute_flops(
       m, **shape, num_epochs=c.train.num_epochs, remat=m.remat,
       fused_head=algo.step_fn.fused_head)
@@ -280,9 +281,9 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       **dict(zip(("rollout_slots", "rollout_prefix_rows"), programs_lib.engine_slots(
           c, engine.shards(exp.layout.batch_sharding)))),
       rollout_pages=int(c.rloo.get("rollout_pages", 0) or 0),
-      # Model FLOPs: rollout + reference + update (num_epochs passes over every row, i.e.
-      # epochs x minibatches steps); the backward's recompute is reported apart, not included.
-      flops_per_iteration=int(f["rollout"] + f["reference"] + f["update"]),
+      # Model FLOPs: rollout + reference + the old policy's + update (num_epochs passes over
+      # every row); the backward's recompute is reported apart, not included.
+      flops_per_iteration=int(f["rollout"] + f["reference"] + f["recompute"] + f["update"]),
       flops={k: int(v) for k, v in f.items()},
       update_steps=int(c.train.num_epochs * c.train.num_minibatches),
       devices=int(exp.layout.mesh.size), mesh=exp.layout.shape,
@@ -335,8 +336,10 @@ def format_table(r: dict) -> str:
         f"({r['microbatch_groups']:g} groups), {r['microbatches']} per minibatch")
   lines += [f"  microbatch: {mb}; {r['update_steps']} update steps an iteration",
             f"  model FLOPs per iteration: {r['flops_per_iteration']:.3e} (rollout "
-            f"{f['rollout']:.3e}, reference {f['reference']:.3e}, update {f['update']:.3e}; "
-            f"remat recompute {f['remat_recompute']:.3e} not included)",
+            f"{f['rollout']:.3e}, reference {f['reference']:.3e}, "
+            + (f"old policy {f['recompute']:.3e}, " if f["recompute"] else "")
+            + f"update {f['update']:.3e}; remat recompute {f['remat_recompute']:.3e} not "
+            "included)",
             f"  peak {r['peak_gb_per_device']:.4g} GiB of {r['device_memory_gb']:g}: "
             f"{'fits' if r['fits'] else 'DOES NOT FIT'}"]
   hoisted = {n: p["hoisted_gb"] for n, p in r["programs"].items() if p.get("hoisted_gb")}
@@ -352,19 +355,13 @@ def format_table(r: dict) -> str:
   return "\n".join(lines)
 
 
-def device_memory_bytes(device) -> Optional[int]:
-  """The memory XLA may allocate on `device`, or None when its backend does not say."""
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  limit = (stats or {}).get("bytes_limit")
-  return int(limit) if limit else None
-
-
 def device_memory_gb(exp, log=None) -> float:
   """What the mesh's first local device may allocate, GiB; where its backend does not say,
   DEFAULT_DEVICE_MEMORY_GB (said in `log`)."""
-  limit = device_memory_bytes(exp.layout.mesh.local_devices[0])
-  if limit is not None:
-    return limit / GIB
+  device = exp.layout.mesh.local_devices[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if (stats or {}).get("bytes_limit"):
+    return int(stats["bytes_limit"]) / GIB
   if log is not None:
     log(f"[plan] the device reports no memory limit; planning for {DEFAULT_DEVICE_MEMORY_GB:g} "
         "GiB")

@@ -56,9 +56,11 @@ def rollout_flops(m, num_prompts, prompt_len, k, new_tokens, mode: str = "shared
 
 
 def model_flops_per_iteration(m, num_prompts, prompt_len, k, new_tokens, shared_prefix=True,
-                              num_epochs: int = 1, mode: str = "shared") -> dict:
-  """{'rollout', 'reference', 'update'} model FLOPs of one iteration of a model with
-  TransformerConfig `m` (matmuls and attention; rematerialisation excluded)."""
+                              num_epochs: int = 1, mode: str = "shared",
+                              recompute_old: bool = False) -> dict:
+  """{'rollout', 'reference', 'recompute', 'update'} model FLOPs of one iteration of a model
+  with TransformerConfig `m` (matmuls and attention; rematerialisation excluded). 'recompute':
+  the policy's forward of config.loss.old_logprobs='recompute' (`recompute_old`), else 0."""
   trunk, attention, head = scoring_forward_flops(m, num_prompts, prompt_len, k, new_tokens,
                                                  shared_prefix)
   forward = trunk + attention + head
@@ -67,7 +69,8 @@ def model_flops_per_iteration(m, num_prompts, prompt_len, k, new_tokens, shared_
   # rank-r adapters' own products are left out (under 1% at rank 16 on an 8B model).
   update = 2 * (trunk + head) + 3 * attention if getattr(m, "lora_rank", 0) else 3 * forward
   return {"rollout": rollout_flops(m, num_prompts, prompt_len, k, new_tokens, mode),
-          "reference": forward, "update": num_epochs * update}
+          "reference": forward, "recompute": forward if recompute_old else 0.0,
+          "update": num_epochs * update}
 
 
 def remat_recompute_flops(m, num_prompts, prompt_len, k, new_tokens, shared_prefix=True,
