@@ -225,11 +225,12 @@ def sample_output(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=
   consecutive chunks of C prompts (`sample_chunked`), so the KV cache holds only C prompts at
   once; the output has the same shapes, layout and row order as an unchunked one."""
   chunk = int(exp.config.rloo.get("rollout_chunk_prompts", 0) or 0)
-  b = batch["prompt_tokens"].shape[0]
-  if 0 < chunk < b * jax.process_count():
+  b = batch["prompt_tokens"].shape[0] * jax.process_count()
+  slots = sampler_args.chunk_engine_slots(exp.config.rloo, b)  # the engine in a chunk's KV
+  if 0 < chunk < b and not slots:
     return sample_chunked(exp, params, batch, rng, k=k, method=method, chunk_prompts=chunk)
   return _sample_rows(exp, params, batch["prompt_tokens"], batch["prompt_lengths"], rng, k=k,
-                      method=method)
+                      method=method, slots=slots)
 
 
 def completion_texts(exp, out: sampler.SampleOutput) -> list[str]:
@@ -319,17 +320,20 @@ def sample_records(exp, params, records, rng, *, k: int, method, batch_size: int
   return out
 
 
-def _sample_rows(exp, params, prompt_tokens, prompt_lengths, rng, *, k: int, method=None):
-  """`sampler.sample` of this process's prompt rows (host numpy), placed over the batch axes."""
+def _sample_rows(exp, params, prompt_tokens, prompt_lengths, rng, *, k: int, method=None,
+                 slots: int = 0):
+  """`sampler.sample` of this process's prompt rows (host numpy), placed over the batch axes
+  (`slots`: the engine's, in place of config.rloo.rollout_slots)."""
   c, layout = exp.config, exp.layout
+  options = sampler_args.decode_options(exp)
+  options["slots"] = slots or options["slots"]
   return sampler.sample(exp.fns, params, layout.shard_batch(prompt_tokens),
                         layout.shard_batch(prompt_lengths), rng,
                         k=k, max_new_tokens=c.rloo.max_new_tokens,
                         method=method or exp.method, eos_id=stop_ids(exp.tokenizer),
                         pad_id=exp.tokenizer.pad_id, mode=c.rloo.sampler_mode,
                         max_seq_len=exp.model_config.max_seq_len,
-                        batch_sharding=layout.batch_sharding,
-                        **sampler_args.decode_options(exp))
+                        batch_sharding=layout.batch_sharding, **options)
 
 
 def sample_chunked(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None,

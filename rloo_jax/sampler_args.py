@@ -143,14 +143,32 @@ def per_layer(fns, unstack_layers) -> bool:
   return bool(unstack_layers) and bool(getattr(fns, 'decode_weights', None))
 
 
+def chunk_engine_slots(rloo_config, prompts: int | None = None) -> int:
+  """config.rloo.rollout_engine: a rollout of `prompts` (default num_prompts) chunked
+  (rollout_chunk_prompts = C below it; rollout_slots 0; the shared prefix) streams through the
+  engine's C * k slots, a chunk's stream KV, refilled as streams end: C * k; else 0."""
+  r = rloo_config
+  chunk = int(r.get('rollout_chunk_prompts', 0) or 0)
+  if (r.get('rollout_slots', 0) or not r.get('rollout_engine', True)
+      or r.sampler_mode != 'shared' or not 0 < chunk < (prompts or r.num_prompts)):
+    return 0
+  return chunk * int(r.k)
+
+
+def rollout_slots(rloo_config) -> int:
+  """The rollout's engine slots: config.rloo.rollout_slots, else `chunk_engine_slots` (0: the
+  static sampler)."""
+  return int(rloo_config.get('rollout_slots', 0) or 0) or chunk_engine_slots(rloo_config)
+
+
 def validate_decode_layout(rloo_config) -> None:
   """config.rloo.decode_layers: a known value; rollout_slots: 0, or the engine's checks."""
   _decode_layers(rloo_config)
-  if rloo_config.get('rollout_slots', 0):
+  if rollout_slots(rloo_config):
     if rloo_config.sampler_mode != 'shared':
       raise ValueError("config.rloo.rollout_slots (the rollout engine) shares each prompt's "
                        "prefill among its k streams: set config.rloo.sampler_mode='shared'")
-    check_slots(rloo_config.rollout_slots, rloo_config.k,
+    check_slots(rollout_slots(rloo_config), rloo_config.k,
                 rloo_config.get('rollout_prefix_rows', 0), key='config.rloo.rollout_slots')
     check_pages(rloo_config.get('rollout_pages', 0), rloo_config.get('rollout_page_size', 64),
                 rloo_config.max_new_tokens, key='config.rloo.rollout_pages')

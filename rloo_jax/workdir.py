@@ -40,7 +40,7 @@ RESUMABLE_KEYS = (
     "train.microbatch_size", "train.microbatch_tokens", "train.logprob_chunk_size", "train.fused_head_grad",
     "train.check_memory", "train.compilation_cache_dir", "model.remat", "model.remat_names",
     "model.attention",
-    "rloo.rollout_chunk_prompts",
+    "rloo.rollout_chunk_prompts", "rloo.rollout_engine",
     # The rollout engine draws the static sampler's tokens whatever its slots and pages.
     "rloo.rollout_slots", "rloo.rollout_prefix_rows", "rloo.rollout_pages",
     "rloo.rollout_page_size",

@@ -14,11 +14,11 @@ GIB = plan.GIB
 ROLLOUT = ("start", "decode")  # what a plan of the rollout asks for, whichever the run decodes with
 
 
-def engine_algo(slots, prefix_rows=0):
+def engine_algo(slots, prefix_rows=0, **rloo):
   c = load_config()
   with c.unlocked():
     c.rloo.update(num_prompts=8, max_new_tokens=16, rollout_slots=slots,
-                  rollout_prefix_rows=prefix_rows)
+                  rollout_prefix_rows=prefix_rows, **rloo)
     c.model.max_seq_len = 32
   return RLOO(experiment.build_abstract(c))
 
@@ -99,3 +99,17 @@ def test_a_static_rollout_over_the_device_is_told_the_engine_slots_that_fit():
   assert 4 <= slots < 8 * 4 and slots % 4 == 0, tip
   assert plan.plan(engine_algo(slots), names=ROLLOUT)["peak_gb_per_device"] <= limit_gb
   assert "holds all 32 of a chunk" in tip
+
+
+def test_a_chunked_rollout_plans_the_engine_in_a_chunks_slots_over_the_whole_batch():
+  """rollout_chunk_prompts=2 of 8 prompts: the engine with 2 * k = 8 slots over the batch (the
+  plan of rollout_slots=8, prompts and outputs alike); rollout_engine=False: the static
+  sampler on a chunk of 2 prompts, 4 of its outputs alive."""
+  chunked, explicit = engine_algo(0, rollout_chunk_prompts=2), engine_algo(8)
+  r, want = (plan.plan(a, names=ROLLOUT) for a in (chunked, explicit))
+  assert list(r["programs"]) == ["engine"] and r["rollout_slots"] == 8
+  assert r["rollout_chunk_prompts"] == 8  # one call: the whole batch
+  assert r["programs"]["engine"]["peak_gb"] == want["programs"]["engine"]["peak_gb"]
+  static = plan.plan(engine_algo(0, rollout_chunk_prompts=2, rollout_engine=False),
+                     names=ROLLOUT)
+  assert set(static["programs"]) == {"start", "decode"} and static["rollout_chunk_prompts"] == 2

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config
+from rloo_jax import engine as engine_lib
 from rloo_jax import experiment, models, rollout, sampler, update
 from rloo_jax.algorithms.rloo import RLOO, rollout_rows, trim_rollout
 from rloo_jax.data import pipeline
@@ -186,13 +187,14 @@ def chunk_setup(tmp_path_factory):
   return exp, params, first_batch(exp)
 
 
-def sample_with_chunks(exp, params, batch, rng, chunk):
-  with exp.config.unlocked():
-    exp.config.rloo.rollout_chunk_prompts = chunk
+def sample_with_chunks(exp, params, batch, rng, chunk, engine=False):
+  """The rollout in chunks of `chunk` prompts: the static sampler chunk by chunk, or with
+  `engine` (config.rloo.rollout_engine, the default) the engine in a chunk's slots."""
+  exp.config.rloo.update(rollout_chunk_prompts=chunk, rollout_engine=engine)
   try:
     return rollout.sample_batch(exp, params, batch, rng, k=int(exp.config.rloo.k))
   finally:
-    exp.config.rloo.rollout_chunk_prompts = 0
+    exp.config.rloo.update(rollout_chunk_prompts=0, rollout_engine=True)
 
 
 def assert_same_output(a, b):
@@ -208,6 +210,24 @@ def test_a_chunk_of_the_whole_batch_is_the_unchunked_rollout(chunk_setup):
     out_c, texts_c = sample_with_chunks(exp, params, batch, rng, chunk)
     assert_same_output(out_c, out)
     assert texts_c == texts
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_the_engine_in_a_chunks_slots_draws_the_unchunked_rollout(chunk_setup, chunk,
+                                                                  monkeypatch):
+  """config.rloo.rollout_engine (default): a rollout chunked to `chunk` prompts streams the
+  whole batch through the engine's chunk * k slots, and draws the unchunked rollout's tokens."""
+  exp, params, batch = chunk_setup
+  rng = jax.random.PRNGKey(4)
+  calls = []
+  run = engine_lib.run
+  monkeypatch.setattr(engine_lib, "run", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+  out, texts = sample_with_chunks(exp, params, batch, rng, chunk, engine=True)
+  assert [kw["slots"] for kw in calls] == [chunk * int(exp.config.rloo.k)]
+  whole, whole_texts = sample_with_chunks(exp, params, batch, rng, 0)
+  assert len(calls) == 1  # the unchunked rollout: the static sampler
+  assert_same_output(out, whole)
+  assert texts == whole_texts
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
@@ -319,7 +339,13 @@ def test_the_reference_pass_is_dispatched_before_the_rewards_are_scored(tmp_path
   state = algo.init_state(models.create(exp.model_config)[1])
   events = []
   reference_fn = algo.reference_fn
-  algo.reference_fn = lambda *a: (events.append("reference"), reference_fn(*a))[1]
+
+  def reference(*a):
+    events.append("reference")
+    return reference_fn(*a)
+
+  reference.pack = reference_fn.pack
+  algo.reference_fn = reference
   rewards = exp.rewards
 
   def recording(*args, **kwargs):

@@ -94,9 +94,12 @@ class Inputs:
 
 
 def chunk_prompts(config) -> int:
-  """Prompts per sampler call: config.rloo.rollout_chunk_prompts below the batch, else all."""
+  """Prompts per sampler call: config.rloo.rollout_chunk_prompts below the batch, else (or with
+  the engine in a chunk's slots, `sampler_args.chunk_engine_slots`) all."""
   chunk = int(config.rloo.get("rollout_chunk_prompts", 0) or 0)
-  return chunk if 0 < chunk < config.rloo.num_prompts else int(config.rloo.num_prompts)
+  if 0 < chunk < config.rloo.num_prompts and not sampler_args.chunk_engine_slots(config.rloo):
+    return chunk
+  return int(config.rloo.num_prompts)
 
 
 def divisors(n: int) -> list[int]:
@@ -337,7 +340,7 @@ def engine_slots(config, ways: int = 1) -> tuple[int, int]:
   """(stream slots, prefix rows) of the rollout engine, config.rloo.rollout_slots and
   rollout_prefix_rows resolved (0: its default) over `ways` batch shards (`engine.shards`);
   (0, 0) for the static sampler."""
-  slots = int(config.rloo.get("rollout_slots", 0) or 0)
+  slots = sampler_args.rollout_slots(config.rloo)
   if not slots:
     return 0, 0
   return sampler_args.check_slots(slots, int(config.rloo.k),
