@@ -149,7 +149,7 @@ def chunk_engine_slots(rloo_config, prompts: int | None = None) -> int:
   engine's C * k slots, a chunk's stream KV, refilled as streams end: C * k; else 0."""
   r = rloo_config
   chunk = int(r.get('rollout_chunk_prompts', 0) or 0)
-  if (r.get('rollout_slots', 0) or not r.get('rollout_engine', True)
+  if (r.get('rollout_slots', 0) or not r.get('rollout_engine', False)
       or r.sampler_mode != 'shared' or not 0 < chunk < (prompts or r.num_prompts)):
     return 0
   return chunk * int(r.k)

@@ -188,13 +188,13 @@ def chunk_setup(tmp_path_factory):
 
 
 def sample_with_chunks(exp, params, batch, rng, chunk, engine=False):
-  """The rollout in chunks of `chunk` prompts: the static sampler chunk by chunk, or with
-  `engine` (config.rloo.rollout_engine, the default) the engine in a chunk's slots."""
+  """The rollout in chunks of `chunk` prompts: the static sampler chunk by chunk (the default),
+  or with `engine` (config.rloo.rollout_engine) the engine in a chunk's slots."""
   exp.config.rloo.update(rollout_chunk_prompts=chunk, rollout_engine=engine)
   try:
     return rollout.sample_batch(exp, params, batch, rng, k=int(exp.config.rloo.k))
   finally:
-    exp.config.rloo.update(rollout_chunk_prompts=0, rollout_engine=True)
+    exp.config.rloo.update(rollout_chunk_prompts=0, rollout_engine=False)
 
 
 def assert_same_output(a, b):
@@ -215,7 +215,7 @@ def test_a_chunk_of_the_whole_batch_is_the_unchunked_rollout(chunk_setup):
 @pytest.mark.parametrize("chunk", [1, 2])
 def test_the_engine_in_a_chunks_slots_draws_the_unchunked_rollout(chunk_setup, chunk,
                                                                   monkeypatch):
-  """config.rloo.rollout_engine (default): a rollout chunked to `chunk` prompts streams the
+  """config.rloo.rollout_engine: a rollout chunked to `chunk` prompts streams the
   whole batch through the engine's chunk * k slots, and draws the unchunked rollout's tokens."""
   exp, params, batch = chunk_setup
   rng = jax.random.PRNGKey(4)
