@@ -223,7 +223,8 @@ def sample_output(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=
 
   With `config.rloo.rollout_chunk_prompts` = C below the global batch, the batch is sampled in
   consecutive chunks of C prompts (`sample_chunked`), so the KV cache holds only C prompts at
-  once; the output has the same shapes, layout and row order as an unchunked one."""
+  once; the output has the same shapes, layout and row order as an unchunked one. With
+  config.rloo.rollout_engine the batch streams through the engine's C * k slots instead."""
   chunk = int(exp.config.rloo.get("rollout_chunk_prompts", 0) or 0)
   b = batch["prompt_tokens"].shape[0] * jax.process_count()
   slots = sampler_args.chunk_engine_slots(exp.config.rloo, b)  # the engine in a chunk's KV

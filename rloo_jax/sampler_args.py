@@ -145,12 +145,12 @@ def per_layer(fns, unstack_layers) -> bool:
 
 def chunk_engine_slots(rloo_config, prompts: int | None = None) -> int:
   """config.rloo.rollout_engine: a rollout of `prompts` (default num_prompts) chunked
-  (rollout_chunk_prompts = C below it; rollout_slots 0; the shared prefix) streams through the
-  engine's C * k slots, a chunk's stream KV, refilled as streams end: C * k; else 0."""
+  (rollout_chunk_prompts = C below it; rollout_slots 0) streams through the engine's C * k
+  slots, a chunk's stream KV, refilled as streams end: C * k; else 0."""
   r = rloo_config
   chunk = int(r.get('rollout_chunk_prompts', 0) or 0)
   if (r.get('rollout_slots', 0) or not r.get('rollout_engine', False)
-      or r.sampler_mode != 'shared' or not 0 < chunk < (prompts or r.num_prompts)):
+      or not 0 < chunk < (prompts or r.num_prompts)):
     return 0
   return chunk * int(r.k)
 
@@ -164,6 +164,10 @@ def rollout_slots(rloo_config) -> int:
 def validate_decode_layout(rloo_config) -> None:
   """config.rloo.decode_layers: a known value; rollout_slots: 0, or the engine's checks."""
   _decode_layers(rloo_config)
+  if rloo_config.get('rollout_engine', False) and rloo_config.sampler_mode != 'shared':
+    raise ValueError("config.rloo.rollout_engine streams a chunked rollout through the engine, "
+                     "which shares each prompt's prefill among its k streams: set "
+                     "config.rloo.sampler_mode='shared' (or rollout_engine=False)")
   if rollout_slots(rloo_config):
     if rloo_config.sampler_mode != 'shared':
       raise ValueError("config.rloo.rollout_slots (the rollout engine) shares each prompt's "
