@@ -164,15 +164,14 @@ def rollout_slots(rloo_config) -> int:
 def validate_decode_layout(rloo_config) -> None:
   """config.rloo.decode_layers: a known value; rollout_slots: 0, or the engine's checks."""
   _decode_layers(rloo_config)
-  if rloo_config.get('rollout_engine', False) and rloo_config.sampler_mode != 'shared':
-    raise ValueError("config.rloo.rollout_engine streams a chunked rollout through the engine, "
-                     "which shares each prompt's prefill among its k streams: set "
-                     "config.rloo.sampler_mode='shared' (or rollout_engine=False)")
-  if rollout_slots(rloo_config):
-    if rloo_config.sampler_mode != 'shared':
-      raise ValueError("config.rloo.rollout_slots (the rollout engine) shares each prompt's "
-                       "prefill among its k streams: set config.rloo.sampler_mode='shared'")
-    check_slots(rollout_slots(rloo_config), rloo_config.k,
+  engine_key = ('rollout_slots' if rloo_config.get('rollout_slots', 0) else
+                'rollout_engine' if rloo_config.get('rollout_engine', False) else None)
+  if engine_key and rloo_config.sampler_mode != 'shared':
+    raise ValueError(f"config.rloo.{engine_key} (the rollout engine) shares each prompt's "
+                     "prefill among its k streams: set config.rloo.sampler_mode='shared'")
+  slots = rollout_slots(rloo_config)
+  if slots:
+    check_slots(slots, rloo_config.k,
                 rloo_config.get('rollout_prefix_rows', 0), key='config.rloo.rollout_slots')
     check_pages(rloo_config.get('rollout_pages', 0), rloo_config.get('rollout_page_size', 64),
                 rloo_config.max_new_tokens, key='config.rloo.rollout_pages')

@@ -151,6 +151,8 @@ def _validate(**flat):
     ({"rloo.rollout_chunk_prompts": -1}, r"config\.rloo\.rollout_chunk_prompts = -1 must be >= 0"),
     ({"rloo.rollout_engine": True, "rloo.sampler_mode": "unshared"},
      r"config\.rloo\.rollout_engine .* set config\.rloo\.sampler_mode='shared'"),
+    ({"rloo.rollout_slots": 8, "rloo.sampler_mode": "unshared"},
+     r"config\.rloo\.rollout_slots \(the rollout engine\) .* set config\.rloo\.sampler_mode"),
     ({"rloo.rollout_chunk_prompts": 3},
      r"config\.rloo\.rollout_chunk_prompts = 3 does not divide config\.rloo\.num_prompts = 4; "
      r"set --config\.rloo\.rollout_chunk_prompts to one of \[1, 2, 4\] \(or 0: the whole batch"),
