@@ -108,9 +108,10 @@ def base_config() -> ml_collections.ConfigDict:
       # keeps the comma-separated remat_names (of rloo_jax.models.config.CHECKPOINT_NAMES).
       remat="full", remat_names="",
       # The attention kernel (rloo_jax.models.attention_ops.IMPLEMENTATIONS): 'xla', einsums with
-      # [S, S] scores; 'blockwise', flash-style blocks in O(S) memory (long completions); 'auto',
-      # blockwise where a query reads 4096 keys or more (a row; a group's prompt + one
-      # completion), else xla.
+      # [S, S] scores; 'blockwise', flash-style blocks in O(S) memory (long completions);
+      # 'splash', TPU's Pallas flash kernel (not for packed rows); 'auto', where a query reads
+      # 4096 keys or more (a row; a group's prompt + one completion) splash on a TPU, else
+      # blockwise, and xla below.
       attention="auto",
       # The frozen reference's storage dtype. '' = the activation dtype above: the reference only
       # runs forward, where its weights are cast to that dtype anyway (so nothing changes and a

@@ -112,3 +112,26 @@ def test_the_optimizer_program_updates_the_donated_state_in_place(target):
   # No second copy of params and moments (a cond's branches held one: 0.69 GiB here on H100).
   assert stats.temp_size_in_bytes < state / 4, (stats.temp_size_in_bytes, state)
   assert stats.alias_size_in_bytes >= state * 0.99
+
+
+@pytest.mark.parametrize("attention,mesh", [("splash", (2, 1, 2)), ("auto", (1, 4, 1))])
+def test_splash_attention_compiles_to_the_tpu_kernel_per_shard(attention, mesh, monkeypatch):
+  """config.model.attention='splash' (and 'auto' on a TPU, its flash length lowered to the smoke
+  rows): the grouped update and the scoring pass compile for a TPU topology with the Pallas
+  kernel (Mosaic's custom call) in them, run per shard (data and tensor, or fsdp), and fit."""
+  from rloo_jax.models import attention_ops  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(attention_ops, "AUTO_BLOCKWISE_MIN_TOKENS", 8)
+  config = load_config("smoke", "gsm8k")
+  config.model.attention = attention
+  config.model.update(num_heads=4, num_kv_heads=2, head_dim=32)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+  config.rloo.num_prompts = max(config.rloo.num_prompts, 4 * config.train.num_minibatches)
+  algo = _algo(config, "tpu-v5e-4")
+  x = programs_lib.inputs(algo.exp)
+  with attention_ops.mesh_context(attention, algo.exp.layout.mesh):
+    update = algo.step_fn.lower(x.state, x.minibatch)["update_gradients"].compile()
+    score = algo.reference_fn.lower(x.state.ref_params, x.rows).compile()
+  for compiled in (update, score):
+    assert "tpu_custom_call" in compiled.as_text()
+  report = memory.plan(algo, device_memory_gb=targets.parse("tpu-v5e-4").memory_gb)
+  assert report["fits"], report["programs"]

@@ -3,7 +3,10 @@ out here (each query's allowed keys listed explicitly), values and gradients, wi
 and sliding windows; 'blockwise' against 'xla' directly, in its memory and inside a model; the
 implementation checked by name before anything compiles; the remat policies by name."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -165,12 +168,28 @@ def test_shared_prefix_decode_equals_each_stream_on_its_own_keys(name, k, impl):
 
 def test_an_unknown_implementation_is_refused_before_any_compile():
   with pytest.raises(ValueError, match=r"^unknown config\.model\.attention 'flash'; choose one "
-                                       r"of \('xla', 'blockwise', 'auto'\)$"):
+                                       r"of \('xla', 'blockwise', 'splash', 'auto'\)$"):
     TransformerConfig.llama(attention='flash')
   c = config_utils.base_config()
-  c.model.attention = 'splash'
-  with pytest.raises(ValueError, match=r"unknown config\.model\.attention 'splash'"):
+  c.model.attention = 'cudnn'
+  with pytest.raises(ValueError, match=r"unknown config\.model\.attention 'cudnn'"):
     experiment.validate_config(c)
+
+
+def test_splash_is_refused_on_a_gpu_and_on_packed_rows_naming_the_fix():
+  with pytest.raises(ValueError, match=r"config\.model\.attention='splash' is TPU's Pallas "
+                                       r"kernel .*; on gpu use 'auto' or 'blockwise'$"):
+    attention_ops.check_platform('splash', 'gpu')
+  with pytest.raises(ValueError, match=r"'splash' has no packed-row form .* with "
+                                       r"config\.train\.microbatch_tokens use 'auto'"):
+    attention_ops.check_platform('splash', 'tpu', packed=True)
+  attention_ops.check_platform('splash', 'tpu')
+  attention_ops.check_platform('blockwise', 'gpu', packed=True)
+  # 'auto' runs splash on a TPU from the flash length, except on packed rows.
+  n = attention_ops.AUTO_BLOCKWISE_MIN_TOKENS
+  assert [attention_ops.resolve('auto', n, 'tpu'), attention_ops.resolve('auto', n, 'tpu', True),
+          attention_ops.resolve('auto', n, 'gpu'), attention_ops.resolve('auto', n - 1, 'tpu')] \
+      == ['splash', 'blockwise', 'blockwise', 'xla']
 
 
 def test_bad_remat_names_are_refused_naming_the_key():
@@ -319,6 +338,11 @@ def test_packed_rows_read_their_own_completion_and_their_groups_prompt(name, imp
             & ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])))
   allowed = _allowed(pos, pos, key_ok, name)
   spec = _spec(name, attention_ops.Causal(ok, pos, seg, shared), impl)
+  if impl == 'splash':  # segments compared for equality cannot hold a shared prompt segment
+    with pytest.raises(ValueError, match=r"'splash' has no packed-row form"):
+      attention_ops.attend(*(jnp.zeros(x) for x in ((B, 23, H, G, D), (B, 23, H, D),
+                                                    (B, 23, H, D))), spec)
+    return
   _check(lambda q, k, v: attention_ops.attend(q, k, v, spec),
          lambda q, k, v: _dense(q, k, v, allowed, name),
          (_rand(rng, B, 23, H, G, D), _rand(rng, B, 23, H, D), _rand(rng, B, 23, H, D)),
@@ -384,20 +408,22 @@ def test_blockwise_memory_grows_linearly_in_the_sequence():
   assert 0 < step_large < 2.5 * step_small, blockwise
 
 
+@pytest.mark.parametrize('kernel', ['blockwise', 'splash'])
 @pytest.mark.parametrize('family', ['llama', 'gemma2'])
-def test_blockwise_model_equals_xla_log_probs_and_gradients(family, monkeypatch):
-  """A tiny model with config.model.attention='blockwise' (remat'd around it) against 'xla': the
-  same log-probs of the full forward (Causal) and the grouped one (PromptGroup), same gradients."""
+def test_flash_model_equals_xla_log_probs_and_gradients(family, kernel, monkeypatch):
+  """A tiny model with config.model.attention='blockwise' or 'splash' (remat'd around it) against
+  'xla': the same log-probs of the full forward (Causal) and the grouped one (PromptGroup), same
+  gradients; Gemma 2's scanned layers alternate a traced window, run by splash under a cond."""
   monkeypatch.setattr(attention_blockwise, 'BLOCK', 4)
   tiny = dict(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
               head_dim=8, intermediate_size=48, max_seq_len=64)
   if family == 'llama':
     config = TransformerConfig.llama(**tiny)
-    blockwise = config.replace(attention='blockwise', remat='names', remat_names=('attention',))
+    blockwise = config.replace(attention=kernel, remat='names', remat_names=('attention',))
   else:  # windows of 3 on alternate layers, soft-capped scores
     config = TransformerConfig.gemma2(sliding_window=3, attn_softcap=1.5, final_softcap=2.0,
                                       query_pre_attn_scalar=12.0, **{**tiny, 'num_layers': 3})
-    blockwise = config.replace(attention='blockwise', remat='full')
+    blockwise = config.replace(attention=kernel, remat='full')
   rng = np.random.default_rng(6)
   _, params = create(config)
   b, p, k, t, s = 2, 6, 3, 5, 11
@@ -457,3 +483,54 @@ def test_auto_runs_blockwise_from_the_keys_a_query_reads_and_the_decode_on_xla(m
                        (_rand(rng, 1, H, D, p), _rand(rng, 1, 2, H, D, t)),
                        (_rand(rng, 1, H, p, D), _rand(rng, 1, 2, H, t, D)), decode)
   assert calls == ['_xla', '_blockwise', '_xla', '_xla']
+
+
+_MESH_SCRIPT = '''
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from rloo_jax.models import attention_ops, attention_splash
+mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 2), ('data', 'fsdp', 'tensor'))
+rng = np.random.default_rng(3)
+b, p, m, t, h, g, d = 2, 5, 3, 4, 2, 2, 8
+rows = p + m * t
+prompt_mask = jnp.ones((b, p), bool).at[0, :2].set(False)
+mask_bmt = jnp.ones((b, m, t), bool).at[1, 2, 3:].set(False)
+pos_p = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+pos_c = jnp.broadcast_to(pos_p[:, -1:, None] + 1 + jnp.arange(t), (b, m, t))
+positions = jnp.concatenate([pos_p, pos_c.transpose(0, 2, 1).reshape(b, t * m)], 1)
+put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+q = put(rng.standard_normal((b, rows, h, g, d)).astype(np.float32), P('data', None, 'tensor'))
+k, v = (put(rng.standard_normal((b, rows, h, d)).astype(np.float32), P('data', None, 'tensor'))
+        for _ in range(2))
+def loss(impl):
+  def f(q, k, v, window):
+    spec = attention_ops.AttentionSpec(attention_ops.PromptGroup(prompt_mask, mask_bmt, positions),
+                                       d ** -0.5, 2.0, window, impl, 3)
+    valid = jnp.concatenate([prompt_mask, mask_bmt.transpose(0, 2, 1).reshape(b, t * m)], 1)
+    o = attention_ops.attend(q, k, v, spec)  # pad queries read no key: any finite output
+    return jnp.sum(jnp.where(valid[..., None, None, None], o, 0.0) ** 2)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+for window in (3, np.iinfo(np.int32).max):
+  want = loss('xla')(q, k, v, jnp.int32(window))
+  with attention_splash.on_mesh(mesh):
+    f = loss('splash')
+    text = f.lower(q, k, v, jnp.int32(window)).as_text()
+    got = f(q, k, v, jnp.int32(window))
+  err = max(float(jnp.max(jnp.abs(a - b_))) for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  print('ERR', err, 'MANUAL', 'manual_computation' in text, flush=True)
+'''
+
+
+def test_splash_runs_per_shard_over_the_mesh_and_equals_xla():
+  """On 4 devices (rows over 'data', kv heads over 'tensor'), splash in `on_mesh` runs under
+  shard_map (the manual-sharding ops in its program) and equals 'xla', values and gradients,
+  for a windowed layer and a global one (the traced window's two kernels)."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+         'XLA_FLAGS': (os.environ.get('XLA_FLAGS', '')
+                       + ' --xla_force_host_platform_device_count=4').strip()}
+  out = subprocess.run([sys.executable, '-c', _MESH_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=600, check=True).stdout
+  lines = [l.split() for l in out.splitlines() if l.startswith('ERR')]
+  assert len(lines) == 2, out
+  for _, err, _, manual in lines:
+    assert float(err) < 1e-4 and manual == 'True', out

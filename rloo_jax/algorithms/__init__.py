@@ -23,6 +23,7 @@ from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms import dpo, ppo
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.memory import budget
+from rloo_jax.models import attention_ops
 from rloo_jax.rewards import RewardSet
 
 
@@ -69,6 +70,8 @@ def validate(config, *, devices=None, rewards: Optional[RewardSet] = None,
   experiment.validate_config(config)
   layout = sharding.make_layout(config.mesh, devices)
   experiment.validate_layout(config, layout)
+  attention_ops.check_platform(config.model.attention, layout.platform,
+                               packed=bool(config.train.get("microbatch_tokens", 0)))
   if rewards is None and with_rewards:
     # On the build's layout: a Hugging Face reward model loaded here is the one build uses.
     rewards = RewardSet.from_config(config.rewards, layout)
@@ -98,7 +101,8 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   workdir_lib.check_config(workdir, config, log=log)
-  with workdir_lib.Lock(workdir, log=log):
+  with workdir_lib.Lock(workdir, log=log), \
+      attention_ops.mesh_context(checked.config.model.attention, checked.layout.mesh):
     algo = build(checked, workdir, log=log, **build_kw)
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.

@@ -129,7 +129,7 @@ def _attention_advice(algo, name: str, update, need: int, accelerator: bool) -> 
   c, m = exp.config, exp.model_config
   kind = c.model.get("attention", "auto")
   tokens = c.data.max_prompt_len + c.rloo.max_new_tokens  # the keys a completion token reads
-  if attention_ops.resolve(kind, tokens) == "blockwise":
+  if attention_ops.resolve(kind, tokens) != "xla":
     return []
   mb = programs_lib.microbatch(c)
   rows = mb["microbatch_rows"] / exp.layout.batch_parallelism

@@ -12,6 +12,7 @@ Every layout computes its scores and softmax in float32, whatever the activation
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from rloo_jax.models import attention_blockwise
+from rloo_jax.models import attention_blockwise, attention_splash
 
 # Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
 # finite distribution instead of NaNs that would leak into gradients through a masked mean.
@@ -77,13 +78,16 @@ class AttentionSpec:
   softcap * tanh(s / softcap) when softcap > 0 (Gemma 2); with a `window` (a traced int32 per
   layer; None: no layer slides) keys at positions <= query position - window are masked, as
   transformers' sliding_window_overlay masks them (a global layer gets a window no distance
-  reaches, so every layer runs the same scanned code)."""
+  reaches, so every layer runs the same scanned code). `window_size`: the config's window, the
+  static value a traced `window` takes on sliding layers (read by kernels whose masks are
+  static: 'splash')."""
 
   layout: Causal | PromptGroup | SharedPrefixDecode
   scale: float
   softcap: float = 0.0
   window: jax.Array | None = None
   implementation: str = 'xla'
+  window_size: int = 0
 
   def logits(self, scores):
     scores = scores * self.scale
@@ -95,6 +99,25 @@ class AttentionSpec:
 def attend(q, k, v, spec: AttentionSpec):
   """The attention output, laid out as q ([..., Hkv, G, D]), in v's dtype."""
   return IMPLEMENTATIONS[spec.implementation](q, k, v, spec)
+
+
+def check_platform(name: str, platform: str, packed: bool = False) -> None:
+  """Raises where config.model.attention `name` cannot run on `platform` (the mesh's devices) or
+  on `packed` update rows (config.train.microbatch_tokens)."""
+  if name == 'splash' and platform not in ('tpu', 'cpu'):
+    raise ValueError(f"config.model.attention='splash' is TPU's Pallas kernel (interpreted on "
+                     f"CPU, for tests); on {platform} use 'auto' or 'blockwise'")
+  if name == 'splash' and packed:
+    raise ValueError("config.model.attention='splash' has no packed-row form (a completion "
+                     "reads its group's prompt segment and its own); with "
+                     "config.train.microbatch_tokens use 'auto' or 'blockwise'")
+
+
+def mesh_context(name: str, mesh):
+  """The context to trace a model's programs in where config.model.attention `name` may run
+  'splash': its shard_map runs over `mesh` (`attention_splash.on_mesh`)."""
+  pallas = name == 'splash' or (name == 'auto' and mesh.devices.flat[0].platform == 'tpu')
+  return attention_splash.on_mesh(mesh) if pallas else contextlib.nullcontext()
 
 
 def check_implementation(name: str) -> str:
@@ -250,36 +273,55 @@ def _blockwise(q, k, v, spec: AttentionSpec):
   return swap(o, m, t)
 
 
-# Queries reading this many keys or more run 'blockwise' under 'auto'. On an H200 (Qwen2.5-1.5B's
+def _splash(q, k, v, spec: AttentionSpec):
+  """'splash' (attention_splash): Pallas splash attention, TPU's flash kernel, for Causal rows
+  without segments and PromptGroup rows; packed rows raise. SharedPrefixDecode runs the xla form,
+  as under 'blockwise'."""
+  layout = spec.layout
+  if isinstance(layout, Causal):
+    return attention_splash.causal(q, k, v, spec, layout.mask_bt, layout.segment_bt)
+  if isinstance(layout, PromptGroup):
+    return attention_splash.prompt_group(q, k, v, spec)
+  if isinstance(layout, SharedPrefixDecode):
+    return _shared_prefix_decode(q, k, v, spec)
+  raise TypeError(f'attention layout {type(layout).__name__} has no splash implementation')
+
+
+# Queries reading this many keys or more run a flash kernel under 'auto'. On an H200 (Qwen2.5-1.5B's
 # heads, docs/PERFORMANCE.md) 'xla' held 0.47 GiB of scores a row at 2K tokens and 7.5 at 8K,
 # 'blockwise' 0.06 and 0.13, for 1.15x the attention's time at 8K.
 AUTO_BLOCKWISE_MIN_TOKENS = 4096
 
 
-def resolve(name: str, keys: int) -> str:
-  """The kernel implementation `name` runs where a query reads up to `keys` keys: 'auto' is
-  'blockwise' from AUTO_BLOCKWISE_MIN_TOKENS keys (the scores would dominate a device's memory),
-  else 'xla'."""
+def resolve(name: str, keys: int, platform: str = '', packed: bool = False) -> str:
+  """The kernel implementation `name` runs where a query reads up to `keys` keys: 'auto' is a
+  flash kernel from AUTO_BLOCKWISE_MIN_TOKENS keys (the scores would dominate a device's
+  memory), 'splash' on a TPU for the rows it holds (not `packed` ones), else 'blockwise';
+  under that, 'xla'."""
   if name != 'auto':
     return name
-  return 'blockwise' if keys >= AUTO_BLOCKWISE_MIN_TOKENS else 'xla'
+  if keys < AUTO_BLOCKWISE_MIN_TOKENS:
+    return 'xla'
+  return 'splash' if platform == 'tpu' and not packed else 'blockwise'
 
 
 def _auto(q, k, v, spec: AttentionSpec):
   """'auto' (`resolve`) on the keys a query reads: a causal row's length, a group's prompt plus
   one completion (xla never scores one completion against another), none for the decode's one
-  query a stream."""
+  query a stream; on the platform the program is built for (`attention_splash.platform`)."""
   layout = spec.layout
   if isinstance(layout, SharedPrefixDecode):
-    keys = 0
-  elif isinstance(layout, PromptGroup):
+    return _xla(q, k, v, spec)
+  if isinstance(layout, PromptGroup):
     keys = layout.prompt_mask_bp.shape[1] + layout.mask_bmt.shape[2]
   else:
     keys = q.shape[1]
-  return (_blockwise if resolve('auto', keys) == 'blockwise' else _xla)(q, k, v, spec)
+  packed = isinstance(layout, Causal) and layout.segment_bt is not None
+  name = resolve('auto', keys, attention_splash.platform(), packed)
+  return {'xla': _xla, 'blockwise': _blockwise, 'splash': _splash}[name](q, k, v, spec)
 
 
-# config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash, Pallas splash) is one
-# more entry here, tested against 'xla' on every layout it supports.
+# config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash) is one more entry
+# here, tested against 'xla' on every layout it supports.
 IMPLEMENTATIONS: dict[str, Callable[[Any, Any, Any, AttentionSpec], jax.Array]] = {
-    'xla': _xla, 'blockwise': _blockwise, 'auto': _auto}
+    'xla': _xla, 'blockwise': _blockwise, 'splash': _splash, 'auto': _auto}

@@ -110,7 +110,8 @@ class Transformer(nnx.Module):
   def _spec(self, layout, window) -> attention_ops.AttentionSpec:
     c = self.config
     return attention_ops.AttentionSpec(layout, c.attn_scale, c.attn_softcap,
-                                       window if any(c.sliding_layers) else None, c.attention)
+                                       window if any(c.sliding_layers) else None, c.attention,
+                                       c.sliding_window)
 
   def _scan(self, body, x, positions, layout, carry=None, xs=None, gather=None, layers=None):
     """Runs `body(block, x, carry, xs_l, rotary, spec) -> (x, carry, y)` over the layers with
