@@ -44,7 +44,9 @@ setup(
         # is pinned so pip takes the CPU wheel rather than a multi-GB CUDA build.
         "hf": ["torch==2.13.0", "transformers>=4.50"],
         # The TPU and GPU compilers, run deviceless by `python -m rloo_jax.plan --target=...`
-        # (libtpu; the CUDA plugin compiles with no GPU or CUDA libraries). Pinned to jax's version.
-        "plan": ["jax[tpu]==0.10.2", "jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2"],
+        # (libtpu; the CUDA plugin compiles with no GPU, and with cuDNN's libraries, which
+        # attention='cudnn' compiles against, what 'auto' picks on a GPU). Pinned to jax's version.
+        "plan": ["jax[tpu]==0.10.2", "jax-cuda12-plugin==0.10.2", "jax-cuda12-pjrt==0.10.2",
+                 "nvidia-cudnn-cu12>=9.8,<10"],
     },
 )

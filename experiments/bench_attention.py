@@ -1,9 +1,9 @@
 r"""Attention implementations side by side (`config.model.attention`, docs/PERFORMANCE.md
 "Attention"): one layer's forward + backward through `attention_ops.attend` at growing lengths,
-one JSON line per (layout, length). Per implementation ('xla', 'blockwise'; bfloat16, one row):
-`ms` (median of --repeats after a compile), `temp_mib` (compiled temporaries), and `max_rel_err`
-of the output and q, k, v gradients against 'xla' in float32 (TF32 on a GPU unless `--precision
-highest`). Layouts: `causal` (S tokens, the first 5% padding), `group` (a --prompt prompt, then S
+one JSON line per (layout, length). Per implementation (--impls; bfloat16, one row): `ms`
+(median of --repeats after a compile), `temp_mib` (compiled temporaries), and `max_rel_err` of
+the output and q, k, v gradients against 'xla' in float32 (TF32 on a GPU unless `--precision
+highest`; 'cudnn' runs bfloat16 only, so its own error is bfloat16's). Layouts: `causal` (S tokens, the first 5% padding), `group` (a --prompt prompt, then S
 tokens as 8 completions, token-major); no 'xla' past XLA_MAX tokens.
 
     python experiments/bench_attention.py --lengths 1024,2048 --heads 2,6 --head_dim 64  # CPU
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import gpu_check  # experiments/, beside this file: its median_s
 from rloo_jax.models import attention_ops as ops
 
-IMPLS, LAYOUTS, COMPLETIONS, XLA_MAX = ("xla", "blockwise"), ("causal", "group"), 8, 20000
+LAYOUTS, COMPLETIONS, XLA_MAX = ("causal", "group"), 8, 20000
 
 
 def layout(kind, b, s, prompt, m=COMPLETIONS):
@@ -50,7 +50,7 @@ def run(args, kind, s):
   shapes = [(1, rows, hkv, g, args.head_dim), kv, kv]
   out = dict(layout=kind, tokens=rows, backend=jax.default_backend())
   ref = None
-  for impl in IMPLS:
+  for impl in args.impls.split(","):
     if impl == "xla" and rows > XLA_MAX:
       out[impl] = "skipped: XLA_MAX"
       continue
@@ -60,7 +60,8 @@ def run(args, kind, s):
     ms = 1e3 * gpu_check.median_s(lambda _: fn(*qkv), args.repeats)  # after a compiling call
     out[impl] = dict(ms=round(ms, 3), temp_mib=round(temp / 2**20, 2))
     # float32, against 'xla' (the reference)
-    got = program(impl, lay, valid, args.head_dim ** -0.5)(*[x.astype(jnp.float32) for x in qkv])
+    dt = jnp.bfloat16 if impl == "cudnn" else jnp.float32
+    got = program(impl, lay, valid, args.head_dim ** -0.5)(*[x.astype(dt) for x in qkv])
     if impl == "xla":
       ref = got
     elif ref is not None:
@@ -77,6 +78,7 @@ def main():
   p.add_argument("--heads", default="2,6", help="kv heads, query heads per kv head (Qwen2.5-1.5B)")
   p.add_argument("--head_dim", type=int, default=128)
   p.add_argument("--prompt", type=int, default=1024, help="group: the prompt's tokens")
+  p.add_argument("--impls", default="xla,blockwise", help="'xla' first; a GPU adds cudnn")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--precision", default="", help="jax_default_matmul_precision ('highest')")
   args = p.parse_args()

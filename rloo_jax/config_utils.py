@@ -109,9 +109,9 @@ def base_config() -> ml_collections.ConfigDict:
       remat="full", remat_names="",
       # The attention kernel (rloo_jax.models.attention_ops.IMPLEMENTATIONS): 'xla', einsums with
       # [S, S] scores; 'blockwise', flash-style blocks in O(S) memory (long completions);
-      # 'splash', TPU's Pallas flash kernel (not for packed rows); 'auto', where a query reads
-      # 4096 keys or more (a row; a group's prompt + one completion) splash on a TPU, else
-      # blockwise, and xla below.
+      # 'splash', TPU's Pallas flash kernel; 'cudnn', cuDNN's (GPU, bfloat16, no soft-cap); neither
+      # for packed rows; 'auto', where a query reads 4096 keys or more (a row; a group's prompt +
+      # one completion) the platform's kernel where it holds the rows, else blockwise; xla below.
       attention="auto",
       # The frozen reference's storage dtype. '' = the activation dtype above: the reference only
       # runs forward, where its weights are cast to that dtype anyway (so nothing changes and a

@@ -135,3 +135,26 @@ def test_splash_attention_compiles_to_the_tpu_kernel_per_shard(attention, mesh, 
     assert "tpu_custom_call" in compiled.as_text()
   report = memory.plan(algo, device_memory_gb=targets.parse("tpu-v5e-4").memory_gb)
   assert report["fits"], report["programs"]
+
+
+@pytest.mark.parametrize("attention", ["cudnn", "auto"])
+def test_cudnn_attention_compiles_for_the_h100_in_bfloat16(attention, monkeypatch):
+  """config.model.attention='cudnn' (and 'auto' on a GPU, its flash length lowered to the smoke
+  rows): the grouped update and the scoring pass, bfloat16, compile for the H100 with cuDNN's
+  fused attention (its custom call) in them, and fit."""
+  from rloo_jax.models import attention_ops  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(attention_ops, "AUTO_BLOCKWISE_MIN_TOKENS", 8)
+  config = load_config("smoke", "gsm8k")
+  config.model.attention, config.model.dtype = attention, "bfloat16"
+  config.model.update(num_heads=4, num_kv_heads=2, head_dim=32)
+  config.mesh.data, config.mesh.fsdp = -1, 1
+  config.rloo.num_prompts = max(config.rloo.num_prompts, 4 * config.train.num_minibatches)
+  algo = _algo(config, "h100-4")
+  x = programs_lib.inputs(algo.exp)
+  with attention_ops.mesh_context(attention, algo.exp.layout.mesh):
+    update = algo.step_fn.lower(x.state, x.minibatch)["update_gradients"].compile()
+    score = algo.reference_fn.lower(x.state.ref_params, x.rows).compile()
+  for compiled in (update, score):
+    assert "__cudnn$fmha" in compiled.as_text()
+  report = memory.plan(algo, device_memory_gb=targets.parse("h100-4").memory_gb)
+  assert report["fits"], report["programs"]

@@ -42,7 +42,10 @@ def test_a_run_is_validate_then_build_then_the_memory_preflight_then_the_loop(tm
       return result
     return record
 
-  monkeypatch.setattr(algorithms, "validate", step("validate", "checked"))
+  from rloo_jax import config_utils, sharding
+  config = config_utils.base_config()
+  checked = algorithms.Checked("rloo", config, sharding.make_layout(config.mesh), None)
+  monkeypatch.setattr(algorithms, "validate", step("validate", checked))
   monkeypatch.setattr(workdir_lib, "check_config", step("check_config"))
   monkeypatch.setattr(algorithms, "build", step("build", "algo"))
   monkeypatch.setattr(algorithms.memory, "check", step("preflight"))

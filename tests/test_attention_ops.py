@@ -17,8 +17,8 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from rloo_jax import config_utils, experiment
-from rloo_jax.models import (TransformerConfig, attention_blockwise, attention_ops, create,
-                             model_fns, transformer)
+from rloo_jax.models import (TransformerConfig, attention_blockwise, attention_cudnn,
+                             attention_ops, create, model_fns, transformer)
 from rloo_jax.models.config import CHECKPOINT_NAMES
 
 # Float comparisons of two computations: rerun by .ci/run under other CPU flags.
@@ -40,12 +40,35 @@ def _spec(name, layout, implementation='xla'):
                                      None if window is None else jnp.int32(window), implementation)
 
 
+def _cudnn_on_xla(monkeypatch):
+  """'cudnn' here, where no cuDNN runs: its layouts (compaction, tiled prompts, lengths, windows)
+  through `jax.nn.dot_product_attention`'s own xla implementation of the same call, in float32.
+  cuDNN's own limits (bfloat16, head dims a multiple of 8) are lifted for the tests' float32
+  rows; the cuDNN call itself is compiled by tests/test_accelerator_compile.py."""
+  real = jax.nn.dot_product_attention
+  monkeypatch.setattr(attention_cudnn.jax.nn, 'dot_product_attention',
+                      lambda *a, implementation, **kw: real(*a, implementation='xla', **kw))
+  monkeypatch.setattr(attention_cudnn, '_DTYPES', attention_cudnn._DTYPES + (jnp.float32,))
+  monkeypatch.setattr(attention_cudnn, '_HEAD_DIM_MULTIPLE', 1)
+
+
 @pytest.fixture(params=[n for n in attention_ops.IMPLEMENTATIONS if n != 'auto'])
 def impl(request, monkeypatch):
   """Each kernel ('auto' picks one of them: its own test); 'blockwise' with blocks of 3, so the
-  test rows run several blocks and a partial last one."""
+  test rows run several blocks and a partial last one; 'cudnn' on xla (`_cudnn_on_xla`)."""
   monkeypatch.setattr(attention_blockwise, 'BLOCK', 3)
+  if request.param == 'cudnn':
+    _cudnn_on_xla(monkeypatch)
   return request.param
+
+
+def _refused(impl, name, spec, q, k, v):
+  """Whether `impl` refuses these rows, checked: 'cudnn' has no soft-cap."""
+  if impl != 'cudnn' or not SPECS[name][1]:
+    return False
+  with pytest.raises(ValueError, match=r"'cudnn' cannot run soft-capped scores"):
+    attention_ops.attend(q, k, v, spec)
+  return True
 
 
 def _dense(q_bshgd, k_bthd, v_bthd, allowed_bst, name):
@@ -88,10 +111,11 @@ def test_causal_rows_with_padding_anywhere(name, impl):
   spec = _spec(name, attention_ops.Causal(mask_bs, positions_bs), impl)
   allowed = _allowed(positions_bs, positions_bs,
                      jnp.tril(jnp.ones((s, s), bool))[None] & mask_bs[:, None, :], name)
+  args = (_rand(rng, B, s, H, G, D), _rand(rng, B, s, H, D), _rand(rng, B, s, H, D))
+  if _refused(impl, name, spec, *args):
+    return
   _check(lambda q, k, v: attention_ops.attend(q, k, v, spec),
-         lambda q, k, v: _dense(q, k, v, allowed, name),
-         (_rand(rng, B, s, H, G, D), _rand(rng, B, s, H, D), _rand(rng, B, s, H, D)),
-         np.asarray(mask_bs))
+         lambda q, k, v: _dense(q, k, v, allowed, name), args, np.asarray(mask_bs))
 
 
 @pytest.mark.parametrize('name', SPECS)
@@ -102,6 +126,10 @@ def test_prompt_group_equals_each_completion_on_its_tiled_prompt(name, impl):
   p, m, t = 4, 3, 3
   prompt_mask_bp = jnp.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], bool)  # left-padded
   mask_bmt = jnp.asarray(rng.random((B, m, t)) > 0.2).at[:, :, 0].set(True)
+  if impl == 'cudnn' and SPECS[name][2]:
+    # Its window counts distance in compacted rows: exact where a completion's valid tokens are
+    # a prefix (tokens up to the stop, as rollouts give them), which positions then count.
+    mask_bmt = jnp.cumprod(mask_bmt, axis=-1).astype(bool)
   prompt_pos_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=1) - 1, 0)
   comp_pos_bmt = jnp.broadcast_to(prompt_pos_bp[:, -1:, None] + 1 + jnp.arange(t), (B, m, t))
   positions_bs = jnp.concatenate(
@@ -128,9 +156,10 @@ def test_prompt_group_equals_each_completion_on_its_tiled_prompt(name, impl):
   valid = np.concatenate([np.asarray(prompt_mask_bp),
                           np.asarray(mask_bmt).transpose(0, 2, 1).reshape(B, t * m)], axis=1)
   rows = p + t * m
-  _check(lambda q, k, v: attention_ops.attend(q, k, v, spec), ref,
-         (_rand(rng, B, rows, H, G, D), _rand(rng, B, rows, H, D), _rand(rng, B, rows, H, D)),
-         valid)
+  args = (_rand(rng, B, rows, H, G, D), _rand(rng, B, rows, H, D), _rand(rng, B, rows, H, D))
+  if _refused(impl, name, spec, *args):
+    return
+  _check(lambda q, k, v: attention_ops.attend(q, k, v, spec), ref, args, valid)
 
 
 @pytest.mark.parametrize('name', SPECS)
@@ -168,28 +197,35 @@ def test_shared_prefix_decode_equals_each_stream_on_its_own_keys(name, k, impl):
 
 def test_an_unknown_implementation_is_refused_before_any_compile():
   with pytest.raises(ValueError, match=r"^unknown config\.model\.attention 'flash'; choose one "
-                                       r"of \('xla', 'blockwise', 'splash', 'auto'\)$"):
+                                       r"of \('xla', 'blockwise', 'splash', 'cudnn', 'auto'\)$"):
     TransformerConfig.llama(attention='flash')
   c = config_utils.base_config()
-  c.model.attention = 'cudnn'
-  with pytest.raises(ValueError, match=r"unknown config\.model\.attention 'cudnn'"):
+  c.model.attention = 'flash'
+  with pytest.raises(ValueError, match=r"unknown config\.model\.attention 'flash'"):
     experiment.validate_config(c)
 
 
-def test_splash_is_refused_on_a_gpu_and_on_packed_rows_naming_the_fix():
+def test_splash_and_cudnn_are_refused_off_their_platform_and_on_packed_rows_naming_the_fix():
   with pytest.raises(ValueError, match=r"config\.model\.attention='splash' is TPU's Pallas "
                                        r"kernel .*; on gpu use 'auto' or 'blockwise'$"):
     attention_ops.check_platform('splash', 'gpu')
   with pytest.raises(ValueError, match=r"'splash' has no packed-row form .* with "
                                        r"config\.train\.microbatch_tokens use 'auto'"):
     attention_ops.check_platform('splash', 'tpu', packed=True)
+  with pytest.raises(ValueError, match=r"'cudnn' is cuDNN's flash attention, on GPUs; on tpu "
+                                       r"use 'auto' or 'blockwise'$"):
+    attention_ops.check_platform('cudnn', 'tpu')
+  with pytest.raises(ValueError, match=r"'cudnn' has no packed-row form"):
+    attention_ops.check_platform('cudnn', 'gpu', packed=True)
   attention_ops.check_platform('splash', 'tpu')
+  attention_ops.check_platform('cudnn', 'gpu')
   attention_ops.check_platform('blockwise', 'gpu', packed=True)
-  # 'auto' runs splash on a TPU from the flash length, except on packed rows.
+  # 'auto' runs the platform's kernel from the flash length, except on packed rows.
   n = attention_ops.AUTO_BLOCKWISE_MIN_TOKENS
   assert [attention_ops.resolve('auto', n, 'tpu'), attention_ops.resolve('auto', n, 'tpu', True),
-          attention_ops.resolve('auto', n, 'gpu'), attention_ops.resolve('auto', n - 1, 'tpu')] \
-      == ['splash', 'blockwise', 'blockwise', 'xla']
+          attention_ops.resolve('auto', n, 'gpu'), attention_ops.resolve('auto', n, 'gpu', True),
+          attention_ops.resolve('auto', n, 'cpu'), attention_ops.resolve('auto', n - 1, 'tpu')] \
+      == ['splash', 'blockwise', 'cudnn', 'blockwise', 'blockwise', 'xla']
 
 
 def test_bad_remat_names_are_refused_naming_the_key():
@@ -338,8 +374,9 @@ def test_packed_rows_read_their_own_completion_and_their_groups_prompt(name, imp
             & ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])))
   allowed = _allowed(pos, pos, key_ok, name)
   spec = _spec(name, attention_ops.Causal(ok, pos, seg, shared), impl)
-  if impl == 'splash':  # segments compared for equality cannot hold a shared prompt segment
-    with pytest.raises(ValueError, match=r"'splash' has no packed-row form"):
+  if impl in ('splash', 'cudnn'):  # neither mask holds a segment and its shared prompt's
+    with pytest.raises(ValueError, match=r"'splash' has no packed-row form|'cudnn' cannot run "
+                                         r"packed rows"):
       attention_ops.attend(*(jnp.zeros(x) for x in ((B, 23, H, G, D), (B, 23, H, D),
                                                     (B, 23, H, D))), spec)
     return
@@ -408,18 +445,27 @@ def test_blockwise_memory_grows_linearly_in_the_sequence():
   assert 0 < step_large < 2.5 * step_small, blockwise
 
 
-@pytest.mark.parametrize('kernel', ['blockwise', 'splash'])
-@pytest.mark.parametrize('family', ['llama', 'gemma2'])
+@pytest.mark.parametrize('family,kernel', [
+    ('llama', 'blockwise'), ('gemma2', 'blockwise'), ('llama', 'splash'), ('gemma2', 'splash'),
+    ('llama', 'cudnn'), ('gemma3', 'cudnn')])
 def test_flash_model_equals_xla_log_probs_and_gradients(family, kernel, monkeypatch):
-  """A tiny model with config.model.attention='blockwise' or 'splash' (remat'd around it) against
-  'xla': the same log-probs of the full forward (Causal) and the grouped one (PromptGroup), same
-  gradients; Gemma 2's scanned layers alternate a traced window, run by splash under a cond."""
+  """A tiny model with config.model.attention='blockwise', 'splash' or 'cudnn' (on xla,
+  `_cudnn_on_xla`; remat'd around it) against 'xla': the same log-probs of the full forward
+  (Causal) and the grouped one (PromptGroup), same gradients. Gemma's scanned layers alternate a
+  traced window, which splash and cudnn run as two kernels under a cond."""
   monkeypatch.setattr(attention_blockwise, 'BLOCK', 4)
+  if kernel == 'cudnn':
+    _cudnn_on_xla(monkeypatch)
   tiny = dict(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
               head_dim=8, intermediate_size=48, max_seq_len=64)
   if family == 'llama':
     config = TransformerConfig.llama(**tiny)
     blockwise = config.replace(attention=kernel, remat='names', remat_names=('attention',))
+  elif family == 'gemma3':  # windows of 3 on two layers of three, no soft-cap
+    config = TransformerConfig.gemma3(sliding_window=3, query_pre_attn_scalar=12.0,
+                                      layer_types=('sliding_attention', 'sliding_attention',
+                                                   'full_attention'), **{**tiny, 'num_layers': 3})
+    blockwise = config.replace(attention=kernel, remat='full')
   else:  # windows of 3 on alternate layers, soft-capped scores
     config = TransformerConfig.gemma2(sliding_window=3, attn_softcap=1.5, final_softcap=2.0,
                                       query_pre_attn_scalar=12.0, **{**tiny, 'num_layers': 3})

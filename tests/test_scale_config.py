@@ -131,7 +131,7 @@ def _validate(**flat):
     ({"rloo.sampler_mode": "recompute"},
      r"unknown config\.rloo\.sampler_mode 'recompute'; choose one of \('shared', 'unshared'\)"),
     ({"model.remat_names": "query"}, r"remat_names is read only with remat='names'"),
-    ({"model.attention": "cudnn"}, r"unknown config\.model\.attention 'cudnn'; choose one of"),
+    ({"model.attention": "flash"}, r"unknown config\.model\.attention 'flash'; choose one of"),
     ({"model.remat": "some"},
      r"unknown config\.model\.remat 'some'; choose one of \('none', 'full', 'dots', 'names'\)"),
     ({"model.ref_dtype": "fp8"},

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from rloo_jax.models import attention_blockwise, attention_splash
+from rloo_jax.models import attention_blockwise, attention_cudnn, attention_splash
 
 # Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
 # finite distribution instead of NaNs that would leak into gradients through a masked mean.
@@ -107,17 +107,20 @@ def check_platform(name: str, platform: str, packed: bool = False) -> None:
   if name == 'splash' and platform not in ('tpu', 'cpu'):
     raise ValueError(f"config.model.attention='splash' is TPU's Pallas kernel (interpreted on "
                      f"CPU, for tests); on {platform} use 'auto' or 'blockwise'")
-  if name == 'splash' and packed:
-    raise ValueError("config.model.attention='splash' has no packed-row form (a completion "
+  if name == 'cudnn' and platform != 'gpu':
+    raise ValueError(f"config.model.attention='cudnn' is cuDNN's flash attention, on GPUs; on "
+                     f"{platform} use 'auto' or 'blockwise'")
+  if name in ('splash', 'cudnn') and packed:
+    raise ValueError(f"config.model.attention={name!r} has no packed-row form (a completion "
                      "reads its group's prompt segment and its own); with "
                      "config.train.microbatch_tokens use 'auto' or 'blockwise'")
 
 
 def mesh_context(name: str, mesh):
-  """The context to trace a model's programs in where config.model.attention `name` may run
-  'splash': its shard_map runs over `mesh` (`attention_splash.on_mesh`)."""
-  pallas = name == 'splash' or (name == 'auto' and mesh.devices.flat[0].platform == 'tpu')
-  return attention_splash.on_mesh(mesh) if pallas else contextlib.nullcontext()
+  """The context to trace a model's programs in: where config.model.attention `name` may pick a
+  kernel by platform, the programs are built for `mesh`'s (a compile-only topology's included)
+  and splash's shard_map runs over it (`attention_splash.on_mesh`)."""
+  return attention_splash.on_mesh(mesh) if name != 'xla' else contextlib.nullcontext()
 
 
 def check_implementation(name: str) -> str:
@@ -287,6 +290,24 @@ def _splash(q, k, v, spec: AttentionSpec):
   raise TypeError(f'attention layout {type(layout).__name__} has no splash implementation')
 
 
+def _cudnn(q, k, v, spec: AttentionSpec):
+  """'cudnn' (attention_cudnn): cuDNN's flash attention for Causal rows without segments and
+  PromptGroup rows; what it lacks raises. SharedPrefixDecode runs the xla form."""
+  layout = spec.layout
+  if isinstance(layout, SharedPrefixDecode):
+    return _shared_prefix_decode(q, k, v, spec)
+  lacking = attention_cudnn.supported(
+      q, spec, packed=isinstance(layout, Causal) and layout.segment_bt is not None)
+  if lacking:
+    raise ValueError(f"config.model.attention='cudnn' cannot run {lacking}; use 'auto' or "
+                     "'blockwise'")
+  if isinstance(layout, Causal):
+    return attention_cudnn.causal(q, k, v, spec, layout.mask_bt)
+  if isinstance(layout, PromptGroup):
+    return attention_cudnn.prompt_group(q, k, v, spec)
+  raise TypeError(f'attention layout {type(layout).__name__} has no cudnn implementation')
+
+
 # Queries reading this many keys or more run a flash kernel under 'auto'. On an H200 (Qwen2.5-1.5B's
 # heads, docs/PERFORMANCE.md) 'xla' held 0.47 GiB of scores a row at 2K tokens and 7.5 at 8K,
 # 'blockwise' 0.06 and 0.13, for 1.15x the attention's time at 8K.
@@ -296,13 +317,15 @@ AUTO_BLOCKWISE_MIN_TOKENS = 4096
 def resolve(name: str, keys: int, platform: str = '', packed: bool = False) -> str:
   """The kernel implementation `name` runs where a query reads up to `keys` keys: 'auto' is a
   flash kernel from AUTO_BLOCKWISE_MIN_TOKENS keys (the scores would dominate a device's
-  memory), 'splash' on a TPU for the rows it holds (not `packed` ones), else 'blockwise';
-  under that, 'xla'."""
+  memory), the platform's own for the rows it holds (not `packed` ones): 'splash' on a TPU,
+  'cudnn' on a GPU (`_auto` then checks the rows' dtype and heads), else 'blockwise'; under
+  that, 'xla'."""
   if name != 'auto':
     return name
   if keys < AUTO_BLOCKWISE_MIN_TOKENS:
     return 'xla'
-  return 'splash' if platform == 'tpu' and not packed else 'blockwise'
+  own = {'tpu': 'splash', 'gpu': 'cudnn'}.get(platform)
+  return own if own and not packed else 'blockwise'
 
 
 def _auto(q, k, v, spec: AttentionSpec):
@@ -318,10 +341,13 @@ def _auto(q, k, v, spec: AttentionSpec):
     keys = q.shape[1]
   packed = isinstance(layout, Causal) and layout.segment_bt is not None
   name = resolve('auto', keys, attention_splash.platform(), packed)
-  return {'xla': _xla, 'blockwise': _blockwise, 'splash': _splash}[name](q, k, v, spec)
+  if name == 'cudnn' and attention_cudnn.supported(q, spec, packed):
+    name = 'blockwise'
+  kernels = {'xla': _xla, 'blockwise': _blockwise, 'splash': _splash, 'cudnn': _cudnn}
+  return kernels[name](q, k, v, spec)
 
 
-# config.model.attention -> (q, k, v, spec) -> o. A new kernel (cuDNN flash) is one more entry
-# here, tested against 'xla' on every layout it supports.
+# config.model.attention -> (q, k, v, spec) -> o. A new kernel is one more entry here, tested
+# against 'xla' on every layout it supports.
 IMPLEMENTATIONS: dict[str, Callable[[Any, Any, Any, AttentionSpec], jax.Array]] = {
-    'xla': _xla, 'blockwise': _blockwise, 'splash': _splash, 'auto': _auto}
+    'xla': _xla, 'blockwise': _blockwise, 'splash': _splash, 'cudnn': _cudnn, 'auto': _auto}

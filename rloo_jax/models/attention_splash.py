@@ -42,7 +42,8 @@ _MESH = contextvars.ContextVar('splash_mesh', default=None)
 
 @contextlib.contextmanager
 def on_mesh(mesh):
-  """Programs traced inside run the kernel over `mesh` and build it for its devices' platform."""
+  """Programs traced inside are built for `mesh`'s platform (`platform`, read by 'auto') and run
+  splash per shard of it."""
   token = _MESH.set(mesh)
   try:
     yield
@@ -154,19 +155,29 @@ def _run(q_bshgd, k_bshd, v_bshd, key_ok_bs, mask_key, spec):
   return o.transpose(0, 3, 1, 2, 4).astype(v_bshd.dtype)
 
 
-def _windowed(run, window, window_size):
+def windowed(run, window, window_size, name='splash'):
   """run(static window or None) under the layer's window: a traced one is the config's
-  `window_size` on sliding layers, no limit on the others (both kernels compiled, one runs)."""
+  `window_size` on sliding layers, no limit on the others (both kernels compiled, one runs).
+  Shared by the kernels whose windows are static ('splash', 'cudnn')."""
   if window is None:
     return run(None)
   try:
     static = int(window)
   except jax.errors.ConcretizationTypeError:
     if not window_size:
-      raise ValueError("attention='splash' needs the layers' static sliding window "
+      raise ValueError(f"attention={name!r} needs the layers' static sliding window "
                        "(AttentionSpec.window_size) under a traced window") from None
     return jax.lax.cond(window < _INT32_MAX, lambda: run(int(window_size)), lambda: run(None))
   return run(None if static >= _INT32_MAX else static)
+
+
+def compaction(mask_bt):
+  """(gather, scatter) along rows: a row's valid tokens moved to its front in order, and back.
+  In a row whose positions count its valid tokens, index distance is then position distance."""
+  order = jnp.argsort(~mask_bt, axis=1, stable=True)
+  along = lambda idx: lambda x: jnp.take_along_axis(  # noqa: E731
+      x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+  return along(order), along(jnp.argsort(order, axis=1))
 
 
 def _pad_rows(x, n):
@@ -183,20 +194,12 @@ def causal(q, k, v, spec, mask_bt, segment_bt=None):
   mask_bt = mask_bt.astype(bool)
 
   def run(window):
-    if window is None:
-      args = (q, k, v, mask_bt)
-    else:  # valid tokens first, in order: index distance is then position distance
-      order = jnp.argsort(~mask_bt, axis=1, stable=True)
-      take = lambda x: jnp.take_along_axis(  # noqa: E731
-          x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
-      args = (take(q), take(k), take(v), take(mask_bt))
+    gather, scatter = compaction(mask_bt) if window is not None else (None, None)
+    args = (q, k, v, mask_bt) if window is None else tuple(map(gather, (q, k, v, mask_bt)))
     o = _run(*(_pad_rows(x, n) for x in args), ('causal', n, window, block), spec)[:, :s]
-    if window is None:
-      return o
-    inverse = jnp.argsort(order, axis=1)
-    return jnp.take_along_axis(o, inverse.reshape(inverse.shape + (1, 1, 1)), axis=1)
+    return o if window is None else scatter(o)
 
-  return _windowed(run, spec.window, spec.window_size)
+  return windowed(run, spec.window, spec.window_size)
 
 
 def prompt_group(q, k, v, spec):
@@ -222,4 +225,4 @@ def prompt_group(q, k, v, spec):
     comp = o[:, pa:].reshape(b, m, ta, *o.shape[2:])[:, :, :t].swapaxes(1, 2)
     return jnp.concatenate([o[:, pa - p:pa], comp.reshape(b, t * m, *o.shape[2:])], axis=1)
 
-  return _windowed(run, spec.window, spec.window_size)
+  return windowed(run, spec.window, spec.window_size)
