@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,19 @@ from rloo_jax.optim import apply_if_finite
 
 
 def constrain(tree, shardings):
-  """`with_sharding_constraint`, or nothing when there is no sharding to express."""
-  return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
+  """`with_sharding_constraint`, or nothing when there is no sharding to express. One sharding
+  for a tree of rows: a field with fewer rows than its batch shards (a microbatch's prompts,
+  fewer groups than devices) is gathered whole instead, not split where it cannot be."""
+  if shardings is None:
+    return tree
+  if not isinstance(shardings, jax.sharding.NamedSharding):
+    return jax.lax.with_sharding_constraint(tree, shardings)
+  ways = shardings.num_devices // math.prod(  # the devices the leading axis does not split over
+      shardings.mesh.shape[a] for a in shardings.mesh.axis_names
+      if a not in jax.tree.leaves(tuple(shardings.spec[:1])))
+  whole = jax.sharding.NamedSharding(shardings.mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+      x, shardings if x.ndim and x.shape[0] % ways == 0 else whole), tree)
 
 
 def microbatches(config, *, per: str) -> int:

@@ -119,7 +119,7 @@ def test_splash_attention_compiles_to_the_tpu_kernel_per_shard(attention, mesh, 
   """config.model.attention='splash' (and 'auto' on a TPU, its flash length lowered to the smoke
   rows): the grouped update and the scoring pass compile for a TPU topology with the Pallas
   kernel (Mosaic's custom call) in them, run per shard (data and tensor, or fsdp), and fit."""
-  from rloo_jax.models import attention_ops  # pylint: disable=import-outside-toplevel
+  from rloo_jax.models import attention_ops, traced_mesh  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(attention_ops, "AUTO_BLOCKWISE_MIN_TOKENS", 8)
   config = load_config("smoke", "gsm8k")
   config.model.attention = attention
@@ -128,7 +128,7 @@ def test_splash_attention_compiles_to_the_tpu_kernel_per_shard(attention, mesh, 
   config.rloo.num_prompts = max(config.rloo.num_prompts, 4 * config.train.num_minibatches)
   algo = _algo(config, "tpu-v5e-4")
   x = programs_lib.inputs(algo.exp)
-  with attention_ops.mesh_context(attention, algo.exp.layout.mesh):
+  with traced_mesh.on_mesh(algo.exp.layout.mesh):
     update = algo.step_fn.lower(x.state, x.minibatch)["update_gradients"].compile()
     score = algo.reference_fn.lower(x.state.ref_params, x.rows).compile()
   for compiled in (update, score):
@@ -142,7 +142,7 @@ def test_cudnn_attention_compiles_for_the_h100_in_bfloat16(attention, monkeypatc
   """config.model.attention='cudnn' (and 'auto' on a GPU, its flash length lowered to the smoke
   rows): the grouped update and the scoring pass, bfloat16, compile for the H100 with cuDNN's
   fused attention (its custom call) in them, and fit."""
-  from rloo_jax.models import attention_ops  # pylint: disable=import-outside-toplevel
+  from rloo_jax.models import attention_ops, traced_mesh  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(attention_ops, "AUTO_BLOCKWISE_MIN_TOKENS", 8)
   config = load_config("smoke", "gsm8k")
   config.model.attention, config.model.dtype = attention, "bfloat16"
@@ -151,10 +151,39 @@ def test_cudnn_attention_compiles_for_the_h100_in_bfloat16(attention, monkeypatc
   config.rloo.num_prompts = max(config.rloo.num_prompts, 4 * config.train.num_minibatches)
   algo = _algo(config, "h100-4")
   x = programs_lib.inputs(algo.exp)
-  with attention_ops.mesh_context(attention, algo.exp.layout.mesh):
+  with traced_mesh.on_mesh(algo.exp.layout.mesh):
     update = algo.step_fn.lower(x.state, x.minibatch)["update_gradients"].compile()
     score = algo.reference_fn.lower(x.state.ref_params, x.rows).compile()
   for compiled in (update, score):
     assert "__cudnn$fmha" in compiled.as_text()
   report = memory.plan(algo, device_memory_gb=targets.parse("h100-4").memory_gb)
   assert report["fits"], report["programs"]
+
+
+@pytest.mark.parametrize("m,window", [(1, None), (2, None), (2, 300), (3, 300)])
+def test_the_splash_group_mask_lowers_to_mosaic_for_any_completions_a_row(m, window):
+  """The grouped rows' static mask is evaluated inside the TPU kernel: it must lower for one,
+  two (where comparing completion indices made an i1 compare Mosaic refused) and more
+  completions a row, windowed or not, values and gradients."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  from rloo_jax.models import attention_ops, traced_mesh  # pylint: disable=import-outside-toplevel
+  mesh = Mesh(np.asarray(_devices("tpu-v5e-4")).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
+  b, p, t, h, g, d = 4, 200, 600, 2, 2, 128
+  rows = p + m * t
+
+  def loss(q, k, v):
+    layout = attention_ops.PromptGroup(jnp.ones((b, p), bool), jnp.ones((b, m, t), bool),
+                                       jnp.zeros((b, rows), jnp.int32))
+    spec = attention_ops.AttentionSpec(layout, d ** -0.5, 0.0, window and jnp.int32(window),
+                                       "splash", window or 0)
+    return jnp.sum(attention_ops.attend(q, k, v, spec).astype(jnp.float32))
+
+  arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16,  # noqa: E731
+                                            sharding=NamedSharding(mesh, PartitionSpec("data")))
+  with traced_mesh.on_mesh(mesh):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        arg(b, rows, h, g, d), arg(b, rows, h, d), arg(b, rows, h, d)).compile()
+  assert "tpu_custom_call" in compiled.as_text()

@@ -534,7 +534,7 @@ def test_auto_runs_blockwise_from_the_keys_a_query_reads_and_the_decode_on_xla(m
 _MESH_SCRIPT = '''
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from rloo_jax.models import attention_ops, attention_splash
+from rloo_jax.models import attention_ops, traced_mesh
 mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 2), ('data', 'fsdp', 'tensor'))
 rng = np.random.default_rng(3)
 b, p, m, t, h, g, d = 2, 5, 3, 4, 2, 2, 8
@@ -558,7 +558,7 @@ def loss(impl):
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 for window in (3, np.iinfo(np.int32).max):
   want = loss('xla')(q, k, v, jnp.int32(window))
-  with attention_splash.on_mesh(mesh):
+  with traced_mesh.on_mesh(mesh):
     f = loss('splash')
     text = f.lower(q, k, v, jnp.int32(window)).as_text()
     got = f(q, k, v, jnp.int32(window))

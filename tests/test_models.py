@@ -12,7 +12,7 @@ from numerics import FIXTURE_TERMS, assert_f32_close
 from flax import nnx
 
 from rloo_jax.models import (DecodeCache, PrefixKV, TransformerConfig, abstract, create,
-                             model_fns)
+                             model_fns, traced_mesh)
 
 # Float comparisons of two computations: rerun by .ci/run under other CPU flags.
 pytestmark = pytest.mark.numerics
@@ -136,9 +136,10 @@ def test_head_slice_equals_slicing_the_full_logits(model):
 
 
 
-def test_grouped_forward_equals_tiled_rows(model):
+def test_grouped_forward_equals_tiled_rows(model, monkeypatch):
   """fns.grouped computes each prompt once for its K completions; the same logits, and the same
-  gradients, as the K tiled [prompt | completion] rows through forward(head_slice=(P - 1, T))."""
+  gradients, as the K tiled [prompt | completion] rows through forward(head_slice=(P - 1, T)),
+  also with fewer prompts than batch shards (each prompt's completions split over rows)."""
   config, params, _ = model
   rng = np.random.default_rng(4)
   # Left-padded prompts (last token in column P - 1) with a hole inside row 0.
@@ -169,6 +170,15 @@ def test_grouped_forward_equals_tiled_rows(model):
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5 * scale)
   with pytest.raises(ValueError, match='5 completion rows do not split over 2 prompts'):
     fns.grouped(params, ptok, ppos, pmask, ctok[:5], cpos[:5], cmask[:5])
+  # Traced for 6 batch shards: each prompt's 3 completions over 3 rows of one, the prompt in
+  # each ([6, P] prompt rows), with the same logits and gradients.
+  monkeypatch.setattr(traced_mesh, 'batch_ways', lambda: 6)
+  split = lambda prm: fns.grouped(prm, ptok, ppos, pmask, ctok, cpos, cmask)
+  assert f'i32[6,{P}]' in str(jax.make_jaxpr(split)(params))
+  assert_f32_close(jax.jit(split)(params), a, FIXTURE_TERMS)
+  gc = jax.jit(jax.grad(lambda prm: jnp.sum(split(prm) * w)))(params)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gc)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_shared_cached_decode_matches_full_recomputation(model):

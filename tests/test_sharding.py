@@ -122,6 +122,22 @@ def mesh_worker(workdir: str) -> dict:
   out["packed"] = dict(state_diff=_max_diff(_host(state), ref_s1),
                        metric_diffs=_metric_diffs(m, ref_m1))
 
+  # A microbatch of 4 groups over 8 batch shards, traced for the mesh as a run's programs are:
+  # each group's 2 completions over 2 grouped rows, one a device; the same iteration.
+  from rloo_jax.models import traced_mesh  # pylint: disable=import-outside-toplevel
+  c = mesh_config((8, 1, 1))
+  with c.unlocked():
+    c.train.microbatch_size = 4
+  algo = RLOO(experiment.build(c, workdir, task=task))
+  with traced_mesh.on_mesh(algo.exp.layout.mesh):
+    grouped = jax.make_jaxpr(algo.exp.fns.grouped)(
+        state.params, *(np.zeros(s, np.int32) for s in ((4, 8),) * 2), np.ones((4, 8), bool),
+        *(np.zeros((8, 3), np.int32),) * 2, np.ones((8, 3), bool))
+    state, m = algo.iteration(algo.init_state(params0), batch1)
+  out["split_groups"] = dict(state_diff=_max_diff(_host(state), ref_s1),
+                             metric_diffs=_metric_diffs(m, ref_m1),
+                             eight_prompt_rows="i32[8,8]" in str(grouped))
+
   # The rollout engine over (2, 4, 1): eight batch shards, an engine of 2 slots on each; the
   # iteration is the static sampler's on one device, and no device holds another's slots.
   c = mesh_config((2, 4, 1))
@@ -223,6 +239,13 @@ def test_fsdp_decode_on_layers_gathered_once_matches_one_device(mesh_results):
 def test_packed_updates_over_eight_devices_match_one_unpacked_device(mesh_results):
   r = mesh_results["packed"]
   assert r["state_diff"] < ATOL, r
+  bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
+  assert not bad, bad
+
+
+def test_fewer_groups_than_batch_shards_split_over_rows_and_match_one_device(mesh_results):
+  r = mesh_results["split_groups"]
+  assert r["eight_prompt_rows"] and r["state_diff"] < ATOL, r
   bad = {k: v for k, v in r["metric_diffs"].items() if v > MTOL}
   assert not bad, bad
 

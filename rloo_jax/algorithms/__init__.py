@@ -23,7 +23,7 @@ from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms import dpo, ppo
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.memory import budget
-from rloo_jax.models import attention_ops
+from rloo_jax.models import attention_ops, traced_mesh
 from rloo_jax.rewards import RewardSet
 
 
@@ -101,8 +101,7 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   workdir_lib.check_config(workdir, config, log=log)
-  with workdir_lib.Lock(workdir, log=log), \
-      attention_ops.mesh_context(checked.config.model.attention, checked.layout.mesh):
+  with workdir_lib.Lock(workdir, log=log), traced_mesh.on_mesh(checked.layout.mesh):
     algo = build(checked, workdir, log=log, **build_kw)
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.

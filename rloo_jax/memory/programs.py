@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from rloo_jax import engine, experiment, rollout, sampler, sampler_args, update
-from rloo_jax.models import attention_ops
+from rloo_jax.models import traced_mesh
 from rloo_jax.sharding import per_device_bytes
 
 NAMES = ("update", "score", "start", "decode", "engine")
@@ -254,7 +254,7 @@ def compile_programs(algo, names=NAMES, *, options=None) -> Compiled:
   """Compiles the RLOO programs `names` (a subset of NAMES, `program_names`; the decode loop
   needs the start compiled too) of `algo` (an `algorithms.rloo.RLOO`) on abstract inputs, with XLA
   `options` (compiler_options: e.g. ACCELERATOR_OPTIONS)."""
-  with attention_ops.mesh_context(algo.exp.config.model.attention, algo.exp.layout.mesh):
+  with traced_mesh.on_mesh(algo.exp.layout.mesh):
     return _compile_programs(algo, names, options)
 
 

@@ -12,7 +12,6 @@ Every layout computes its scores and softmax in float32, whatever the activation
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -20,7 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from rloo_jax.models import attention_blockwise, attention_cudnn, attention_splash
+from rloo_jax.models import attention_blockwise, attention_cudnn, attention_splash, traced_mesh
 
 # Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
 # finite distribution instead of NaNs that would leak into gradients through a masked mean.
@@ -114,13 +113,6 @@ def check_platform(name: str, platform: str, packed: bool = False) -> None:
     raise ValueError(f"config.model.attention={name!r} has no packed-row form (a completion "
                      "reads its group's prompt segment and its own); with "
                      "config.train.microbatch_tokens use 'auto' or 'blockwise'")
-
-
-def mesh_context(name: str, mesh):
-  """The context to trace a model's programs in: where config.model.attention `name` may pick a
-  kernel by platform, the programs are built for `mesh`'s (a compile-only topology's included)
-  and splash's shard_map runs over it (`attention_splash.on_mesh`)."""
-  return attention_splash.on_mesh(mesh) if name != 'xla' else contextlib.nullcontext()
 
 
 def check_implementation(name: str) -> str:
@@ -331,7 +323,7 @@ def resolve(name: str, keys: int, platform: str = '', packed: bool = False) -> s
 def _auto(q, k, v, spec: AttentionSpec):
   """'auto' (`resolve`) on the keys a query reads: a causal row's length, a group's prompt plus
   one completion (xla never scores one completion against another), none for the decode's one
-  query a stream; on the platform the program is built for (`attention_splash.platform`)."""
+  query a stream; on the platform the program is built for (`traced_mesh.platform`)."""
   layout = spec.layout
   if isinstance(layout, SharedPrefixDecode):
     return _xla(q, k, v, spec)
@@ -340,7 +332,7 @@ def _auto(q, k, v, spec: AttentionSpec):
   else:
     keys = q.shape[1]
   packed = isinstance(layout, Causal) and layout.segment_bt is not None
-  name = resolve('auto', keys, attention_splash.platform(), packed)
+  name = resolve('auto', keys, traced_mesh.platform(), packed)
   if name == 'cudnn' and attention_cudnn.supported(q, spec, packed):
     name = 'blockwise'
   kernels = {'xla': _xla, 'blockwise': _blockwise, 'splash': _splash, 'cudnn': _cudnn}

@@ -12,15 +12,13 @@ through the static mask:
   every mask block then lies in one (query part, key part) pair and is full, empty or banded, and
   a completion token's position distance to any key it reads is static.
 Packed rows (a completion reads its group's prompt segment besides its own: not one equality)
-and the one-query-a-stream decode raise. The kernel runs under `shard_map` over the mesh of
-`on_mesh` (rows over the batch axes, kv heads over 'tensor'), since XLA cannot partition a
-Pallas call. Off TPU it runs in Pallas' interpret mode (the tests).
+and the one-query-a-stream decode raise. The kernel runs under `shard_map` over the mesh the
+program is traced for (`traced_mesh`: rows over the batch axes, kv heads over 'tensor'), since
+XLA cannot partition a Pallas call. Off TPU it runs in Pallas' interpret mode (the tests).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -29,33 +27,12 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
+from rloo_jax.models import traced_mesh
+
 # Block (queries and keys, forward and backward); a row shorter than it is padded to MIN_BLOCK.
 BLOCK = 512
 MIN_BLOCK = 128
 _INT32_MAX = np.iinfo(np.int32).max
-
-
-# Not jax.set_mesh: under a context mesh flax reads the parameters' logical axis names as mesh
-# axes.
-_MESH = contextvars.ContextVar('splash_mesh', default=None)
-
-
-@contextlib.contextmanager
-def on_mesh(mesh):
-  """Programs traced inside are built for `mesh`'s platform (`platform`, read by 'auto') and run
-  splash per shard of it."""
-  token = _MESH.set(mesh)
-  try:
-    yield
-  finally:
-    _MESH.reset(token)
-
-
-def platform() -> str:
-  """The platform the program is built for: `on_mesh`'s devices (a compile-only TPU topology
-  included), else the default device's."""
-  mesh = _MESH.get()
-  return (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
 
 
 def _round_up(n: int, m: int) -> int:
@@ -73,10 +50,15 @@ class _GroupMask(sm._ComputableMask):  # pylint: disable=protected-access
     def part(x):  # 0 for the prompt and completion 0, j for completion j
       return sum((x >= pa + j * ta).astype(np.int32) for j in range(1, m))
 
+    def same_completion(q, kv):
+      # Ranges, not part(q) == part(kv): Mosaic folds that into an i1 compare it cannot lower.
+      ends = [(pa + j * ta, pa + (j + 1) * ta) for j in range(m)]
+      return functools.reduce(lambda a, b: a | b, [
+          (q >= lo) & (q < hi) & (kv >= lo) & (kv < hi) for lo, hi in ends])
+
     def fn(q, kv):
-      cq, ck = part(q), part(kv)
-      vq, vk = q - ta * cq, kv - ta * ck
-      ok = (vk <= vq) & ((kv < pa) | ((q >= pa) & (cq == ck)))
+      vq, vk = q - ta * part(q), kv - ta * part(kv)
+      ok = (vk <= vq) & ((kv < pa) | same_completion(q, kv))
       return ok if window is None else ok & (vq - vk < window)
 
     super().__init__((pa + m * ta, pa + m * ta), fn)
@@ -132,7 +114,7 @@ def _kernel(mask_key, heads: int, softcap: float, interpret: bool):
 def _run(q_bshgd, k_bshd, v_bshd, key_ok_bs, mask_key, spec):
   """The kernel over rows already laid out for `mask_key` (length a multiple of its block)."""
   b, s, h, g, d = q_bshgd.shape
-  kernel = _kernel(mask_key, g, float(spec.softcap), platform() != 'tpu')
+  kernel = _kernel(mask_key, g, float(spec.softcap), traced_mesh.platform() != 'tpu')
   q = (q_bshgd * jnp.asarray(spec.scale, q_bshgd.dtype)).transpose(0, 2, 3, 1, 4)  # [B,H,G,S,D]
   k, v = k_bshd.transpose(0, 2, 1, 3), v_bshd.transpose(0, 2, 1, 3)  # [B,H,S,D]
   kv_ids = key_ok_bs.astype(jnp.int32)
@@ -143,9 +125,9 @@ def _run(q_bshgd, k_bshd, v_bshd, key_ok_bs, mask_key, spec):
                         in_axes=(0, 0, 0, None, None))
     return jax.vmap(per_head)(q, k, v, ids, kv_ids)
 
-  mesh = _MESH.get()
+  mesh = traced_mesh.get()
   if mesh is not None and mesh.size > 1:
-    rows = tuple(a for a in ('data', 'fsdp') if a in mesh.axis_names and mesh.shape[a] > 1)
+    rows = tuple(a for a in traced_mesh.BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
     rows = rows if rows and b % int(np.prod([mesh.shape[a] for a in rows])) == 0 else None
     heads = 'tensor' if 'tensor' in mesh.axis_names and h % mesh.shape['tensor'] == 0 else None
     p4 = jax.sharding.PartitionSpec(rows, heads)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rloo_jax.models import attention_ops
+from rloo_jax.models import attention_ops, traced_mesh
 from rloo_jax.models.block import stacked_blocks
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
     DecodeCache, PrefixKV, init_cache, read_pages, write_page, write_slot)
@@ -209,7 +209,8 @@ class Transformer(nnx.Module):
     head_slice=(P - 1, T), at P*B instead of P*N prompt tokens of compute, forward and backward.
     Needs T >= 1 completion columns.
     Prompts must be left-padded (their last token in column P - 1), as `rollout_sequences` does.
-    Rows are laid out per prompt, [B, P + (T-1)*M], so a batch sharding over B holds throughout;
+    Rows are laid out per prompt, [B, P + (T-1)*M], so a batch sharding over B holds throughout
+    (with fewer prompts than batch shards, each prompt's rows split over several);
     the completions token-major: row P + i*M + j holds token i of sample j, so the M tokens of
     one decode step are adjacent.
     """
@@ -218,6 +219,14 @@ class Transformer(nnx.Module):
     if n % b:
       raise ValueError(f'grouped forward: {n} completion rows do not split over {b} prompts')
     m = n // b
+    # Fewer groups than batch shards: each group's completions over s rows, its prompt in each,
+    # so the rows still split one a shard instead of being resharded (traced_mesh.batch_ways).
+    s = traced_mesh.batch_ways() // b if traced_mesh.batch_ways() % b == 0 else 1
+    if s > 1 and m % s == 0:
+      prompt_tokens_bp, prompt_positions_bp, prompt_mask_bp = (
+          jnp.repeat(x, s, axis=0) for x in (prompt_tokens_bp, prompt_positions_bp,
+                                             prompt_mask_bp))
+      b, m = b * s, m // s
     # A completion's last token is never fed: its hidden state predicts nothing scored here, and
     # under the causal mask no earlier position sees it.
     u = t - 1
