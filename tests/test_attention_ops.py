@@ -580,3 +580,40 @@ def test_splash_runs_per_shard_over_the_mesh_and_equals_xla():
   assert len(lines) == 2, out
   for _, err, _, manual in lines:
     assert float(err) < 1e-4 and manual == 'True', out
+
+
+@pytest.mark.skipif(jax.default_backend() != 'gpu', reason="cuDNN's attention runs on a GPU only "
+                    "(here its layouts run on xla: `_cudnn_on_xla`)")
+@pytest.mark.parametrize('layout', ['causal', 'group'])
+def test_cudnn_equals_xla_on_a_gpu(layout):
+  """cuDNN itself, bfloat16, against 'xla' on the same bfloat16 inputs computed in float32:
+  values and gradients within bfloat16's rounding, windowed or not."""
+  rng = np.random.default_rng(12)
+  b, p, m, t, h, g, d = 2, 40, 3, 50, 2, 2, 64
+  if layout == 'causal':
+    s = p + t
+    mask = jnp.ones((b, s), bool).at[0, :7].set(False).at[1, s - 9:].set(False)
+    lay, valid = attention_ops.Causal(mask, jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)), mask
+  else:
+    s = p + m * t
+    prompt_mask = jnp.ones((b, p), bool).at[0, :5].set(False)
+    mask_bmt = jnp.arange(t)[None, None] < jnp.asarray([[50, 31, 12], [7, 50, 44]])[..., None]
+    pos_p = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+    pos_c = jnp.broadcast_to(pos_p[:, -1:, None] + 1 + jnp.arange(t), (b, m, t))
+    lay = attention_ops.PromptGroup(prompt_mask, mask_bmt, jnp.concatenate(
+        [pos_p, pos_c.transpose(0, 2, 1).reshape(b, t * m)], 1))
+    valid = jnp.concatenate([prompt_mask, mask_bmt.transpose(0, 2, 1).reshape(b, t * m)], 1)
+  q, k, v = (jnp.asarray(rng.standard_normal(x), jnp.bfloat16)
+             for x in ((b, s, h, g, d), (b, s, h, d), (b, s, h, d)))
+  for window in (None, 16):
+    def loss(impl, dtype):
+      spec = attention_ops.AttentionSpec(lay, d ** -0.5, 0.0, window and jnp.int32(window), impl,
+                                         window or 0)
+      def f(q, k, v):
+        o = attention_ops.attend(q.astype(dtype), k.astype(dtype), v.astype(dtype), spec)
+        return jnp.sum(jnp.where(valid[..., None, None, None], o.astype(jnp.float32), 0.0) ** 2)
+      return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
+    got, want = loss('cudnn', jnp.bfloat16), loss('xla', jnp.float32)
+    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      scale = float(jnp.max(jnp.abs(b_)))
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_), atol=0.03 * scale)
