@@ -556,28 +556,47 @@ def loss(impl):
     o = attention_ops.attend(q, k, v, spec)  # pad queries read no key: any finite output
     return jnp.sum(jnp.where(valid[..., None, None, None], o, 0.0) ** 2)
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+def check(loss, *args):
+  want = loss('xla')(*args)
+  for impl in impls:
+    with traced_mesh.on_mesh(mesh):
+      f = loss(impl)
+      text = f.lower(*args).as_text()
+      got = f(*args)
+    err = max(float(jnp.max(jnp.abs(a - b_)))
+              for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    print('ERR', err, 'MANUAL', 'manual_computation' in text, flush=True)
+impls = ('splash', 'blockwise')
 for window in (3, np.iinfo(np.int32).max):
-  want = loss('xla')(q, k, v, jnp.int32(window))
-  with traced_mesh.on_mesh(mesh):
-    f = loss('splash')
-    text = f.lower(q, k, v, jnp.int32(window)).as_text()
-    got = f(q, k, v, jnp.int32(window))
-  err = max(float(jnp.max(jnp.abs(a - b_))) for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-  print('ERR', err, 'MANUAL', 'manual_computation' in text, flush=True)
+  check(loss, q, k, v, jnp.int32(window))
+# Packed rows, each row's groups its own: blockwise's blocks to visit are each device's.
+seg = np.asarray([[0] * 3 + [1] * 4 + [2] * 4 + [3] * 2 + [4] * 4, [0] * 6 + [1] * 11])
+shared = np.asarray([[0] * 11 + [3] * 6, [0] * 17])
+ok = np.ones((b, rows), bool)
+pos = np.tile(np.arange(rows), (b, 1))
+def packed(impl):
+  def f(q, k, v, window):
+    spec = attention_ops.AttentionSpec(attention_ops.Causal(ok, pos, seg, shared), d ** -0.5,
+                                       0.0, window, impl, 3)
+    return jnp.sum(attention_ops.attend(q, k, v, spec) ** 2)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+impls = ('blockwise',)
+check(packed, q, k, v, jnp.int32(3))
 '''
 
 
-def test_splash_runs_per_shard_over_the_mesh_and_equals_xla():
-  """On 4 devices (rows over 'data', kv heads over 'tensor'), splash in `on_mesh` runs under
-  shard_map (the manual-sharding ops in its program) and equals 'xla', values and gradients,
-  for a windowed layer and a global one (the traced window's two kernels)."""
+def test_splash_and_blockwise_run_per_shard_over_the_mesh_and_equal_xla():
+  """On 4 devices (rows over 'data', kv heads over 'tensor'), splash and blockwise traced for
+  the mesh (`traced_mesh.on_mesh`) run under shard_map (the manual-sharding ops in their
+  programs) and equal 'xla', values and gradients: grouped rows with a windowed layer and a
+  global one (splash's two kernels under the traced window), and blockwise on packed rows."""
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
          'XLA_FLAGS': (os.environ.get('XLA_FLAGS', '')
                        + ' --xla_force_host_platform_device_count=4').strip()}
   out = subprocess.run([sys.executable, '-c', _MESH_SCRIPT], env=env, capture_output=True,
                        text=True, timeout=600, check=True).stdout
   lines = [l.split() for l in out.splitlines() if l.startswith('ERR')]
-  assert len(lines) == 2, out
+  assert len(lines) == 5, out
   for _, err, _, manual in lines:
     assert float(err) < 1e-4 and manual == 'True', out
 

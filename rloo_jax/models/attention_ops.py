@@ -240,11 +240,16 @@ def _blockwise(q, k, v, spec: AttentionSpec):
   layout = spec.layout
   if isinstance(layout, SharedPrefixDecode):
     return _shared_prefix_decode(q, k, v, spec)
-  run = functools.partial(attention_blockwise.attend, window=spec.window, scale=spec.scale,
-                          softcap=spec.softcap)
+  kernel = functools.partial(attention_blockwise.attend, scale=spec.scale, softcap=spec.softcap)
+
+  def run(q, k, v, key_ok, segment=None, positions=None, shared=None):
+    # Per shard of the traced mesh: the blocks each query block visits are its device's rows'.
+    return traced_mesh.per_shard(kernel, (q, k, v, key_ok, segment, positions, spec.window,
+                                          shared), (2, 2, 2) + (None,) * 5, 2)
+
   if isinstance(layout, Causal):
     return run(q, k, v, layout.mask_bt, layout.segment_bt, layout.positions_bt,
-               shared_bs=layout.shared_bt)
+               layout.shared_bt)
   if not isinstance(layout, PromptGroup):
     raise TypeError(f'attention layout {type(layout).__name__} has no blockwise implementation')
   b, m, t = layout.mask_bmt.shape

@@ -125,15 +125,7 @@ def _run(q_bshgd, k_bshd, v_bshd, key_ok_bs, mask_key, spec):
                         in_axes=(0, 0, 0, None, None))
     return jax.vmap(per_head)(q, k, v, ids, kv_ids)
 
-  mesh = traced_mesh.get()
-  if mesh is not None and mesh.size > 1:
-    rows = tuple(a for a in traced_mesh.BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-    rows = rows if rows and b % int(np.prod([mesh.shape[a] for a in rows])) == 0 else None
-    heads = 'tensor' if 'tensor' in mesh.axis_names and h % mesh.shape['tensor'] == 0 else None
-    p4 = jax.sharding.PartitionSpec(rows, heads)
-    local = jax.shard_map(local, mesh=mesh, in_specs=(p4, p4, p4, jax.sharding.PartitionSpec(rows)),
-                          out_specs=p4, check_vma=False)
-  o = local(q, k, v, kv_ids)  # [B,H,G,S,D]
+  o = traced_mesh.per_shard(local, (q, k, v, kv_ids), (1, 1, 1, None), 1)  # [B,H,G,S,D]
   return o.transpose(0, 3, 1, 2, 4).astype(v_bshd.dtype)
 
 

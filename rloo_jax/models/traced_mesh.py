@@ -5,8 +5,8 @@
   compile-only TPU topology or GPU target included; the host's default backend is not it).
 - `batch_ways()`: how many shards the batch axes split rows into ('data' x 'fsdp'), which the
   grouped forward shapes its rows by.
-- `get()`: the mesh itself, over which 'splash' runs its Pallas kernel per shard (XLA cannot
-  partition a Pallas call).
+- `per_shard(fn, args, heads)`: `fn` run per shard of it (`shard_map`): 'splash', whose Pallas
+  call XLA cannot partition, and 'blockwise', whose loops then run to each device's own bounds.
 
 Not `jax.set_mesh`: under a context mesh flax reads the parameters' logical axis names as mesh
 axes. Outside `on_mesh` the program is built for one device of the default backend.
@@ -19,6 +19,7 @@ import contextvars
 import math
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 _MESH = contextvars.ContextVar('traced_mesh', default=None)
 BATCH_AXES = ('data', 'fsdp')
@@ -48,3 +49,39 @@ def batch_ways() -> int:
   if mesh is None:
     return 1
   return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def per_shard(fn, args, heads, out_head):
+  """fn(*args) per shard of the traced mesh: each array's axis 0 (rows) over the batch axes where
+  they divide it, its axis heads[i] (None: none) over 'tensor' where that divides it, a scalar
+  or None whole; the output's rows and axis `out_head` alike. fn(*args) without a mesh of
+  several devices."""
+  mesh = _MESH.get()
+  if mesh is None or mesh.size == 1:
+    return fn(*args)
+  b = next(x.shape[0] for x in args if x is not None and x.ndim)
+  rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  rows = rows if rows and b % math.prod(mesh.shape[a] for a in rows) == 0 else None
+  tensor = mesh.shape['tensor'] if 'tensor' in mesh.axis_names else 1
+
+  def spec(ndim, head, size):
+    dims = [rows] + [None] * (ndim - 1)
+    if head is not None and tensor > 1 and size % tensor == 0:
+      dims[head] = 'tensor'
+    return P(*dims)
+
+  given = [i for i, x in enumerate(args) if x is not None]
+
+  def local(*xs):
+    full = list(args)
+    for i, x in zip(given, xs):
+      full[i] = x
+    return fn(*full)
+
+  in_specs = tuple(P() if args[i].ndim == 0 else
+                   spec(args[i].ndim, heads[i], args[i].shape[heads[i]] if heads[i] else 0)
+                   for i in given)
+  q = args[0]
+  out = spec(q.ndim, out_head, q.shape[out_head])
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out,
+                       check_vma=False)(*(args[i] for i in given))
