@@ -52,10 +52,10 @@ def batch_ways() -> int:
 
 
 def per_shard(fn, args, heads, out_head):
-  """fn(*args) per shard of the traced mesh: each array's axis 0 (rows) over the batch axes where
-  they divide it, its axis heads[i] (None: none) over 'tensor' where that divides it, a scalar
-  or None whole; the output's rows and axis `out_head` alike. fn(*args) without a mesh of
-  several devices."""
+  """fn(*args) per shard of the traced mesh: each array's axis 0 (rows) over the batch axes, its
+  axis heads[i] (None: none) over 'tensor' where that divides it, a scalar or None whole; the
+  output's rows and axis `out_head` alike. fn(*args) as it is without a mesh of several devices
+  or where neither the rows nor the heads split."""
   mesh = _MESH.get()
   if mesh is None or mesh.size == 1:
     return fn(*args)
@@ -63,6 +63,8 @@ def per_shard(fn, args, heads, out_head):
   rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
   rows = rows if rows and b % math.prod(mesh.shape[a] for a in rows) == 0 else None
   tensor = mesh.shape['tensor'] if 'tensor' in mesh.axis_names else 1
+  if rows is None and not (tensor > 1 and args[0].shape[heads[0]] % tensor == 0):
+    return fn(*args)  # nothing splits: XLA's own partitioning, as without a mesh
 
   def spec(ndim, head, size):
     dims = [rows] + [None] * (ndim - 1)
