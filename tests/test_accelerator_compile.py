@@ -114,27 +114,40 @@ def test_the_optimizer_program_updates_the_donated_state_in_place(target):
   assert stats.alias_size_in_bytes >= state * 0.99
 
 
-@pytest.mark.parametrize("attention,mesh", [("splash", (2, 1, 2)), ("auto", (1, 4, 1))])
-def test_splash_attention_compiles_to_the_tpu_kernel_per_shard(attention, mesh, monkeypatch):
-  """config.model.attention='splash' (and 'auto' on a TPU, its flash length lowered to the smoke
-  rows): the grouped update and the scoring pass compile for a TPU topology with the Pallas
-  kernel (Mosaic's custom call) in them, run per shard (data and tensor, or fsdp), and fit."""
-  from rloo_jax.models import attention_ops, traced_mesh  # pylint: disable=import-outside-toplevel
+def _flash_config(attention, monkeypatch):
+  """The smoke GSM8K config with `attention`, 'auto''s flash length lowered to its rows."""
+  from rloo_jax.models import attention_ops  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(attention_ops, "AUTO_BLOCKWISE_MIN_TOKENS", 8)
   config = load_config("smoke", "gsm8k")
   config.model.attention = attention
   config.model.update(num_heads=4, num_kv_heads=2, head_dim=32)
-  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
   config.rloo.num_prompts = max(config.rloo.num_prompts, 4 * config.train.num_minibatches)
-  algo = _algo(config, "tpu-v5e-4")
+  return config
+
+
+def _assert_kernel_in_programs_and_fits(config, target, call):
+  """The grouped update and the scoring pass, traced for the target's mesh, hold the kernel's
+  custom call `call`; the whole plan fits."""
+  from rloo_jax.models import traced_mesh  # pylint: disable=import-outside-toplevel
+  algo = _algo(config, target)
   x = programs_lib.inputs(algo.exp)
   with traced_mesh.on_mesh(algo.exp.layout.mesh):
     update = algo.step_fn.lower(x.state, x.minibatch)["update_gradients"].compile()
     score = algo.reference_fn.lower(x.state.ref_params, x.rows).compile()
   for compiled in (update, score):
-    assert "tpu_custom_call" in compiled.as_text()
-  report = memory.plan(algo, device_memory_gb=targets.parse("tpu-v5e-4").memory_gb)
+    assert call in compiled.as_text()
+  report = memory.plan(algo, device_memory_gb=targets.parse(target).memory_gb)
   assert report["fits"], report["programs"]
+
+
+@pytest.mark.parametrize("attention,mesh", [("splash", (2, 1, 2)), ("auto", (1, 4, 1))])
+def test_splash_attention_compiles_to_the_tpu_kernel_per_shard(attention, mesh, monkeypatch):
+  """config.model.attention='splash' (and 'auto' on a TPU, its flash length lowered to the smoke
+  rows): the grouped update and the scoring pass compile for a TPU topology with the Pallas
+  kernel (Mosaic's custom call) in them, run per shard (data and tensor, or fsdp), and fit."""
+  config = _flash_config(attention, monkeypatch)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+  _assert_kernel_in_programs_and_fits(config, "tpu-v5e-4", "tpu_custom_call")
 
 
 @pytest.mark.parametrize("attention", ["cudnn", "auto"])
@@ -142,22 +155,10 @@ def test_cudnn_attention_compiles_for_the_h100_in_bfloat16(attention, monkeypatc
   """config.model.attention='cudnn' (and 'auto' on a GPU, its flash length lowered to the smoke
   rows): the grouped update and the scoring pass, bfloat16, compile for the H100 with cuDNN's
   fused attention (its custom call) in them, and fit."""
-  from rloo_jax.models import attention_ops, traced_mesh  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(attention_ops, "AUTO_BLOCKWISE_MIN_TOKENS", 8)
-  config = load_config("smoke", "gsm8k")
-  config.model.attention, config.model.dtype = attention, "bfloat16"
-  config.model.update(num_heads=4, num_kv_heads=2, head_dim=32)
+  config = _flash_config(attention, monkeypatch)
+  config.model.dtype = "bfloat16"
   config.mesh.data, config.mesh.fsdp = -1, 1
-  config.rloo.num_prompts = max(config.rloo.num_prompts, 4 * config.train.num_minibatches)
-  algo = _algo(config, "h100-4")
-  x = programs_lib.inputs(algo.exp)
-  with traced_mesh.on_mesh(algo.exp.layout.mesh):
-    update = algo.step_fn.lower(x.state, x.minibatch)["update_gradients"].compile()
-    score = algo.reference_fn.lower(x.state.ref_params, x.rows).compile()
-  for compiled in (update, score):
-    assert "__cudnn$fmha" in compiled.as_text()
-  report = memory.plan(algo, device_memory_gb=targets.parse("h100-4").memory_gb)
-  assert report["fits"], report["programs"]
+  _assert_kernel_in_programs_and_fits(config, "h100-4", "__cudnn$fmha")
 
 
 @pytest.mark.parametrize("m,window", [(1, None), (2, None), (2, 300), (3, 300)])
