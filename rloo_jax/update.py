@@ -33,9 +33,8 @@ def constrain(tree, shardings):
     return tree
   if not isinstance(shardings, jax.sharding.NamedSharding):
     return jax.lax.with_sharding_constraint(tree, shardings)
-  ways = shardings.num_devices // math.prod(  # the devices the leading axis does not split over
-      shardings.mesh.shape[a] for a in shardings.mesh.axis_names
-      if a not in jax.tree.leaves(tuple(shardings.spec[:1])))
+  # How many ways the leading axis splits: the product of its mesh axes.
+  ways = math.prod(shardings.mesh.shape[a] for a in jax.tree.leaves(tuple(shardings.spec[:1])))
   whole = jax.sharding.NamedSharding(shardings.mesh, jax.sharding.PartitionSpec())
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
       x, shardings if x.ndim and x.shape[0] % ways == 0 else whole), tree)

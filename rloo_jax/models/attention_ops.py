@@ -79,7 +79,7 @@ class AttentionSpec:
   transformers' sliding_window_overlay masks them (a global layer gets a window no distance
   reaches, so every layer runs the same scanned code). `window_size`: the config's window, the
   static value a traced `window` takes on sliding layers (read by kernels whose masks are
-  static: 'splash')."""
+  static: 'splash', 'cudnn')."""
 
   layout: Causal | PromptGroup | SharedPrefixDecode
   scale: float
