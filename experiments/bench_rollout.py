@@ -49,8 +49,8 @@ def forced(fns, h, prompt_len: int):
     eos = jax.nn.logsumexp(others, axis=-1) + logit_h[jnp.minimum(step, len(h) - 1)]
     return others.at[..., EOS].set(eos)
 
-  def prefill(params, tokens, positions, mask):
-    logits, prefix = fns.prefill(params, tokens, positions, mask)
+  def prefill(params, tokens, positions, mask, **kw):
+    logits, prefix = fns.prefill(params, tokens, positions, mask, **kw)
     return at(logits, jnp.zeros(logits.shape[:-1], jnp.int32)), prefix
 
   def decode(params, tokens, positions, cache, **kw):

@@ -202,7 +202,8 @@ class _Programs:
     tokens_1p = jax.lax.dynamic_slice_in_dim(self.prompts_np, g, 1)
     positions_1p, mask_1p = sampling.prompt_inputs(
         tokens_1p, jax.lax.dynamic_slice_in_dim(self.lengths_n, g, 1))
-    first_1v, prefix = self.fns.prefill(self.params, tokens_1p, positions_1p, mask_1p)
+    first_1v, prefix = self.fns.prefill(self.dparams, tokens_1p, positions_1p, mask_1p,
+                                        **self.split)
     q = jnp.argmax(st.refs_q == 0)
     slots_k = jnp.nonzero(st.group_s < 0, size=k, fill_value=0)[0]
     g_k, j_k, t_k = jnp.full((k,), g), jnp.arange(k), jnp.zeros((k,), jnp.int32)

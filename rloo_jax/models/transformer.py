@@ -8,9 +8,6 @@ so jit, grad and donation see plain pytrees and no hidden mutable state.
 Decoding is built for RLOO's access pattern: k completions per prompt. `prefill` runs the prompt once;
 `decode` lets the k streams of a prompt attend to that single prefix cache (never copied k times) plus
 their own per-stream cache, with both score blocks joined in one float32 softmax.
-
-The pieces live in their own modules (config, layers, attention, cache); the names other code
-reaches through this module are re-exported here.
 """
 
 from __future__ import annotations
@@ -30,8 +27,8 @@ from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
 from rloo_jax.models.config import (  # noqa: F401  (re-exported)
     _DTYPES, TransformerConfig, dtype_of)
 from rloo_jax.models import decode_weights as decode_weights_lib
-from rloo_jax.models.presets import from_experiment_config  # noqa: F401  (re-exported)
 from rloo_jax.models.layers import Norm, _param, _rotary, apply_head
+from rloo_jax.models.presets import from_experiment_config  # noqa: F401  (re-exported)
 
 
 # The parameters `head` reads (every other top-level entry is the embedding input or the layers).
@@ -152,32 +149,35 @@ class Transformer(nnx.Module):
   def _unrolled(self, graphdef, layers, body, x, positions, layout, carry, xs, gather):
     c = self.config
     global_rot, local_rot = self._rotary(positions)
+    ys = []
     for l, weights in enumerate(layers):
       weights = weights if gather is None else gather.layer(weights)
       local = bool(c.sliding_layers[l])
       rotary = local_rot if (local and local_rot is not None) else global_rot
       window = jnp.int32(c.sliding_window if local else jnp.iinfo(jnp.int32).max)
-      x, carry, _ = body(nnx.merge(graphdef, weights), x, carry,
+      x, carry, y = body(nnx.merge(graphdef, weights), x, carry,
                          jax.tree.map(lambda v, l=l: v[l], xs), rotary, self._spec(layout, window))
-    return x, carry, None
+      ys.append(y)
+    return x, carry, None if ys[0] is None else jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
-  def _trunk(self, tokens_bs, positions_bs, mask_bs, gather=None, keep_kv=False, segments=None):
+  def _trunk(self, tokens_bs, positions_bs, mask_bs, gather=None, keep_kv=False, segments=None,
+             layers=None):
     """Every layer over the full sequence: pre-norm final hidden states, and with keep_kv each
-    layer's K/V stacked [L, B, S, Hkv, D]. `segments`: (segment_bs, shared_bs) of packed rows
-    (`attention_ops.Causal`)."""
+    layer's K/V [L, B, S, Hkv, D]. segments: packed rows' (segment, shared) ids; layers: _scan's."""
     def body(block, x, carry, _, rotary, spec):
       x, kv = block(x, rotary, spec)
       return x, carry, kv if keep_kv else None
 
     x, _, kv = self._scan(body, self._embed(tokens_bs, positions_bs), positions_bs,
                           attention_ops.Causal(mask_bs, positions_bs, *(segments or ())),
-                          gather=gather)
+                          gather=gather, layers=layers)
     return x, kv
 
-  def prefill(self, tokens_bp, positions_bp, mask_bp, gather=None):
+  def prefill(self, tokens_bp, positions_bp, mask_bp, gather=None, layers=None):
     """(logits [B, V] at each row's last valid prompt position, PrefixKV). Only that position
     goes through the head: it predicts the first completion token, the others nothing."""
-    x, (k, v) = self._trunk(tokens_bp, positions_bp, mask_bp, gather, keep_kv=True)
+    x, (k, v) = self._trunk(tokens_bp, positions_bp, mask_bp, gather, keep_kv=True,
+                            layers=layers)
     # Positions are kept only where a window reads them, so other caches are unchanged.
     positions = positions_bp if any(self.config.sliding_layers) else None
     return (self._head(_last_valid(x, mask_bp))[:, 0],
@@ -354,11 +354,13 @@ def model_fns(graphdef, gather=None) -> ModelFns:
     return model(params).hidden(tokens_bs, positions_bs, mask_bs, head_slice=head_slice,
                                 gather=gather, segments=segments)
 
-  def prefill(params, tokens_bp, positions_bp, mask_bp):
+  def prefill(params, tokens_bp, positions_bp, mask_bp, layers=None):
+    if layers is not None:  # decode_weights' per-layer weights: params and layers gathered
+      return nnx.merge(graphdef, params).prefill(tokens_bp, positions_bp, mask_bp, layers=layers)
     return model(params).prefill(tokens_bp, positions_bp, mask_bp, gather=gather)
 
   def decode(params, tokens_bk, positions_bk, cache, layers=None, kv_limit=None):
-    if layers is not None:  # decode_weights' per-layer weights: params and layers gathered
+    if layers is not None:
       return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, layers=layers,
                                                 kv_limit=kv_limit)
     return model(params).decode(tokens_bk, positions_bk, cache, gather=gather,
