@@ -10,7 +10,8 @@ streams decode at once; a stream that ends frees its slot, and whenever k slots 
 row) are free the next group is admitted inside the same jitted loop: its prompt prefilled once
 into a pool of prefix rows that its k streams read (`DecodeCache.prefix_rows_b`), its first
 tokens drawn, its streams placed in the free slots. A stream's cache index is its own
-(`DecodeCache.index` [S, 1]), so a reused slot reads only what its new stream wrote.
+(`DecodeCache.index` [S, 1]); unpaged, its keys and values sit in a ring whose column all slots
+write at once (`engine_ring`), so a reused slot reads nothing of its previous stream.
 
 Same `SampleOutput` [N, k, T], token for token, as `sampler.sample(mode='shared')` of the same
 prompts and rng: stream (g, j) draws step t from fold_in(stream_keys(rng)[g, j], t) whatever
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from rloo_jax import engine_paging as paging
+from rloo_jax import engine_ring as ring
 from rloo_jax import sampler_args, sampling
 from rloo_jax.models.cache import PrefixKV
 from rloo_jax.platform import jit_by_platform
@@ -226,7 +228,7 @@ class _Programs:
   def admit_all(self, st):
     return jax.lax.while_loop(self._can_admit, self._admit, st)
 
-  def decode(self, st, kv_limit: int):
+  def decode(self, st, kv_limit: int, column=None):
     live_s = st.group_s >= 0
     g_s = jnp.maximum(st.group_s, 0)
     # A free slot decodes too (its output is dropped); its index stays inside its buffer.
@@ -237,7 +239,7 @@ class _Programs:
     positions_s = self.lengths_n[g_s] + index_s
     logits_s1v, cache = self.fns.decode(
         self.dparams, st.last_s[:, None], positions_s[:, None], cache,
-        kv_limit=None if kv_limit >= self.t_cap else kv_limit, **self.split)
+        kv_limit=None if kv_limit >= self.t_cap else kv_limit, column=column, **self.split)
     uniforms_s12 = _uniforms(self.keys_nk, g_s, st.stream_s, st.step_s)[:, None]
     tokens_s1, lp_s1, plp_s1 = sampling.draw(self.method, uniforms_s12, logits_s1v)
     tokens_s = tokens_s1[:, 0]
@@ -331,9 +333,12 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
     return _work_left(st) & (need <= kv_limit) & ((need > kv_floor) | (kv_floor == 0))
 
   def body(st):
-    return run_shards(lambda programs, st: programs.admit_all(programs.decode(st, kv_limit)), st)
+    column = None if state.free_p is not None else ring.column(st, kv_limit)
+    return run_shards(
+        lambda programs, st: programs.admit_all(programs.decode(st, kv_limit, column)), st)
 
   return jax.lax.while_loop(cond, body, state)
+
 
 
 def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,
@@ -352,10 +357,16 @@ def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *,
   state = start(*args, pad_id, slots=slots, prefix_rows=prefix_rows, pages=pages,
                 page_size=page_size, **static)
   limits = kv_limits(max_new_tokens, kv_buckets)
+  period = None  # the ring's (`phase`): the last phase's limit
   while True:
     left, need = jax.device_get((_work_left(state), _need(state)))
     if not left:
       return state
     i = next(i for i, lim in enumerate(limits) if lim >= need)
+    # A phase ends when the longest live stream needs more than its limit (index = limit < old)
+    # or under half the previous limit: every live stream's index is under both periods.
+    if not pages and period not in (None, limits[i]):
+      state = ring.relayout(state, old=period, new=limits[i])
+    period = limits[i]
     state = phase(*args, state, kv_limit=limits[i], kv_floor=limits[i - 1] // 2 if i else 0,
                   **static)

@@ -83,6 +83,36 @@ def test_unstacked_layers_and_a_one_token_cap():
   _assert_same(*_both(fns, params, sampling.Temperature(1.0), slots=3, t=1))
 
 
+@pytest.mark.parametrize('unstack', [False, True])
+def test_a_decode_step_writes_every_slot_with_one_slice_update_not_a_scatter(unstack):
+  """The ring: every slot writes one column, so the step's KV write is a dynamic-update-slice
+  under the shards' vmap too (`cache._dus`). A scatter there makes the TPU compiler keep the
+  loop's buffers in another layout than the state's and copy the whole KV in and out; a
+  paged pool still scatters (each stream its own page)."""
+  fns, params = _tiny('llama')
+  tokens, lengths = (jnp.asarray(x) for x in _prompts())
+  args = (fns, params, tokens, lengths, jax.random.key(3), jnp.asarray(STOPS))
+  static = dict(k=3, max_new_tokens=20, method=sampling.Temperature(1.0), unstack_layers=unstack)
+
+  def writes(**pool):
+    state = engine.start(*args, jnp.int32(PAD), slots=6, prefix_rows=2, **static, **pool)
+    hlo = engine.phase.lower(*args, state, kv_limit=20, **static).as_text()
+    buffers = {str(x.shape) for x in jax.tree.leaves((state.cache.k_lbkhdt,
+                                                       state.cache.v_lbkhtd))}
+    lines = hlo.splitlines()
+    found = set()
+    for i, line in enumerate(lines):
+      for op, name in (('stablehlo.scatter', 'scatter'), ('stablehlo.dynamic_update_slice', 'slice')):
+        if op in line:  # its result type: on its line, or a scatter's after its update region
+          end = next(t for t in lines[i:] if '->' in t and (op in t or t.strip()[:4] == '}) :'))
+          dims = end.split('->')[-1].split('tensor<')[1].split('x')[:-1]
+          found |= {name} if str(tuple(int(d) for d in dims)) in buffers else set()
+    return found
+
+  assert writes() == {'slice'}
+  assert 'scatter' in writes(pages=8, page_size=4)
+
+
 def _poison(monkeypatch, *fields):
   """The engine's empty caches start with `fields` full of large values (float32 leaves): what
   a previous stream could have left in a slot or page."""
@@ -105,6 +135,10 @@ def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
   # Phases reading 2, 4, 9 and 19 stream slots: a limit must never cut a live stream short.
   monkeypatch.setattr(engine, 'SMALLEST_KV_LIMIT', 2)
   assert engine.kv_limits(19, 4) == (2, 4, 9, 19)
+  periods = []  # each phase change re-lays the streams' rings (engine_ring)
+  relayout = engine.ring.relayout
+  monkeypatch.setattr(engine.ring, 'relayout', lambda state, *, old, new: (
+      periods.append((old, new)), relayout(state, old=old, new=new))[1])
   # t=19: a program no other test compiled, so it is traced with the poisoned cache.
   static, ours = _both(fns, params, sampling.Temperature(1.0), slots=3, prefix_rows=1, t=19)
   _assert_same(static, ours)
@@ -114,6 +148,7 @@ def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
                      jnp.asarray(STOPS), jnp.int32(PAD), k=3, max_new_tokens=19,
                      method=sampling.Temperature(1.0), slots=3, prefix_rows=1)
   assert int(state.next_group.sum()) == 5 and not (np.asarray(state.group_s) >= 0).any()
+  assert {(2, 4), (4, 9), (9, 19)} <= set(periods) and any(o > n for o, n in periods), periods
   # Every decode step ran some slot: fewer steps than the sum of each group's longest stream.
   assert int(state.steps.max()) <= int(static.lengths_bk.max(axis=1).sum())
 

@@ -63,12 +63,15 @@ class SharedPrefixDecode:
   slots 0..`index` (an int, or [B,K] per stream). q [B,K,Hkv,G,D]; k = (prefix_k [B,Hkv,D,P], stream_k [B,K,Hkv,D,T]),
   v = (prefix_v [B,Hkv,P,D], stream_v [B,K,Hkv,T,D]). `positions_bk` (the queries') and
   `prefix_positions_bp` are read only by a sliding window; stream slot j sits index - j
-  positions before its query."""
+  positions before its query. `column` (the engine's ring): every stream wrote this step's
+  token at slot `column` of a ring of T slots, so slot j sits (column - j) mod T positions back
+  and holds the stream's token while that distance is at most its index."""
 
   prefix_mask_bp: jax.Array
   index: jax.Array
   positions_bk: jax.Array | None = None
   prefix_positions_bp: jax.Array | None = None
+  column: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +199,12 @@ def _decode_mask(layout: SharedPrefixDecode, k: int, t: int, window):
   index = layout.index
   mask_p = jnp.broadcast_to(layout.prefix_mask_bp.astype(bool)[:, None, :], (b, k, p))
   index = index[..., None] if jnp.ndim(index) else index  # [B, K]: each stream its own
-  mask_t = jnp.broadcast_to(jnp.arange(t) <= index, (b, k, t))
+  back_t = index - jnp.arange(t) if layout.column is None else (layout.column - jnp.arange(t)) % t
+  mask_t = jnp.broadcast_to((back_t >= 0) & (back_t <= index), (b, k, t))
   if window is not None:
     q_pos_bk, pos_bp = layout.positions_bk, layout.prefix_positions_bp
     mask_p = mask_p & _in_window(q_pos_bk[..., None], pos_bp[:, None], window)[:, :, 0]
-    mask_t = mask_t & (index - jnp.arange(t) < window)
+    mask_t = mask_t & (back_t < window)
   return jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
 
 

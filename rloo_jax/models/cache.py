@@ -4,6 +4,7 @@ prompt's keys/values computed once."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -70,19 +71,42 @@ def write_slot(kv, l, k_bkhd, v_bkhd, slot):
   keys, values = kv
   if jnp.ndim(slot):
     return _scatter_slots(keys, values, l, k_bkhd, v_bkhd, slot)
-  zero = jnp.zeros((), jnp.int32)
   if isinstance(keys, tuple):
-    k_l = jax.lax.dynamic_update_slice(keys[l], k_bkhd[..., None].astype(keys[l].dtype),
-                                       (zero, zero, zero, zero, slot))
-    v_l = jax.lax.dynamic_update_slice(values[l], v_bkhd[:, :, :, None].astype(values[l].dtype),
-                                       (zero, zero, zero, slot, zero))
+    k_l = _update(keys[l], k_bkhd[..., None].astype(keys[l].dtype), slot, 1)
+    v_l = _update(values[l], v_bkhd[:, :, :, None].astype(values[l].dtype), slot, 2)
     return (keys[:l] + (k_l,) + keys[l + 1:], values[:l] + (v_l,) + values[l + 1:]), k_l, v_l
-  keys = jax.lax.dynamic_update_slice(keys, k_bkhd[None, ..., None].astype(keys.dtype),
-                                      (l, zero, zero, zero, zero, slot))
-  values = jax.lax.dynamic_update_slice(values, v_bkhd[None, :, :, :, None].astype(values.dtype),
-                                        (l, zero, zero, zero, slot, zero))
+  keys = _update(keys, k_bkhd[None, ..., None].astype(keys.dtype), slot, 1, l)
+  values = _update(values, v_bkhd[None, :, :, :, None].astype(values.dtype), slot, 2, l)
   return ((keys, values), jax.lax.dynamic_index_in_dim(keys, l, keepdims=False),
           jax.lax.dynamic_index_in_dim(values, l, keepdims=False))
+
+
+@functools.partial(jax.custom_batching.custom_vmap)
+def _dus(buf, update, starts):
+  return jax.lax.dynamic_update_slice(buf, update, tuple(starts))
+
+
+@_dus.def_vmap
+def _dus_vmap(axis_size, in_batched, buf, update, starts):
+  # Batched buffers at unbatched offsets (the engine's shards, one ring column): one slice
+  # update over the batch too, where vmap's own rule scatters (which the TPU compiler answers
+  # by keeping the loop's buffers in another layout, copying the whole cache in and out).
+  buf_b, update_b, starts_b = in_batched
+  if starts_b:
+    return jax.vmap(lambda b, u, s: jax.lax.dynamic_update_slice(b, u, tuple(s)), in_axes=(
+        0 if buf_b else None, 0 if update_b else None, 0))(buf, update, starts), True
+  buf = buf if buf_b else jnp.broadcast_to(buf, (axis_size,) + buf.shape)
+  update = update if update_b else jnp.broadcast_to(update, (axis_size,) + update.shape)
+  return _dus(buf, update, jnp.concatenate([jnp.zeros((1,), starts.dtype), starts])), True
+
+
+def _update(buf, update, slot, from_end: int, layer=None):
+  """buf with `update` written at `slot` on axis -from_end (and at `layer` on axis 0)."""
+  starts = [jnp.zeros((), jnp.int32)] * buf.ndim
+  starts[-from_end] = jnp.asarray(slot, jnp.int32)
+  if layer is not None:
+    starts[0] = jnp.asarray(layer, jnp.int32)
+  return _dus(buf, update, jnp.stack(starts))
 
 
 def write_page(kv, l, k_bkhd, v_bkhd, slot_bk, pages_bm):

@@ -253,13 +253,13 @@ class Transformer(nnx.Module):
     return self._head(self.grouped_hidden(*args, gather=gather))
 
   def decode(self, tokens_bk, positions_bk, cache: DecodeCache, gather=None, layers=None,
-             kv_limit=None):
+             kv_limit=None, column=None):
     """One token per stream, written at stream slot cache.index (callers keep index <
     max_new_tokens: dynamic_update_slice clamps, so a step past the end would overwrite the
-    last slot). `layers`: `decode_weights.prepare`'s per-layer weights, run unrolled.
-    kv_limit: attend to the first kv_limit stream slots only (a static int above every
-    stream's index), so the step's attention cost follows it, not the buffer's length.
-    Returns (logits [B,K,V], cache)."""
+    last slot), or every stream's at `column` of a ring (`SharedPrefixDecode.column`).
+    layers: `decode_weights.prepare`'s per-layer weights, run unrolled. kv_limit: attend to
+    the first kv_limit stream slots only (a static int above every stream's index or the ring's
+    period), so the step's attention cost follows it. Returns (logits [B,K,V], cache)."""
     idx = cache.index.astype(jnp.int32)
     if cache.per_layer and layers is None:  # its buffers are picked by a static layer number
       raise ValueError('a per-layer decode cache is read by unrolled layers only: pass `layers` '
@@ -268,7 +268,7 @@ class Transformer(nnx.Module):
                  jnp.arange(self.config.num_layers, dtype=jnp.int32))
     layout = attention_ops.SharedPrefixDecode(
         cache.prefix_for_rows(cache.prefix_mask_bp), idx, positions_bk,
-        cache.prefix_for_rows(cache.prefix_positions_bp))
+        cache.prefix_for_rows(cache.prefix_positions_bp), column)
     xs = (layer_ids, None if cache.per_layer else (cache.prefix_k_lbhdp, cache.prefix_v_lbhpd))
 
     def body(block, x, kv, xs_l, rotary, spec):
@@ -279,7 +279,7 @@ class Transformer(nnx.Module):
 
       def store(k, v):  # the stream buffers ride in the carry, written in place
         if cache.pages_bm is None:
-          (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, idx)
+          (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, idx if column is None else column)
           k_l, v_l = k_l[..., :kv_limit], v_l[..., :kv_limit, :]
         else:  # the engine's paged buffers: the pages of each stream's first kv_limit slots
           (k_all, v_all), k_l, v_l = write_page(kv, l, k, v, idx, cache.pages_bm)
@@ -359,12 +359,10 @@ def model_fns(graphdef, gather=None) -> ModelFns:
       return nnx.merge(graphdef, params).prefill(tokens_bp, positions_bp, mask_bp, layers=layers)
     return model(params).prefill(tokens_bp, positions_bp, mask_bp, gather=gather)
 
-  def decode(params, tokens_bk, positions_bk, cache, layers=None, kv_limit=None):
+  def decode(params, tokens_bk, positions_bk, cache, layers=None, **kw):  # kv_limit, column
     if layers is not None:
-      return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, layers=layers,
-                                                kv_limit=kv_limit)
-    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather,
-                                kv_limit=kv_limit)
+      return nnx.merge(graphdef, params).decode(tokens_bk, positions_bk, cache, layers=layers, **kw)
+    return model(params).decode(tokens_bk, positions_bk, cache, gather=gather, **kw)
 
   decode_weights = functools.partial(decode_weights_lib.prepare, config, gather=gather)
 
