@@ -38,7 +38,9 @@ def sources(steps, old: int, new: int):
 @functools.partial(jax.jit, static_argnames=('old', 'new'), donate_argnames=('state',))
 def relayout(state, *, old: int, new: int):
   """`state` (an `engine.EngineState`) with its stream buffers' rings re-laid from period `old`
-  to `new`: each buffer's first `new` columns gathered in place, one layer at a time."""
+  to `new`: each buffer's first `new` columns gathered and written back in place (stacked
+  layers one at a time; per-layer buffers as the compiler schedules them, on the TPU compiler
+  two layers' columns at a time)."""
   src = sources(state.steps[0], old, new)
   cache = state.cache
 
@@ -46,11 +48,8 @@ def relayout(state, *, old: int, new: int):
     return jax.lax.dynamic_update_slice_in_dim(buf, jnp.take(buf, src, axis=axis), 0, axis)
 
   def each(bufs, axis):
-    if isinstance(bufs, tuple):  # per-layer buffers [D, S, ...], chained by a barrier
-      out = []
-      for buf in bufs:
-        out.append(move(jax.lax.optimization_barrier((buf, out[-1:]))[0], axis))
-      return tuple(out)
+    if isinstance(bufs, tuple):  # per-layer buffers [D, S, ...]
+      return tuple(move(buf, axis) for buf in bufs)
 
     def layer(l, b):  # stacked [D, L, S, ...]
       one = jax.lax.dynamic_index_in_dim(b, l, 1)
