@@ -141,9 +141,9 @@ def base_config() -> ml_collections.ConfigDict:
       trim_bucket=32,
       # Prompts per sampler call (0 = the whole batch at once): smaller bounds the KV cache.
       # With rollout_engine (and rollout_slots 0), the engine takes the whole batch through a
-      # chunk's rollout_chunk_prompts * k slots instead, refilling a slot as its stream ends
-      # (off by default: the TPU compiler plans its loop in more memory, docs/SCALE.md).
-      rollout_chunk_prompts=0, rollout_engine=False,
+      # chunk's rollout_chunk_prompts * k slots, refilling a slot as its stream ends, so no
+      # chunk waits for its longest stream (False: the static sampler, chunk by chunk).
+      rollout_chunk_prompts=0, rollout_engine=True,
       # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'scanned' scans
       # the stacked layers, under FSDP gathering each at every token; 'unstacked' gathers every
       # layer once a rollout and holds the whole model gathered while decoding (the memory plan

@@ -165,10 +165,12 @@ def validate_decode_layout(rloo_config) -> None:
   """config.rloo.decode_layers: a known value; rollout_slots: 0, or the engine's checks."""
   _decode_layers(rloo_config)
   engine_key = ('rollout_slots' if rloo_config.get('rollout_slots', 0) else
-                'rollout_engine' if rloo_config.get('rollout_engine', False) else None)
+                'rollout_engine' if chunk_engine_slots(rloo_config) else None)
   if engine_key and rloo_config.sampler_mode != 'shared':
+    fix = ("" if engine_key == 'rollout_slots' else
+           " (or config.rloo.rollout_engine=False: the static sampler, chunk by chunk)")
     raise ValueError(f"config.rloo.{engine_key} (the rollout engine) shares each prompt's "
-                     "prefill among its k streams: set config.rloo.sampler_mode='shared'")
+                     f"prefill among its k streams: set config.rloo.sampler_mode='shared'{fix}")
   slots = rollout_slots(rloo_config)
   if slots:
     check_slots(slots, rloo_config.k,

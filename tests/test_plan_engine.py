@@ -102,13 +102,13 @@ def test_a_static_rollout_over_the_device_is_told_the_engine_slots_that_fit():
 
 
 def test_a_chunked_rollout_plans_the_engine_in_a_chunks_slots_over_the_whole_batch():
-  """rollout_chunk_prompts=2 of 8 prompts with rollout_engine: the engine with 2 * k = 8 slots
-  over the batch (the plan of rollout_slots=8, prompts and outputs alike); without (the
-  default): the static sampler on a chunk of 2 prompts, 4 of its outputs alive."""
-  chunked, explicit = engine_algo(0, rollout_chunk_prompts=2, rollout_engine=True), engine_algo(8)
+  """rollout_chunk_prompts=2 of 8 prompts with rollout_engine (the default): the engine with
+  2 * k = 8 slots over the batch (the plan of rollout_slots=8, prompts and outputs alike);
+  without: the static sampler on a chunk of 2 prompts, 4 of its outputs alive."""
+  chunked, explicit = engine_algo(0, rollout_chunk_prompts=2), engine_algo(8)
   r, want = (plan.plan(a, names=ROLLOUT) for a in (chunked, explicit))
   assert list(r["programs"]) == ["engine"] and r["rollout_slots"] == 8
   assert r["rollout_chunk_prompts"] == 8  # one call: the whole batch
   assert r["programs"]["engine"]["peak_gb"] == want["programs"]["engine"]["peak_gb"]
-  static = plan.plan(engine_algo(0, rollout_chunk_prompts=2), names=ROLLOUT)
+  static = plan.plan(engine_algo(0, rollout_chunk_prompts=2, rollout_engine=False), names=ROLLOUT)
   assert set(static["programs"]) == {"start", "decode"} and static["rollout_chunk_prompts"] == 2

@@ -149,8 +149,9 @@ def _validate(**flat):
     ({"train.logprob_chunk_size": 0}, r"config\.train\.logprob_chunk_size = 0 must be >= 1"),
     ({"rloo.trim_bucket": -8}, r"config\.rloo\.trim_bucket = -8 must be >= 0"),
     ({"rloo.rollout_chunk_prompts": -1}, r"config\.rloo\.rollout_chunk_prompts = -1 must be >= 0"),
-    ({"rloo.rollout_engine": True, "rloo.sampler_mode": "unshared"},
-     r"config\.rloo\.rollout_engine .* set config\.rloo\.sampler_mode='shared'"),
+    ({"rloo.rollout_chunk_prompts": 2, "rloo.sampler_mode": "unshared"},  # the engine's default
+     r"config\.rloo\.rollout_engine .* set config\.rloo\.sampler_mode='shared' \(or "
+     r"config\.rloo\.rollout_engine=False"),
     ({"rloo.rollout_slots": 8, "rloo.sampler_mode": "unshared"},
      r"config\.rloo\.rollout_slots \(the rollout engine\) .* set config\.rloo\.sampler_mode"),
     ({"rloo.rollout_chunk_prompts": 3},

@@ -170,7 +170,8 @@ def _state_advice(exp, compiled, need: int) -> list:
 def _cache_advice(exp, compiled, need: int) -> list:
   """Smaller rollout chunks: the KV cache holds one chunk's prompts."""
   c = exp.config
-  chunk, cache = programs_lib.chunk_prompts(c), compiled.kv_cache_bytes
+  chunk, cache = (c.rloo.rollout_chunk_prompts if sampler_args.chunk_engine_slots(c.rloo) else
+                  programs_lib.chunk_prompts(c)), compiled.kv_cache_bytes  # the engine: C*k slots
   valid = [d for d in programs_lib.divisors(c.rloo.num_prompts)
            if d < chunk and d % exp.layout.batch_parallelism == 0]
   if not valid or not cache:
