@@ -6,13 +6,16 @@ The compilers come with `pip install -e ".[plan]"`; without them these tests ski
 failure.
 """
 import os
+import re
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # xdist workers each load libtpu
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from conftest import load_config
-from rloo_jax import algorithms, experiment, memory, sampler_args
+from rloo_jax import algorithms, experiment, memory, models, sampler_args
 from rloo_jax.memory import programs as programs_lib
 from rloo_jax.memory import targets
 from rloo_jax.sharding import per_device_bytes
@@ -188,3 +191,25 @@ def test_the_splash_group_mask_lowers_to_mosaic_for_any_completions_a_row(m, win
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
         arg(b, rows, h, g, d), arg(b, rows, h, d), arg(b, rows, h, d)).compile()
   assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_the_prefill_of_one_prompt_keeps_the_h100_head_in_bfloat16():
+  """The engine prefills one prompt an admission. One row's head is a vector-matrix product,
+  for which the GPU compiler converts the whole [E, V] head to float32 (Qwen3-8B: 2.32 GiB in
+  the engine's loop); the prefill runs its head on two rows (`transformer._last_valid`)."""
+  device = jax.sharding.SingleDeviceSharding(_devices("h100-1")[0])
+  config = models.TransformerConfig.qwen2(
+      vocab_size=151936, hidden_size=1536, num_layers=1, num_heads=12, num_kv_heads=2,
+      head_dim=128, intermediate_size=256, max_seq_len=128, dtype="bfloat16",
+      param_dtype="bfloat16")
+  graphdef, params = models.abstract(config)
+  fns = models.model_fns(graphdef)
+  on = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)  # noqa: E731
+  params = jax.tree.map(lambda x: on(x.shape, x.dtype), params)
+  f32_head = re.compile(r"f32\[(1536,151936|151936,1536)\]")
+  tokens, mask = on((1, 64), jnp.int32), on((1, 64), bool)
+  prefill = jax.jit(fns.prefill).lower(params, tokens, tokens, mask).compile().as_text()
+  assert not f32_head.search(prefill)
+  # The compiler's conversion itself, on one row's head.
+  one_row = jax.jit(fns.head).lower(fns.head_params(params), on((1, 1, 1536), jnp.bfloat16))
+  assert f32_head.search(one_row.compile().as_text())

@@ -36,10 +36,12 @@ HEAD_KEYS = ('final_norm', 'embedding', 'lm_head', 'score_kernel', 'score_bias')
 
 
 def _last_valid(x_bse, mask_bs):
-  """x at each row's last True mask column: [B, 1, E]."""
+  """x at each row's last True mask column: [B, 1, E], one row twice ([2, 1, E]): one row's head
+  is a vector-matrix product, for which XLA:GPU converts the whole head to float32."""
   s = mask_bs.shape[1]
   last_b = s - 1 - jnp.argmax(mask_bs[:, ::-1].astype(jnp.int32), axis=1)
-  return jnp.take_along_axis(x_bse, last_b[:, None, None], axis=1)
+  x = jnp.take_along_axis(x_bse, last_b[:, None, None], axis=1)
+  return jnp.concatenate([x, x]) if x.shape[0] == 1 else x
 
 
 class Transformer(nnx.Module):
@@ -180,7 +182,7 @@ class Transformer(nnx.Module):
                             layers=layers)
     # Positions are kept only where a window reads them, so other caches are unchanged.
     positions = positions_bp if any(self.config.sliding_layers) else None
-    return (self._head(_last_valid(x, mask_bp))[:, 0],
+    return (self._head(_last_valid(x, mask_bp))[:x.shape[0], 0],
             PrefixKV(k_lbphd=k, v_lbphd=v, positions_bp=positions))
 
   def hidden(self, tokens_bs, positions_bs, mask_bs, head_slice=None, gather=None,
