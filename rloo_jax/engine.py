@@ -322,7 +322,8 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
           batch_sharding=None) -> EngineState:
   """Decode steps reading the first kv_limit stream slots, each followed by admissions, while
   work is left and the longest live stream (over every shard) needs more than kv_floor and at
-  most kv_limit."""
+  most kv_limit. Unpaged, the state's ring must have period kv_limit (`start`'s has none yet;
+  `run` re-lays it between phases of two limits, `engine_ring.relayout`)."""
   run_shards = _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id,
                              state.group_s.shape[0], k=k, max_new_tokens=max_new_tokens,
                              method=method, unstack_layers=unstack_layers,

@@ -102,6 +102,11 @@ class Policy:
     # The decode layout the run trained with (config.rloo.decode_layers); an HF checkpoint's
     # scans, as 'auto' does.
     self._decode = ({} if experiment is None else sampler_args.decode_options(experiment))
+    # More prompts than a batch stream through the engine's batch_size * k slots, as a chunked
+    # rollout does (config.rloo.rollout_engine; an HF checkpoint's too), unless the run set
+    # rollout_slots (then every batch runs the engine) or an unshared sampler.
+    self._stream = (sampler_mode == "shared" and not self._decode.get("slots")
+                    and bool(config is None or config.rloo.get("rollout_engine", True)))
 
   def __repr__(self) -> str:
     c = self.model_config
@@ -136,7 +141,10 @@ class Policy:
     e.g. sampling.Temperature(1.0) or `policy.run_method` to sample). `max_new_tokens`: default the
     run's config.rloo.max_new_tokens (an HF checkpoint: 64, at most half its context). Text is
     decoded as rollouts decode it (stops at EOS, special tokens dropped). Deterministic: batch i
-    samples with fold_in(PRNGKey(seed), i), so equal arguments give equal text."""
+    samples with fold_in(PRNGKey(seed), i), so equal arguments give equal text. More prompts
+    than `batch_size` stream through the rollout engine's batch_size * k slots in one call, a
+    slot refilled as its stream ends (config.rloo.rollout_engine), sampling with
+    fold_in(PRNGKey(seed), 0); greedy text is the batches' text."""
     prompts = _check_texts("prompts", prompts)
     if not prompts:
       return []
@@ -144,13 +152,19 @@ class Policy:
     t = int(max_new_tokens or self.max_new_tokens)
     tokens, lengths = self._encode_prompts(prompts, room=t)
     texts: list[str] = []
-    for i, lo, hi, b in self._batches(len(prompts)):
+    batches = self._batches(len(prompts))
+    if self._stream and len(batches) > 1:  # one engine call, padded to whole batches
+      b = batches[0][3]
+      batches = [(0, 0, len(prompts), b * len(batches))]
+      decode = dict(self._decode, slots=b * k)
+    else:
+      decode = self._decode
+    for i, lo, hi, b in batches:
       out = sampler.sample(self.fns, self.params, _pad_rows(tokens[lo:hi], b),
                            _pad_rows(lengths[lo:hi], b),
                            jax.random.fold_in(jax.random.PRNGKey(seed), i), k=k,
                            max_new_tokens=t, method=method, eos_id=self._stops, pad_id=self._pad,
-                           mode=self.sampler_mode, max_seq_len=self.max_seq_len,
-                           **self._decode)
+                           mode=self.sampler_mode, max_seq_len=self.max_seq_len, **decode)
       n = hi - lo
       texts += rollout.decode_completions(self.tokenizer,
                                           np.asarray(out.tokens_bkt)[:n].reshape(n * k, -1),

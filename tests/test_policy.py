@@ -11,7 +11,7 @@ import pytest
 
 from conftest import load_config
 import rloo_jax
-from rloo_jax import algorithms, experiment, sampling
+from rloo_jax import algorithms, experiment, sampler, sampling
 from rloo_jax.evaluation import Evaluator
 from rloo_jax.models import hf
 
@@ -49,6 +49,27 @@ def test_workdir_generate_matches_the_evaluator(smoke_workdir, smoke_policy):
   assert policy.generate(prompts[:3], k=2, method=sampling.Temperature(1.0), seed=1) == sampled
   with pytest.raises(TypeError, match="list of strings"):
     policy.generate(prompts[0])
+
+
+def test_more_prompts_than_a_batch_stream_through_the_engine(smoke_policy, monkeypatch):
+  """16 prompts at batches of 4: one engine call with 4 * k slots (config.rloo.rollout_engine),
+  the batches' greedy text; sampled text deterministic, one stream key a prompt and sample."""
+  policy = smoke_policy
+  prompts = [r["prompt"] for r in Evaluator.from_config(policy.experiment).records]
+  assert len(prompts) == 16
+  calls = []
+  sample = sampler.sample
+  monkeypatch.setattr(sampler, "sample", lambda *a, **kw: calls.append(kw) or sample(*a, **kw))
+  monkeypatch.setattr(policy, "batch_size", 4)
+  greedy = policy.generate(prompts)
+  assert [kw["slots"] for kw in calls] == [4]
+  monkeypatch.setattr(policy, "_stream", False)
+  assert policy.generate(prompts) == greedy and len(calls) == 5  # four static batches
+  monkeypatch.setattr(policy, "_stream", True)
+  method = sampling.Temperature(1.0)
+  sampled = policy.generate(prompts, k=2, method=method, seed=1)
+  assert calls[-1]["slots"] == 8 and len(sampled) == 16
+  assert policy.generate(prompts, k=2, method=method, seed=1) == sampled
 
 
 def test_workdir_step_selection(smoke_workdir):
