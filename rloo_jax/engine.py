@@ -364,8 +364,8 @@ def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *,
     if not left:
       return state
     i = next(i for i, lim in enumerate(limits) if lim >= need)
-    # A phase ends when the longest live stream needs more than its limit (index = limit < old)
-    # or under half the previous limit: every live stream's index is under both periods.
+    # A phase ends when the longest live stream needs one slot past its limit, or under half the
+    # next smaller one: every token a live stream wrote is then under both periods back.
     if not pages and period not in (None, limits[i]):
       state = ring.relayout(state, old=period, new=limits[i])
     period = limits[i]

@@ -4,7 +4,6 @@ prompt's keys/values computed once."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.struct
@@ -81,7 +80,7 @@ def write_slot(kv, l, k_bkhd, v_bkhd, slot):
           jax.lax.dynamic_index_in_dim(values, l, keepdims=False))
 
 
-@functools.partial(jax.custom_batching.custom_vmap)
+@jax.custom_batching.custom_vmap
 def _dus(buf, update, starts):
   return jax.lax.dynamic_update_slice(buf, update, tuple(starts))
 
