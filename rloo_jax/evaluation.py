@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import passk, rollout, sampling
+from rloo_jax import passk, rollout, sampler_args, sampling
 from rloo_jax.data import gsm8k_answer, pipeline
 from rloo_jax.rewards.preferences import win_rate_stats
 
@@ -85,20 +85,26 @@ class Evaluator:
     """k completions per record (texts, in record order), the weighted reward [N*k], lengths
     [N*k] and each function's scores {name: [N*k]}, for this process's rows of every batch
     (the texts) or of all processes (the rest). answers=True adds [N*k] answer ids for maj@k:
-    each sample's, the index in its group of the first sample giving the same final answer."""
+    each sample's, the index in its group of the first sample giving the same final answer.
+    More records than a batch stream through the rollout engine's batch * k slots in one call
+    (`sampler_args.stream_slots`): greedy text as batch by batch, samples from fold_in(rng, 0)."""
     exp, c = self.exp, self.exp.config
-    batches = pipeline.prompt_batches(self.records, exp.tokenizer,
-                                      global_batch_size=self.batch_size,
-                                      max_prompt_len=c.data.max_prompt_len, shuffle=False,
-                                      num_epochs=1, drop_remainder=False,
-                                      overlong=c.data.overlong,
-                                      process_index=jax.process_index(),
-                                      process_count=jax.process_count())
+    batches = list(pipeline.prompt_batches(self.records, exp.tokenizer,
+                                           global_batch_size=self.batch_size,
+                                           max_prompt_len=c.data.max_prompt_len, shuffle=False,
+                                           num_epochs=1, drop_remainder=False,
+                                           overlong=c.data.overlong,
+                                           process_index=jax.process_index(),
+                                           process_count=jax.process_count()))
+    slots = sampler_args.stream_slots(c.rloo, c.rloo.sampler_mode, self.batch_size, k,
+                                      len(batches))
+    if slots:  # the whole set streams through one batch's engine slots, one call
+      batches = [{name: np.concatenate([b[name] for b in batches]) for name in batches[0]}]
     texts, scores, lengths, per_fn, ids = [], [], [], {}, []
     for i, batch in enumerate(batches):
       out, r_bk, local_texts, parts = rollout.rollout(
           exp, params, batch, jax.random.fold_in(self.rng, i), k=k, method=method,
-          rewards=self.rewards)
+          rewards=self.rewards, slots=slots)
       valid = exp.layout.gather_rows(batch["valid"])  # global rows, like r_bk
       scores.append(np.asarray(r_bk)[valid].reshape(-1))
       lengths.append(exp.layout.gather(out.lengths_bk)[valid].reshape(-1))

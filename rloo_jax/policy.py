@@ -102,11 +102,7 @@ class Policy:
     # The decode layout the run trained with (config.rloo.decode_layers); an HF checkpoint's
     # scans, as 'auto' does.
     self._decode = ({} if experiment is None else sampler_args.decode_options(experiment))
-    # More prompts than a batch stream through the engine's batch_size * k slots, as a chunked
-    # rollout does (config.rloo.rollout_engine; an HF checkpoint's too), unless the run set
-    # rollout_slots (then every batch runs the engine) or an unshared sampler.
-    self._stream = (sampler_mode == "shared" and not self._decode.get("slots")
-                    and bool(config is None or config.rloo.get("rollout_engine", True)))
+    self._stream = True  # more prompts than a batch: `sampler_args.stream_slots`
 
   def __repr__(self) -> str:
     c = self.model_config
@@ -153,12 +149,12 @@ class Policy:
     tokens, lengths = self._encode_prompts(prompts, room=t)
     texts: list[str] = []
     batches = self._batches(len(prompts))
-    if self._stream and len(batches) > 1:  # one engine call, padded to whole batches
-      b = batches[0][3]
-      batches = [(0, 0, len(prompts), b * len(batches))]
-      decode = dict(self._decode, slots=b * k)
-    else:
-      decode = self._decode
+    slots = self._stream and sampler_args.stream_slots(
+        None if self.config is None else self.config.rloo, self.sampler_mode, batches[0][3], k,
+        len(batches))
+    decode = dict(self._decode, slots=slots) if slots else self._decode
+    if slots:  # one engine call, padded to whole batches
+      batches = [(0, 0, len(prompts), batches[0][3] * len(batches))]
     for i, lo, hi, b in batches:
       out = sampler.sample(self.fns, self.params, _pad_rows(tokens[lo:hi], b),
                            _pad_rows(lengths[lo:hi], b),

@@ -216,7 +216,7 @@ def reward_fields(batch: Mapping[str, Any], k: int) -> dict[str, np.ndarray]:
           if name not in _BATCH_KEYS}
 
 
-def sample_output(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None
+def sample_output(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None, slots=0
                   ) -> sampler.SampleOutput:
   """k completions per prompt of a data batch (this process's rows), sampled on the mesh: the
   SampleOutput of the global batch, its tokens left on the devices.
@@ -224,10 +224,10 @@ def sample_output(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=
   With `config.rloo.rollout_chunk_prompts` = C below the global batch, the batch is sampled in
   consecutive chunks of C prompts (`sample_chunked`), so the KV cache holds only C prompts at
   once; the output has the same shapes, layout and row order as an unchunked one. With
-  config.rloo.rollout_engine the batch streams through the engine's C * k slots instead."""
+  config.rloo.rollout_engine the batch streams through the engine's C * k slots (or `slots`)."""
   chunk = int(exp.config.rloo.get("rollout_chunk_prompts", 0) or 0)
   b = batch["prompt_tokens"].shape[0] * jax.process_count()
-  slots = sampler_args.chunk_engine_slots(exp.config.rloo, b)  # the engine in a chunk's KV
+  slots = slots or sampler_args.chunk_engine_slots(exp.config.rloo, b)  # a chunk's KV
   if 0 < chunk < b and not slots:
     return sample_chunked(exp, params, batch, rng, k=k, method=method, chunk_prompts=chunk)
   return _sample_rows(exp, params, batch["prompt_tokens"], batch["prompt_lengths"], rng, k=k,
@@ -250,15 +250,14 @@ def sample_batch(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=N
 
 
 def rollout(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=None, rewards=None,
-            on_sampled: Optional[Callable] = None):
-  """Samples k completions per prompt and scores them with a reward set (host side).
-
-  Each process scores its own rows. `on_sampled(out)`, when given, runs between the sampling
-  and the rewards: device work it dispatches, such as the reference pass, runs while the host
-  scores. Returns (SampleOutput, rewards [B, k] of the global batch, this process's
-  completions, {function name: global scores [B*k]})."""
+            on_sampled: Optional[Callable] = None, slots: int = 0):
+  """Samples k completions per prompt (`slots`: `sample_output`'s) and scores them with a reward
+  set (host side). Each process scores its own rows. `on_sampled(out)`, when given, runs
+  between the sampling and the rewards: device work it dispatches, such as the reference pass,
+  runs while the host scores. Returns (SampleOutput, rewards [B, k] of the global batch, this
+  process's completions, {function name: global scores [B*k]})."""
   rewards = rewards or exp.rewards
-  out = sample_output(exp, params, batch, rng, k=k, method=method)
+  out = sample_output(exp, params, batch, rng, k=k, method=method, slots=slots)
   if on_sampled is not None:
     on_sampled(out)
   # Fetched and detokenised after on_sampled, so that the device work it dispatched overlaps

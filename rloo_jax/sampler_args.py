@@ -155,6 +155,16 @@ def chunk_engine_slots(rloo_config, prompts: int | None = None) -> int:
   return chunk * int(r.k)
 
 
+def stream_slots(rloo_config, sampler_mode: str, batch: int, k: int, batches: int) -> int:
+  """The engine's slots for prompts in `batches` batches of `batch` (evaluation,
+  `Policy.generate`): with more than one, batch * k, the whole set streaming through one
+  batch's KV (config.rloo.rollout_engine, as a chunked rollout); 0 (batch by batch) with one,
+  an unshared sampler, or config.rloo.rollout_slots set (every batch runs the engine then)."""
+  on = (rloo_config is None or rloo_config.get('rollout_engine', True)) and not (
+      rloo_config is not None and rloo_config.get('rollout_slots', 0))
+  return batch * k if on and sampler_mode == 'shared' and batches > 1 else 0
+
+
 def rollout_slots(rloo_config) -> int:
   """The rollout's engine slots: config.rloo.rollout_slots, else `chunk_engine_slots` (0: the
   static sampler)."""

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import load_config
 import rloo_jax
-from rloo_jax import algorithms, experiment, sampler, sampling
+from rloo_jax import algorithms, experiment, rollout, sampler, sampler_args, sampling
 from rloo_jax.evaluation import Evaluator
 from rloo_jax.models import hf
 
@@ -70,6 +70,25 @@ def test_more_prompts_than_a_batch_stream_through_the_engine(smoke_policy, monke
   sampled = policy.generate(prompts, k=2, method=method, seed=1)
   assert calls[-1]["slots"] == 8 and len(sampled) == 16
   assert policy.generate(prompts, k=2, method=method, seed=1) == sampled
+
+
+def test_an_evaluation_of_several_batches_streams_through_the_engine(smoke_policy, monkeypatch):
+  """16 records at batches of 4: one rollout with 4 * k slots, the batch-by-batch greedy texts,
+  rewards and lengths."""
+  policy = smoke_policy
+  source = Evaluator.from_config(policy.experiment).records
+  evaluator = Evaluator(policy.experiment, source, batch_size=4, rng=jax.random.PRNGKey(0))
+  calls = []
+  run = rollout.rollout
+  monkeypatch.setattr(rollout, "rollout", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+  streamed = evaluator.completions(policy.params, sampling.Greedy())
+  assert [kw["slots"] for kw in calls] == [4]
+  monkeypatch.setattr(sampler_args, "stream_slots", lambda *a: 0)
+  batched = evaluator.completions(policy.params, sampling.Greedy())
+  assert [kw["slots"] for kw in calls[1:]] == [0] * 4
+  assert streamed[0] == batched[0] and len(streamed[0]) == 16
+  np.testing.assert_array_equal(streamed[1], batched[1])
+  np.testing.assert_array_equal(streamed[2], batched[2])
 
 
 def test_workdir_step_selection(smoke_workdir):
