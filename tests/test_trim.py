@@ -154,8 +154,8 @@ def test_iterations_compile_the_train_step_once_per_bucket(tmp_path, monkeypatch
   longest = iter([2, 7, 12, 3, 6])
   real = rollout.sample_output
 
-  def ending_early(exp_, params, batch, rng, *, k, method=None):
-    out = real(exp_, params, batch, rng, k=k, method=method)
+  def ending_early(exp_, params, batch, rng, *, k, method=None, slots=0):
+    out = real(exp_, params, batch, rng, k=k, method=method, slots=slots)
     lengths = np.minimum(np.asarray(out.lengths_bk), next(longest))
     return stopped_early(out, lengths, exp_.tokenizer.pad_id)
 
