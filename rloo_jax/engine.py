@@ -26,7 +26,6 @@ decodes another's slots.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -37,6 +36,7 @@ from rloo_jax import engine_paging as paging
 from rloo_jax import engine_ring as ring
 from rloo_jax import sampler_args, sampling
 from rloo_jax.models.cache import PrefixKV
+from rloo_jax.sharding import leading_ways
 from rloo_jax.platform import jit_by_platform
 
 
@@ -74,15 +74,6 @@ class EngineState:
         tokens_bkt=rows(self.tokens_nkt), logprobs_bkt=rows(self.logprobs_nkt),
         policy_logprobs_bkt=rows(self.policy_logprobs_nkt), mask_bkt=rows(self.mask_nkt),
         lengths_bk=rows(self.lengths_nk))
-
-
-def shards(batch_sharding) -> int:
-  """D: how many ways `batch_sharding` (None: 1) splits the batch dimension."""
-  if batch_sharding is None or not len(batch_sharding.spec) or batch_sharding.spec[0] is None:
-    return 1
-  axes = batch_sharding.spec[0]
-  axes = (axes,) if isinstance(axes, str) else axes
-  return math.prod(batch_sharding.mesh.shape[a] for a in axes)
 
 
 def _split(x, d: int, batch_sharding):
@@ -290,7 +281,7 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
           unstack_layers=False, batch_sharding=None) -> EngineState:
   """Every shard's empty slots, prefix rows (and pages), then its first groups admitted."""
   n, p = prompt_tokens_np.shape
-  d = shards(batch_sharding)
+  d = leading_ways(batch_sharding)
   s, q, npages = slots // d, prefix_rows // d, pages // d
   zeros_s = jnp.zeros((s,), jnp.int32)
   shape_nkt = (n // d, k, max_new_tokens)

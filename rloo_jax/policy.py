@@ -102,7 +102,6 @@ class Policy:
     # The decode layout the run trained with (config.rloo.decode_layers); an HF checkpoint's
     # scans, as 'auto' does.
     self._decode = ({} if experiment is None else sampler_args.decode_options(experiment))
-    self._stream = True  # more prompts than a batch: `sampler_args.stream_slots`
 
   def __repr__(self) -> str:
     c = self.model_config
@@ -149,9 +148,8 @@ class Policy:
     tokens, lengths = self._encode_prompts(prompts, room=t)
     texts: list[str] = []
     batches = self._batches(len(prompts))
-    slots = self._stream and sampler_args.stream_slots(
-        None if self.config is None else self.config.rloo, self.sampler_mode, batches[0][3], k,
-        len(batches))
+    slots = sampler_args.stream_slots(None if self.config is None else self.config.rloo,
+                                      self.sampler_mode, batches[0][3], k, len(batches))
     decode = dict(self._decode, slots=slots) if slots else self._decode
     if slots:  # one engine call, padded to whole batches
       batches = [(0, 0, len(prompts), batches[0][3] * len(batches))]

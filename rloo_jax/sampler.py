@@ -27,6 +27,7 @@ from flax import struct
 
 from rloo_jax import engine, sampler_args, sampling
 from rloo_jax.platform import jit_by_platform
+from rloo_jax.sharding import leading_ways
 
 MODES = sampler_args.MODES
 SampleOutput = sampling.SampleOutput
@@ -290,7 +291,7 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     if mode != 'shared':
       raise ValueError(f"the rollout engine (slots = {slots}) shares each prompt's prefill "
                        f"among its k streams: set mode='shared', not {mode!r}")
-    d = engine.shards(batch_sharding)
+    d = leading_ways(batch_sharding)
     slots, prefix_rows = sampler_args.check_slots(slots, k, prefix_rows, ways=d,
                                                   rows=len(prompt_lengths_b))
     sampler_args.check_pages(pages, page_size, max_new_tokens, ways=d)

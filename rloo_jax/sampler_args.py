@@ -160,8 +160,8 @@ def stream_slots(rloo_config, sampler_mode: str, batch: int, k: int, batches: in
   `Policy.generate`): with more than one, batch * k, the whole set streaming through one
   batch's KV (config.rloo.rollout_engine, as a chunked rollout); 0 (batch by batch) with one,
   an unshared sampler, or config.rloo.rollout_slots set (every batch runs the engine then)."""
-  on = (rloo_config is None or rloo_config.get('rollout_engine', True)) and not (
-      rloo_config is not None and rloo_config.get('rollout_slots', 0))
+  r = {} if rloo_config is None else rloo_config
+  on = r.get('rollout_engine', True) and not r.get('rollout_slots', 0)
   return batch * k if on and sampler_mode == 'shared' and batches > 1 else 0
 
 

@@ -303,6 +303,14 @@ def make_layout(mesh_config: Mapping[str, Any], devices: Optional[Sequence[Any]]
   return layout
 
 
+def leading_ways(named) -> int:
+  """How many ways a NamedSharding (None: 1) splits its leading axis."""
+  if named is None or not len(named.spec) or named.spec[0] is None:
+    return 1
+  axes = named.spec[0]
+  return math.prod(named.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
 def check_batch(name: str, size: int, layout: Layout) -> None:
   """Raises unless a batch of `size` rows splits evenly over the batch axes and the processes."""
   ways = layout.batch_parallelism

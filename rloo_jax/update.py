@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Callable
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 from rloo_jax import advantage, loss, packing, platform, rollout
 from rloo_jax.models import lora
 from rloo_jax.optim import apply_if_finite
+from rloo_jax.sharding import leading_ways
 
 
 def constrain(tree, shardings):
@@ -33,8 +33,7 @@ def constrain(tree, shardings):
     return tree
   if not isinstance(shardings, jax.sharding.NamedSharding):
     return jax.lax.with_sharding_constraint(tree, shardings)
-  # How many ways the leading axis splits: the product of its mesh axes.
-  ways = math.prod(shardings.mesh.shape[a] for a in jax.tree.leaves(tuple(shardings.spec[:1])))
+  ways = leading_ways(shardings)
   whole = jax.sharding.NamedSharding(shardings.mesh, jax.sharding.PartitionSpec())
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
       x, shardings if x.ndim and x.shape[0] % ways == 0 else whole), tree)

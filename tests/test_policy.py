@@ -63,9 +63,9 @@ def test_more_prompts_than_a_batch_stream_through_the_engine(smoke_policy, monke
   monkeypatch.setattr(policy, "batch_size", 4)
   greedy = policy.generate(prompts)
   assert [kw["slots"] for kw in calls] == [4]
-  monkeypatch.setattr(policy, "_stream", False)
-  assert policy.generate(prompts) == greedy and len(calls) == 5  # four static batches
-  monkeypatch.setattr(policy, "_stream", True)
+  with monkeypatch.context() as batch_by_batch:
+    batch_by_batch.setattr(sampler_args, "stream_slots", lambda *a: 0)
+    assert policy.generate(prompts) == greedy and len(calls) == 5  # four static batches
   method = sampling.Temperature(1.0)
   sampled = policy.generate(prompts, k=2, method=method, seed=1)
   assert calls[-1]["slots"] == 8 and len(sampled) == 16

@@ -19,12 +19,13 @@ import dataclasses
 import math
 from typing import Optional
 
-from rloo_jax import engine, experiment, packing, sampler_args
+from rloo_jax import experiment, packing, sampler_args
 from rloo_jax.memory import flops as flops_lib
 from rloo_jax.memory import programs as programs_lib
 from rloo_jax.memory import slots as slots_lib
 from rloo_jax.memory import speedups as speedups_lib
 from rloo_jax.models import attention_ops, lora
+from rloo_jax.sharding import leading_ways
 
 GIB = 2 ** 30
 DEFAULT_DEVICE_MEMORY_GB = 80.0
@@ -280,7 +281,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       rollout_chunk_prompts=programs_lib.chunk_prompts(c),
       # The rollout engine's stream slots and prompt rows (0, 0: the static sampler).
       **dict(zip(("rollout_slots", "rollout_prefix_rows"), programs_lib.engine_slots(
-          c, engine.shards(exp.layout.batch_sharding)))),
+          c, leading_ways(exp.layout.batch_sharding)))),
       rollout_pages=int(c.rloo.get("rollout_pages", 0) or 0),
       # Model FLOPs: rollout + reference + the old policy's + update (num_epochs passes over
       # every row); the backward's recompute is reported apart, not included.

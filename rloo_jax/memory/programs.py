@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from rloo_jax import engine, experiment, rollout, sampler, sampler_args, update
 from rloo_jax.models import traced_mesh
-from rloo_jax.sharding import per_device_bytes
+from rloo_jax.sharding import leading_ways, per_device_bytes
 
 NAMES = ("update", "score", "start", "decode", "engine")
 # The rollout's programs: the static sampler's start and decode (config.rloo.rollout_slots = 0),
@@ -344,7 +344,7 @@ def _static_rollout(exp, x, names, _compile, found, resident):
 
 def engine_slots(config, ways: int = 1) -> tuple[int, int]:
   """(stream slots, prefix rows) of the rollout engine, config.rloo.rollout_slots and
-  rollout_prefix_rows resolved (0: its default) over `ways` batch shards (`engine.shards`);
+  rollout_prefix_rows resolved (0: its default) over `ways` batch shards (`sharding.leading_ways`);
   (0, 0) for the static sampler."""
   slots = sampler_args.rollout_slots(config.rloo)
   if not slots:
@@ -360,7 +360,7 @@ def _engine_rollout(exp, x, names, _compile, found, resident):
   peak of the two) when `names` asks for it; returns (its EngineState, KV cache bytes (stream
   buffers + prefix pool) and sample output per device)."""
   c = exp.config
-  slots, prefix_rows = engine_slots(c, engine.shards(exp.layout.batch_sharding))
+  slots, prefix_rows = engine_slots(c, leading_ways(exp.layout.batch_sharding))
   t_cap = int(c.rloo.max_new_tokens)
   static = dict(k=int(c.rloo.k), max_new_tokens=t_cap, method=exp.method,
                 unstack_layers=sampler_args.decode_unstacked(exp),

@@ -12,8 +12,8 @@ cache's bytes per stream (its buffer and its share of its prompt's), and compile
 
 from __future__ import annotations
 
-from rloo_jax import engine
 from rloo_jax.memory import programs as programs_lib
+from rloo_jax.sharding import leading_ways
 
 GIB = 2 ** 30
 _COMPILES = 3  # at most, for one suggestion
@@ -59,7 +59,7 @@ def advice(algo, compiled, limit: int, over: dict, accelerator: bool) -> list:
   when even an engine of no cache would not fit (what stays resident and the weights)."""
   exp = algo.exp
   c, k = exp.config, int(exp.config.rloo.k)
-  ways = engine.shards(exp.layout.batch_sharding)
+  ways = leading_ways(exp.layout.batch_sharding)
   slots, rows = programs_lib.engine_slots(c, ways)
   cache, programs = compiled.kv_cache_bytes, compiled.programs
   rollout = [n for n in ("engine", "start", "decode") if n in over]
