@@ -139,10 +139,11 @@ def base_config() -> ml_collections.ConfigDict:
       # After the rollout, completions are cut to the batch's longest, rounded up to a multiple
       # of this (0 = keep max_new_tokens): short answers do not pay for the longest allowed.
       trim_bucket=32,
-      # Prompts per sampler call (0 = the whole batch at once): smaller bounds the KV cache.
-      # With rollout_engine (and rollout_slots 0), the engine takes the whole batch through a
-      # chunk's rollout_chunk_prompts * k slots, refilling a slot as its stream ends, so no
-      # chunk waits for its longest stream (False: the static sampler, chunk by chunk).
+      # Prompts whose streams decode at once (0 = the whole batch): smaller bounds the KV cache.
+      # With rollout_engine (and rollout_slots 0, a shared sampler), the engine takes the whole
+      # batch through a chunk's rollout_chunk_prompts * k slots, refilling a slot as its stream
+      # ends, its phases reading the longest live stream's KV (False: the static sampler, chunk
+      # by chunk, each step reading the cap's KV).
       rollout_chunk_prompts=0, rollout_engine=True,
       # The decode loop's layer weights (rloo_jax.sampler_args.decode_unstacked): 'scanned' scans
       # the stacked layers, under FSDP gathering each at every token; 'unstacked' gathers every

@@ -282,7 +282,8 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
   """Every shard's empty slots, prefix rows (and pages), then its first groups admitted."""
   n, p = prompt_tokens_np.shape
   d = leading_ways(batch_sharding)
-  s, q, npages = slots // d, prefix_rows // d, pages // d
+  # No more prefix rows than prompts: unchunked, every group is admitted here.
+  s, q, npages = slots // d, min(prefix_rows, n) // d, pages // d
   zeros_s = jnp.zeros((s,), jnp.int32)
   shape_nkt = (n // d, k, max_new_tokens)
   one = EngineState(
@@ -324,13 +325,20 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
     need = _need(st)
     return _work_left(st) & (need <= kv_limit) & ((need > kv_floor) | (kv_floor == 0))
 
+  # Unpaged, with every group admitted by `start` (it had slots and prefix rows for all), no
+  # step admits: the phase is the decode alone, as the static sampler's loop.
+  d, s, q = state.refs_q.shape[0], state.group_s.shape[1], state.refs_q.shape[1]
+  admits = state.free_p is not None or prompt_tokens_np.shape[0] // d > min(s // k, q)
+
   def body(st):
     column = None if state.free_p is not None else ring.column(st, kv_limit)
-    return run_shards(
-        lambda programs, st: programs.admit_all(programs.decode(st, kv_limit, column)), st)
+
+    def step(programs, st):
+      st = programs.decode(st, kv_limit, column)
+      return programs.admit_all(st) if admits else st
+    return run_shards(step, st)
 
   return jax.lax.while_loop(cond, body, state)
-
 
 
 def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *, k,

@@ -96,8 +96,7 @@ class Evaluator:
                                            overlong=c.data.overlong,
                                            process_index=jax.process_index(),
                                            process_count=jax.process_count()))
-    slots = sampler_args.stream_slots(c.rloo, c.rloo.sampler_mode, self.batch_size, k,
-                                      len(batches))
+    slots = sampler_args.stream_slots(c.rloo, c.rloo.sampler_mode, self.batch_size, k)
     if slots:  # the whole set streams through one batch's engine slots, one call
       batches = [{name: np.concatenate([b[name] for b in batches]) for name in batches[0]}]
     texts, scores, lengths, per_fn, ids = [], [], [], {}, []

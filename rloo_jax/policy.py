@@ -149,7 +149,7 @@ class Policy:
     texts: list[str] = []
     batches = self._batches(len(prompts))
     slots = sampler_args.stream_slots(None if self.config is None else self.config.rloo,
-                                      self.sampler_mode, batches[0][3], k, len(batches))
+                                      self.sampler_mode, batches[0][3], k)
     decode = dict(self._decode, slots=slots) if slots else self._decode
     if slots:  # one engine call, padded to whole batches
       batches = [(0, 0, len(prompts), batches[0][3] * len(batches))]

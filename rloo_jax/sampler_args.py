@@ -144,25 +144,30 @@ def per_layer(fns, unstack_layers) -> bool:
 
 
 def chunk_engine_slots(rloo_config, prompts: int | None = None) -> int:
-  """config.rloo.rollout_engine: a rollout of `prompts` (default num_prompts) chunked
-  (rollout_chunk_prompts = C below it; rollout_slots 0) streams through the engine's C * k
-  slots, a chunk's stream KV, refilled as streams end: C * k; else 0."""
+  """config.rloo.rollout_engine (rollout_slots 0): a rollout of `prompts` (default num_prompts)
+  streams through the engine's C * k slots, a chunk's stream KV refilled as streams end, C
+  being rollout_chunk_prompts below the batch, else the batch (every stream admitted at once;
+  the engine's phases then read the longest live stream's KV, not the cap's). 0: the static
+  sampler: rollout_engine off, or an unshared sampler of unchunked rollouts (chunked, it is
+  `validate_decode_layout`'s error)."""
   r = rloo_config
+  prompts = prompts or r.num_prompts
   chunk = int(r.get('rollout_chunk_prompts', 0) or 0)
+  chunked = 0 < chunk < prompts
   if (r.get('rollout_slots', 0) or not r.get('rollout_engine', False)
-      or not 0 < chunk < (prompts or r.num_prompts)):
+      or not (chunked or r.get('sampler_mode', 'shared') == 'shared')):
     return 0
-  return chunk * int(r.k)
+  return (chunk if chunked else prompts) * int(r.k)
 
 
-def stream_slots(rloo_config, sampler_mode: str, batch: int, k: int, batches: int) -> int:
-  """The engine's slots for prompts in `batches` batches of `batch` (evaluation,
-  `Policy.generate`): with more than one, batch * k, the whole set streaming through one
-  batch's KV (config.rloo.rollout_engine, as a chunked rollout); 0 (batch by batch) with one,
-  an unshared sampler, or config.rloo.rollout_slots set (every batch runs the engine then)."""
+def stream_slots(rloo_config, sampler_mode: str, batch: int, k: int) -> int:
+  """The engine's slots for prompts in batches of `batch` (evaluation,
+  `Policy.generate`): batch * k, the whole set streaming through one batch's KV
+  (config.rloo.rollout_engine, as a rollout); 0 (the static sampler, batch by batch) with an
+  unshared sampler, or config.rloo.rollout_slots set (every batch runs the engine then)."""
   r = {} if rloo_config is None else rloo_config
   on = r.get('rollout_engine', True) and not r.get('rollout_slots', 0)
-  return batch * k if on and sampler_mode == 'shared' and batches > 1 else 0
+  return batch * k if on and sampler_mode == 'shared' else 0
 
 
 def rollout_slots(rloo_config) -> int:
@@ -189,7 +194,7 @@ def validate_decode_layout(rloo_config) -> None:
                 rloo_config.max_new_tokens, key='config.rloo.rollout_pages')
   elif rloo_config.get('rollout_pages', 0):
     raise ValueError("config.rloo.rollout_pages pages the rollout engine's KV: set "
-                     "config.rloo.rollout_slots too (or rollout_pages=0)")
+                     "config.rloo.rollout_engine=True or rollout_slots (or rollout_pages=0)")
 
 
 def check_pages(pages, page_size, max_new_tokens: int, key: str = 'pages',

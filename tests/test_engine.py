@@ -83,6 +83,26 @@ def test_unstacked_layers_and_a_one_token_cap():
   _assert_same(*_both(fns, params, sampling.Temperature(1.0), slots=3, t=1))
 
 
+def test_with_a_slot_for_every_stream_start_admits_all_and_a_phase_only_decodes():
+  """An unchunked rollout's engine (a slot for each of the 5 * 3 streams, a prompt row for each
+  prompt, more asked than there are prompts): `start` admits every group, so a phase's loop
+  holds no admission (its while loop and the prefill's go), and it draws the static
+  sampler's tokens."""
+  fns, params = _tiny('llama')
+  _assert_same(*_both(fns, params, sampling.Temperature(1.0), slots=15, prefix_rows=15))
+  tokens, lengths = (jnp.asarray(x) for x in _prompts())
+  args = (fns, params, tokens, lengths, jax.random.key(3), jnp.asarray(STOPS))
+  static = dict(k=3, max_new_tokens=20, method=sampling.Temperature(1.0))
+
+  def loops(slots, rows):
+    state = engine.start(*args, jnp.int32(PAD), slots=slots, prefix_rows=rows, **static)
+    assert state.refs_q.shape[-1] == min(rows, 5)  # no more prompt rows than prompts
+    hlo = engine.phase.lower(*args, state, kv_limit=20, **static).as_text()
+    return hlo.count('stablehlo.while')
+
+  assert loops(15, 15) < loops(6, 2) == loops(15, 4)
+
+
 @pytest.mark.parametrize('unstack', [False, True])
 def test_a_decode_step_writes_every_slot_with_one_slice_update_not_a_scatter(unstack):
   """The ring: every slot writes one column, so the step's KV write is a dynamic-update-slice
@@ -190,26 +210,30 @@ def test_bad_engine_settings_fail_before_compiling(kw, match):
 def test_config_rollout_slots_drives_rollouts_evaluation_and_generate(tmp_path):
   """config.rloo.rollout_slots reaches every sampler call a run makes (rollouts, the
   Evaluator, Policy.generate, all through `sampler_args.decode_options`), which then draw the
-  static sampler's completions; a bad value fails the config's validation."""
+  static sampler's completions (rollout_engine=False), as the default engine of the whole
+  batch's slots does; a bad value fails the config's validation."""
   from rloo_jax import experiment, rollout, sampler_args  # pylint: disable=import-outside-toplevel
   from test_trim import first_batch, tiny_config  # pylint: disable=import-outside-toplevel
   outs = []
-  for slots, pages in ((0, 0), (8, 0), (8, 6)):  # 6 pages of 4: two streams at the cap of 12
+  # 6 pages of 4: two streams at the cap of 12.
+  for slots, pages, on in ((0, 0, False), (8, 0, True), (8, 6, True), (0, 0, True)):
     config = tiny_config()
-    config.rloo.update(rollout_slots=slots, rollout_pages=pages, rollout_page_size=4)
-    exp = experiment.build(config, str(tmp_path / f'{slots}_{pages}'))
+    config.rloo.update(rollout_slots=slots, rollout_pages=pages, rollout_page_size=4,
+                       rollout_engine=on)
+    exp = experiment.build(config, str(tmp_path / f'{slots}_{pages}_{on}'))
     assert sampler_args.decode_options(exp)['slots'] == slots
+    assert sampler_args.rollout_slots(config.rloo) == (slots or on * config.rloo.num_prompts * config.rloo.k)
     assert sampler_args.decode_options(exp)['pages'] == pages
     params = models.create(exp.model_config)[1]
     outs.append(rollout.sample_batch(exp, params, first_batch(exp), jax.random.key(0),
                                      k=exp.config.rloo.k)[0])
-  _assert_same(*(jax.tree.map(np.asarray, o) for o in outs[:2]))
-  _assert_same(*(jax.tree.map(np.asarray, o) for o in outs[::2]))
+  for out in outs[1:]:
+    _assert_same(*(jax.tree.map(np.asarray, o) for o in (outs[0], out)))
   config = tiny_config()
   config.rloo.rollout_slots = 2
   with pytest.raises(ValueError, match=r'config.rloo.rollout_slots = 2 must be an integer >= k'):
     experiment.validate_config(config)
-  config.rloo.update(rollout_slots=0, rollout_pages=8)
+  config.rloo.update(rollout_slots=0, rollout_engine=False, rollout_pages=8)
   with pytest.raises(ValueError, match=r'config.rloo.rollout_pages pages the rollout engine'):
     experiment.validate_config(config)
 

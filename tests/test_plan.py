@@ -5,6 +5,7 @@ One subprocess plans on a simulated 2-device FSDP mesh (the device count is fixe
 starts); the rest plan in this process on its one CPU device, the update alone where only it
 matters. The compiles hit conftest's on-disk cache on a rerun.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ from rloo_jax.models import presets
 from rloo_jax.memory import flops
 
 GIB = plan.GIB
-PROGRAMS = {"update", "score", "start", "decode"}  # the update may be several: update_<part>
+PROGRAMS = {"update", "score", "engine"}  # the update may be several: update_<part>
 NUMBER_KEYS = ("peak_gb_per_device", "params_gb", "opt_state_gb", "ref_gb", "kv_cache_gb",
                "device_memory_gb")
 INT_KEYS = ("microbatch_size", "microbatch_rows", "microbatches", "flops_per_iteration",
@@ -58,7 +59,7 @@ def fsdp_plan(tmp_path_factory):
 
 def test_the_json_line_has_every_key_with_its_type(fsdp_plan):
   table, r = fsdp_plan
-  assert "update step" in table and "sampler decode" in table  # the table comes first
+  assert "update step" in table and "rollout engine" in table  # the table comes first
   for key in NUMBER_KEYS:
     assert isinstance(r[key], float) and r[key] >= 0, key
   for key in INT_KEYS:
@@ -81,12 +82,13 @@ def test_state_bytes_split_over_fsdp(fsdp_plan):
   assert r["ref_gb"] == r["params_gb"]  # config.model.ref_dtype '' keeps float32
   # Adam's two moments per parameter, plus a few scalar counters.
   assert 0 <= r["opt_state_gb"] * GIB - 8 * r["num_params"] / 2 < 64
-  # K and V of the prompt once per row, [L, B, Hkv, D, P], and of the streams,
-  # [L, B, k, Hkv, D, T], float32, split over the batch's 2 devices (plus the prompt mask).
+  # The engine's K and V of a prompt row for each of the B prompts, [L, B, Hkv, D, P], and of
+  # its B * k stream slots, [L, B*k, Hkv, D, T], float32, split over the batch's 2 devices
+  # (plus the prompt masks and the slots' indices, 1% here).
   m = c.model
   kv = 2 * m.num_layers * c.rloo.num_prompts * m.num_kv_heads * m.head_dim * (
       c.data.max_prompt_len + c.rloo.k * c.rloo.max_new_tokens) * 4 / 2
-  assert r["kv_cache_gb"] * GIB == pytest.approx(kv, rel=0.01)
+  assert r["kv_cache_gb"] * GIB == pytest.approx(kv, rel=0.02)
 
 
 def test_a_tiny_device_does_not_fit_and_the_advice_names_a_knob(fsdp_plan):
@@ -96,13 +98,12 @@ def test_a_tiny_device_does_not_fit_and_the_advice_names_a_knob(fsdp_plan):
   knob = lambda name: next(a for a in r["advice"] if a.startswith(f"--config.{name}="))
   value = lambda name: int(knob(name).split("=")[1].split()[0])
   # Every program is over: the update's microbatch (a smaller size dividing the minibatch's
-  # groups), the rollout's chunk (dividing the prompts, a multiple of the 2 batch devices) and
-  # the float32 reference are named; more devices are not, since the overflow is larger than
-  # the whole train state (more fsdp alone cannot make room).
+  # groups) and the float32 reference are named; more devices are not, since the overflow is
+  # larger than the whole train state (more fsdp alone cannot make room). No engine slot count
+  # fits either (the slots that do: test_plan_engine).
   size = value("train.microbatch_size")
   assert size < r["microbatch_size"] and r["microbatch_size"] % size == 0
-  chunk = value("rloo.rollout_chunk_prompts")
-  assert chunk < r["rollout_chunk_prompts"] and 4 % chunk == 0 and chunk % 2 == 0
+  assert not any("rloo.rollout" in a for a in r["advice"])
   state = r["params_gb"] + r["opt_state_gb"] + r["ref_gb"]
   assert state < r["peak_gb_per_device"] - r["device_memory_gb"]
   assert not any(a.startswith("--config.mesh.fsdp") for a in r["advice"])
@@ -224,14 +225,14 @@ def test_fsdp_gathers_one_layer_at_a_time():
   update = [v for name, v in r["programs"].items() if name.startswith("update")]
   assert r["params_gb"] == pytest.approx(whole_tree_gb / 8, rel=0.05)
   assert max(v["temp_gb"] for v in update) < 0.5 * whole_tree_gb, (update, whole_tree_gb)
-  assert r["programs"]["decode"]["temp_gb"] < 0.5 * whole_tree_gb, r["programs"]["decode"]
+  assert r["programs"]["engine"]["temp_gb"] < 0.5 * whole_tree_gb, r["programs"]["engine"]
   # With room to spare, the plan names the decode on layers gathered once a rollout: each
   # token then gathers none of the 7/8 of every layer a device lacks, and the decode holds
   # the whole model gathered, compiled to check it fits.
   decode, = [s for s in r["speedups"] if s["setting"] == "--config.rloo.decode_layers=unstacked"]
   layer = 4 * 256 * 256 + 3 * 256 * 1024 + 2 * 256
   assert decode["gathered_per_token_gb"] * GIB == pytest.approx(8 * layer * 4 * 7 / 8, rel=1e-4)
-  assert (r["programs"]["decode"]["peak_gb"] + 0.8 * 8 * layer * 4 / GIB
+  assert (r["programs"]["engine"]["peak_gb"] + 0.8 * 8 * layer * 4 / GIB
           < decode["peak_gb"] <= 0.9 * r["device_memory_gb"])
 
 
@@ -278,7 +279,7 @@ def test_an_fsdp_plan_counts_the_hoisted_head_gather():
   assert r["accelerator_view"] is True and r["speedups"] == []
   arch = presets.get("pythia-160m", num_layers=1)
   head = arch.vocab_size * arch.hidden_size * 4  # float32 [E, V], half of it held per device
-  decode = r["programs"]["decode"]
+  decode = r["programs"]["engine"]
   assert 0.4 * head <= decode["hoisted_gb"] * GIB <= 1.1 * head, decode
 
 
@@ -372,6 +373,13 @@ def test_long_rows_attending_with_scores_are_told_blockwise_and_not_more_devices
   assert not any("attention" in a for a in r["advice"])
 
 
+def with_engine(config, on: bool):
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.rloo.rollout_engine = on
+  return config
+
+
 def test_decode_layers_auto_by_platform_and_the_plan_counts_the_unstacked_copy():
   c = small_config()
   with c.unlocked():  # layers of 4 MB: their copy stands out of the decode's other buffers
@@ -399,14 +407,16 @@ def test_decode_layers_auto_by_platform_and_the_plan_counts_the_unstacked_copy()
   assert sampler_args.decode_unstacked(exp) is True
   assert sampler_args.decode_unstacked(scanned) is False
   # The unstacked decode holds a copy of the layers' weights (float32 here) for the rollout,
-  # where the scan holds the one layer it has sliced out.
-  decode = lambda e: plan.plan(RLOO(e), names=("start", "decode"))["programs"]["decode"]  # noqa
-  extra = decode(exp)["temp_gb"] - decode(scanned)["temp_gb"]
+  # where the scan holds the one layer it has sliced out: the static sampler's decode, and the
+  # engine's (XLA:CPU's phase holds 1.3 copies; the H100 compiler's, the static decode's).
   layers = sum(x.size * x.dtype.itemsize
                for x in jax.tree.leaves(experiment.abstract_state(exp).params["layers"]))
-  assert extra * GIB == pytest.approx(layers * 3 / 4, rel=0.15)
+  for name, engine_on, copies in (("decode", False, 3 / 4), ("engine", True, 1.3)):
+    temp = [plan.plan(RLOO(dataclasses.replace(e, config=with_engine(e.config, engine_on))),
+                      names=(name,))["programs"][name]["temp_gb"] for e in (exp, scanned)]
+    assert (temp[0] - temp[1]) * GIB == pytest.approx(layers * copies, rel=0.15), name
   # A decode that does not fit is told to scan; a scanned one has nothing to give back.
-  tiny = dict(names=("start", "decode"), device_memory_gb=1e-4)
+  tiny = dict(names=("engine",), device_memory_gb=1e-4)
   assert any(a.startswith("--config.rloo.decode_layers=scanned")
              for a in plan.plan(RLOO(exp), **tiny)["advice"])
   assert not any("decode_layers" in a for a in plan.plan(RLOO(scanned), **tiny)["advice"])

@@ -55,17 +55,25 @@ def test_an_engine_run_plans_the_engine_program_not_the_sampler(plans):
   assert "the engine's 8 stream slots + 4 prompt rows" in table
   # "engine" asked for by name compiles the same; a static run asked for it gets its own two.
   assert list(plan.plan(algo, names=("engine",))["programs"]) == ["engine"]
-  assert programs.program_names(engine_algo(0).exp.config, ("update", "engine")) == (
-      "update", "start", "decode")
+  static = engine_algo(0, rollout_engine=False).exp.config
+  assert programs.program_names(static, ("update", "engine")) == ("update", "start", "decode")
+  # By default (rollout_engine, unchunked) the engine takes the whole batch's 8 * k slots, with
+  # a prompt row for each of the 8 prompts (not the default 2 * slots / k, 16: more than
+  # there are prompts).
+  default = engine_algo(0).exp.config
+  assert programs.program_names(default, ("update", "start")) == ("update", "engine")
+  assert programs.engine_slots(default) == (32, 8)
 
 
 def test_the_engine_kv_cache_is_its_stream_buffers_and_prefix_pool_and_grows_with_the_slots(
     plans):
   (algo8, small), (algo32, big) = plans[8], plans[32]
   assert small["kv_cache_gb"] * GIB == pytest.approx(kv_bytes(algo8, 8, 4), rel=0.01)
-  assert big["kv_cache_gb"] * GIB == pytest.approx(kv_bytes(algo32, 32, 16), rel=0.01)
+  # 32 slots' default of 16 prompt rows is cut to the batch's 8 prompts.
+  assert big["rollout_prefix_rows"] == 8
+  assert big["kv_cache_gb"] * GIB == pytest.approx(kv_bytes(algo32, 32, 8), rel=0.01)
   assert (big["kv_cache_gb"] - small["kv_cache_gb"]) * GIB == pytest.approx(
-      kv_bytes(algo8, 24, 12), rel=0.01)
+      kv_bytes(algo8, 24, 4), rel=0.01)
   assert big["programs"]["engine"]["peak_gb"] > small["programs"]["engine"]["peak_gb"]
   # Prompt rows set apart from the default: the prefix pool follows them.
   r = plan.plan(engine_algo(8, prefix_rows=8), names=ROLLOUT)
@@ -91,7 +99,7 @@ def test_an_engine_over_the_device_is_told_the_slots_that_fit_compiled(plans):
 
 
 def test_a_static_rollout_over_the_device_is_told_the_engine_slots_that_fit():
-  algo = engine_algo(0)
+  algo = engine_algo(0, rollout_engine=False)
   r = plan.plan(algo, names=ROLLOUT)
   assert set(r["programs"]) == {"start", "decode"} and r["rollout_slots"] == 0
   limit_gb = 0.95 * r["peak_gb_per_device"]

@@ -168,21 +168,6 @@ def _state_advice(exp, compiled, need: int) -> list:
   return out
 
 
-def _cache_advice(exp, compiled, need: int) -> list:
-  """Smaller rollout chunks: the KV cache holds one chunk's prompts."""
-  c = exp.config
-  chunk, cache = (c.rloo.rollout_chunk_prompts if sampler_args.chunk_engine_slots(c.rloo) else
-                  programs_lib.chunk_prompts(c)), compiled.kv_cache_bytes  # the engine: C*k slots
-  valid = [d for d in programs_lib.divisors(c.rloo.num_prompts)
-           if d < chunk and d % exp.layout.batch_parallelism == 0]
-  if not valid or not cache:
-    return []
-  target = chunk * (cache - need) / cache
-  pick = max((d for d in valid if d <= target), default=min(valid))
-  return [(cache, f"--config.rloo.rollout_chunk_prompts={pick} (the rollout's KV cache, "
-                  f"{_size(cache)} for {chunk} prompts, shrinks with it)")]
-
-
 def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
   """The settings to turn when a program's peak exceeds `limit` bytes, the largest consumer
   first, with values computed where the scaling is known."""
@@ -196,9 +181,6 @@ def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
     items += _microbatch_advice(algo, name, compiled.programs[name], over[name], accelerator)
     items += _attention_advice(algo, name, compiled.programs[name], over[name], accelerator)
   items += _state_advice(exp, compiled, max(over.values()))
-  sampling = [over[n] for n in ("start", "decode") if n in over]
-  if sampling:
-    items += _cache_advice(exp, compiled, max(sampling))
   items += slots_lib.advice(algo, compiled, limit, over, accelerator)
   if ("decode" in over or "engine" in over) and sampler_args.decode_unstacked(exp):
     # The layers whole on each device, at most as stored (an accelerator holds them in the

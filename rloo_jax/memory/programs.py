@@ -349,9 +349,10 @@ def engine_slots(config, ways: int = 1) -> tuple[int, int]:
   slots = sampler_args.rollout_slots(config.rloo)
   if not slots:
     return 0, 0
-  return sampler_args.check_slots(slots, int(config.rloo.k),
-                                  int(config.rloo.get("rollout_prefix_rows", 0) or 0),
-                                  key="config.rloo.rollout_slots", ways=ways)
+  slots, rows = sampler_args.check_slots(slots, int(config.rloo.k),
+                                         int(config.rloo.get("rollout_prefix_rows", 0) or 0),
+                                         key="config.rloo.rollout_slots", ways=ways)
+  return slots, min(rows, chunk_prompts(config))  # as `engine.start`: no more than prompts
 
 
 def _engine_rollout(exp, x, names, _compile, found, resident):
