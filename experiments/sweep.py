@@ -11,7 +11,8 @@ overrides...}]; a run's `algorithm` override picks what `rloo_jax.algorithms.run
 <root>/<name>/seed<s>/ holds a run's metrics.jsonl, summary.json and run.json (name, overrides,
 seed, wall time, command); a run with a summary.json is skipped: a killed sweep resumes. Every
 run starts from one SFT policy, trained once in <root>/_shared (seed 0) or copied from
-`--sft_from` (a workdir whose sft/ has the same base config); compiles cached in <root>/_jax_cache.
+`--sft_from` (a workdir whose sft/ has the same base config); compiles cached in <root>/_jax_cache
+(env JAX_COMPILATION_CACHE_DIR wins, as it does for rloo_jax.train).
 """
 import argparse
 import copy
@@ -119,8 +120,10 @@ def main(argv=None):
     return
 
   import jax  # after argument parsing: --help and --dry_run stay fast
-  jax.config.update("jax_compilation_cache_dir", os.path.join(root, "_jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # set: jax already uses it (cli's rule)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "_jax_cache"))
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
   from rloo_jax import algorithms

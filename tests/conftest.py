@@ -65,7 +65,7 @@ def run_processes(commands, *, env, timeout: float, cwd=None):
 # The files that take longest (summed test durations, `--durations=60`, two workers), longest
 # first: xdist hands out whole files in collection order (pytest.ini), so starting these first
 # keeps one of them from being the tail that runs alone at the end.
-SLOWEST_FIRST = ("test_experiments_tools.py", "test_sharding.py", "test_packing.py", "test_plan.py",
+SLOWEST_FIRST = ("test_sharding.py", "test_packing.py", "test_plan.py", "test_experiments_tools.py",
                  "test_reliability.py", "test_trainer.py", "test_attention_ops.py", "test_engine.py",
                  "test_trim.py", "test_paper_configs.py", "test_models.py", "test_loss.py",
                  "test_notebook.py", "test_experiments.py", "test_lora_train.py",
