@@ -103,10 +103,11 @@ def main():
     fns = forced(models.model_fns(graphdef), hazard(dist, t_cap, rng), a.prompt_len)
     outs = {}
 
-    def static():
-      outs["static"] = [sampler.sample(fns, params, prompts[i:i + b], lengths[i:i + b],
-                                       jax.random.fold_in(jax.random.key(1), i), **kw)
-                        for i in range(0, a.groups, b)]
+    def static():  # one batch (--groups = slots / k, an unchunked rollout): the engine's draws
+      key = lambda i: jax.random.key(1) if b >= a.groups else jax.random.fold_in(  # noqa: E731
+          jax.random.key(1), i)
+      outs["static"] = [sampler.sample(fns, params, prompts[i:i + b], lengths[i:i + b], key(i),
+                                       **kw) for i in range(0, a.groups, b)]
       return [o.tokens_bkt for o in outs["static"]]
 
     def engine(name="engine", slots=a.slots, pages=0):

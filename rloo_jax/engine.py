@@ -35,6 +35,7 @@ from flax import struct
 from rloo_jax import engine_paging as paging
 from rloo_jax import engine_ring as ring
 from rloo_jax import sampler_args, sampling
+from rloo_jax.models import traced_mesh
 from rloo_jax.models.cache import PrefixKV
 from rloo_jax.sharding import leading_ways
 from rloo_jax.platform import jit_by_platform
@@ -269,7 +270,8 @@ def _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, 
     def one(st, prompts, lengths, keys_nk):
       return transition(_Programs(fns, params, prepared, prompts, lengths, keys_nk, eos_id, k=k,
                                   max_new_tokens=max_new_tokens, method=method), st)
-    return _on_shards(jax.vmap(one)(state, *rows), batch_sharding)
+    with traced_mesh.vmapped_shards():
+      return _on_shards(jax.vmap(one)(state, *rows), batch_sharding)
 
   return apply
 

@@ -7,6 +7,8 @@
   grouped forward shapes its rows by.
 - `per_shard(fn, args, heads)`: `fn` run per shard of it (`shard_map`): 'splash', whose Pallas
   call XLA cannot partition, and 'blockwise', whose loops then run to each device's own bounds.
+- `shards_vmapped()`: inside the rollout engine's vmap over its batch shards (`vmapped_shards`),
+  where 'splash' runs as 'blockwise'.
 
 Not `jax.set_mesh`: under a context mesh flax reads the parameters' logical axis names as mesh
 axes. Outside `on_mesh` the program is built for one device of the default backend.
@@ -22,6 +24,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 _MESH = contextvars.ContextVar('traced_mesh', default=None)
+_VMAPPED = contextvars.ContextVar('traced_mesh_shards_vmapped', default=False)
 BATCH_AXES = ('data', 'fsdp')
 
 
@@ -33,6 +36,22 @@ def on_mesh(mesh):
     yield
   finally:
     _MESH.reset(token)
+
+
+@contextlib.contextmanager
+def vmapped_shards():
+  """Traced inside: code vmapped over the batch shards (the rollout engine's), where `per_shard`
+  cannot split rows (a shard's own are not the mesh's) and a Pallas call cannot run."""
+  token = _VMAPPED.set(True)
+  try:
+    yield
+  finally:
+    _VMAPPED.reset(token)
+
+
+def shards_vmapped() -> bool:
+  mesh = _MESH.get()
+  return _VMAPPED.get() and mesh is not None and mesh.size > 1
 
 
 def get():
