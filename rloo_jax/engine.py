@@ -114,22 +114,22 @@ def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool, p
                       if pages else None)
 
 
-def _write_prefix(cache, q, prefix: PrefixKV, mask_1p):
-  """Writes one prefilled prompt into prefix row q, in the decode layouts (`init_cache`)."""
-  k_l1hdp = jnp.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2))
-  v_l1hpd = jnp.transpose(prefix.v_lbphd, (0, 1, 3, 2, 4))
+def _write_prefix(cache, q_g, prefix: PrefixKV, mask_gp):
+  """Writes G prefilled prompts into prefix rows q_g [G], in the decode layouts (`init_cache`)."""
+  k_lghdp = jnp.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2))
+  v_lghpd = jnp.transpose(prefix.v_lbphd, (0, 1, 3, 2, 4))
 
-  def put(pool, new_l1):
+  def put(pool, new_lg):
     if isinstance(pool, tuple):
-      return tuple(x.at[q].set(new_l1[l, 0].astype(x.dtype)) for l, x in enumerate(pool))
-    return pool.at[:, q].set(new_l1[:, 0].astype(pool.dtype))
+      return tuple(x.at[q_g].set(new_lg[l].astype(x.dtype)) for l, x in enumerate(pool))
+    return pool.at[:, q_g].set(new_lg.astype(pool.dtype))
 
   positions = cache.prefix_positions_bp
   if positions is not None:
-    positions = positions.at[q].set(prefix.positions_bp[0])
-  return cache.replace(prefix_k_lbhdp=put(cache.prefix_k_lbhdp, k_l1hdp),
-                       prefix_v_lbhpd=put(cache.prefix_v_lbhpd, v_l1hpd),
-                       prefix_mask_bp=cache.prefix_mask_bp.at[q].set(mask_1p[0]),
+    positions = positions.at[q_g].set(prefix.positions_bp)
+  return cache.replace(prefix_k_lbhdp=put(cache.prefix_k_lbhdp, k_lghdp),
+                       prefix_v_lbhpd=put(cache.prefix_v_lbhpd, v_lghpd),
+                       prefix_mask_bp=cache.prefix_mask_bp.at[q_g].set(mask_gp),
                        prefix_positions_bp=positions)
 
 
@@ -162,6 +162,13 @@ def kv_limits(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
                                           if max_new_tokens >> i >= SMALLEST_KV_LIMIT}))
 
 
+def _admits(state: EngineState, groups: int, k: int) -> bool:
+  """Whether groups wait for a slot after `start` (every shard has `groups`): paged (a group
+  also needs pages), or more groups than its slots or prefix rows hold at once."""
+  s, q = state.group_s.shape[-1], state.refs_q.shape[-1]
+  return state.free_p is not None or groups > min(s // k, q)
+
+
 def _need(st: EngineState):
   """Stream slots the next decode step reads: the longest live stream's step (0: none live)."""
   return jnp.max(jnp.where(st.group_s >= 0, st.step_s, 0))
@@ -191,33 +198,41 @@ class _Programs:
     return (st.next_group < self.prompts_np.shape[0]) & (free >= self.k) & jnp.any(
         st.refs_q == 0) & pages
 
-  def _admit(self, st):
-    k, g = self.k, st.next_group
-    tokens_1p = jax.lax.dynamic_slice_in_dim(self.prompts_np, g, 1)
-    positions_1p, mask_1p = sampling.prompt_inputs(
-        tokens_1p, jax.lax.dynamic_slice_in_dim(self.lengths_n, g, 1))
-    first_1v, prefix = self.fns.prefill(self.dparams, tokens_1p, positions_1p, mask_1p,
+  def _admit(self, st, groups: int = 1):
+    """The next `groups` groups (static) admitted: one prefill of their prompts, each in the
+    first free prefix row, its k streams in the first free slots (there must be room)."""
+    k, g, n = self.k, st.next_group, groups
+    tokens_gp = jax.lax.dynamic_slice_in_dim(self.prompts_np, g, n)
+    positions_gp, mask_gp = sampling.prompt_inputs(
+        tokens_gp, jax.lax.dynamic_slice_in_dim(self.lengths_n, g, n))
+    first_gv, prefix = self.fns.prefill(self.dparams, tokens_gp, positions_gp, mask_gp,
                                         **self.split)
-    q = jnp.argmax(st.refs_q == 0)
-    slots_k = jnp.nonzero(st.group_s < 0, size=k, fill_value=0)[0]
-    g_k, j_k, t_k = jnp.full((k,), g), jnp.arange(k), jnp.zeros((k,), jnp.int32)
-    uniforms_1k2 = _uniforms(self.keys_nk, g_k, j_k, t_k)[None]
-    first_1kv = jnp.broadcast_to(first_1v[:, None], (1, k, first_1v.shape[-1]))
-    tokens_1k, lp_1k, plp_1k = sampling.draw(self.method, uniforms_1k2, first_1kv)
-    tokens_k = tokens_1k[0]
-    st = _write(st, g_k, j_k, t_k, tokens_k, lp_1k[0], plp_1k[0], jnp.ones((k,), bool))
-    live_k = ~sampling.is_stop(tokens_k, self.eos_id) & (self.t_cap > 1)
-    cache = _write_prefix(st.cache, q, prefix, mask_1p)
-    cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_k].set(q))
+    q_g = jnp.nonzero(st.refs_q == 0, size=n, fill_value=0)[0]
+    slots_x = jnp.nonzero(st.group_s < 0, size=n * k, fill_value=0)[0]  # x = (group, stream)
+    g_x, j_x = jnp.repeat(g + jnp.arange(n), k), jnp.tile(jnp.arange(k), n)
+    t_x = jnp.zeros((n * k,), jnp.int32)
+    uniforms_gk2 = _uniforms(self.keys_nk, g_x, j_x, t_x).reshape(n, k, 2)
+    first_gkv = jnp.broadcast_to(first_gv[:, None], (n, k, first_gv.shape[-1]))
+    tokens_gk, lp_gk, plp_gk = sampling.draw(self.method, uniforms_gk2, first_gkv)
+    tokens_x = tokens_gk.reshape(-1)
+    st = _write(st, g_x, j_x, t_x, tokens_x, lp_gk.reshape(-1), plp_gk.reshape(-1),
+                jnp.ones((n * k,), bool))
+    live_x = ~sampling.is_stop(tokens_x, self.eos_id) & (self.t_cap > 1)
+    cache = _write_prefix(st.cache, q_g, prefix, mask_gp)
+    cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_x].set(jnp.repeat(q_g, k)))
     if st.age_s is not None:
-      st = st.replace(age_s=st.age_s.at[slots_k].set(g))
+      st = st.replace(age_s=st.age_s.at[slots_x].set(g_x))
     return st.replace(
-        cache=cache, group_s=st.group_s.at[slots_k].set(jnp.where(live_k, g, -1)),
-        stream_s=st.stream_s.at[slots_k].set(j_k), step_s=st.step_s.at[slots_k].set(1),
-        last_s=st.last_s.at[slots_k].set(tokens_k),
-        refs_q=st.refs_q.at[q].set(jnp.sum(live_k)), next_group=g + 1)
+        cache=cache, group_s=st.group_s.at[slots_x].set(jnp.where(live_x, g_x, -1)),
+        stream_s=st.stream_s.at[slots_x].set(j_x), step_s=st.step_s.at[slots_x].set(1),
+        last_s=st.last_s.at[slots_x].set(tokens_x),
+        refs_q=st.refs_q.at[q_g].set(live_x.reshape(n, k).sum(1)), next_group=g + n)
 
-  def admit_all(self, st):
+  def admit_all(self, st, at_once: bool = False):
+    """Groups while k slots and a prefix row are free; `at_once`: every group, one prefill (the
+    caller knows they all fit)."""
+    if at_once:
+      return self._admit(st, self.prompts_np.shape[0])
     return jax.lax.while_loop(self._can_admit, self._admit, st)
 
   def decode(self, st, kv_limit: int, column=None):
@@ -305,7 +320,8 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
   run_shards = _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, d,
                              k=k, max_new_tokens=max_new_tokens, method=method,
                              unstack_layers=unstack_layers, batch_sharding=batch_sharding)
-  return run_shards(lambda programs, st: programs.admit_all(st), state)
+  at_once = not _admits(one, n // d, k)  # every group in one prefill, as the static sampler
+  return run_shards(lambda programs, st: programs.admit_all(st, at_once), state)
 
 
 # The state is donated: the loop updates the caller's KV buffers in place, never a copy.
@@ -329,8 +345,7 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
 
   # Unpaged, with every group admitted by `start` (it had slots and prefix rows for all), no
   # step admits: the phase is the decode alone, as the static sampler's loop.
-  d, s, q = state.refs_q.shape[0], state.group_s.shape[1], state.refs_q.shape[1]
-  admits = state.free_p is not None or prompt_tokens_np.shape[0] // d > min(s // k, q)
+  admits = _admits(state, prompt_tokens_np.shape[0] // state.refs_q.shape[0], k)
 
   def body(st):
     column = None if state.free_p is not None else ring.column(st, kv_limit)
