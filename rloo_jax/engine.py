@@ -9,7 +9,8 @@ that stopped early keeps its slot, its KV buffer and its share of every step. He
 streams decode at once; a stream that ends frees its slot, and whenever k slots (and a prefix
 row) are free the next group is admitted inside the same jitted loop: its prompt prefilled once
 into a pool of prefix rows that its k streams read (`DecodeCache.prefix_rows_b`), its first
-tokens drawn, its streams placed in the free slots. A stream's cache index is its own
+tokens drawn, its streams placed in the free slots (with room for every group, unpaged, all in
+one prefill at the start and none in the loop: an unchunked rollout). A stream's index is its own
 (`DecodeCache.index` [S, 1]); unpaged, its keys and values sit in a ring whose column all slots
 write at once (`engine_ring`), so a reused slot reads nothing of its previous stream.
 
