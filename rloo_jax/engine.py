@@ -91,10 +91,12 @@ def _on_shards(tree, batch_sharding):
 
 
 def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool, pages: int = 0,
-                 page_size: int = 0):
+                 page_size: int = 0, grouped: bool = False):
   """The engine's DecodeCache: Q prefix rows of P columns and S one-stream rows of T slots; or,
   paged, a pool of `pages` pages of `page_size` slots (and the scratch page) that the S stream
-  rows' page tables, all pointing at the scratch page, index."""
+  rows' page tables, all pointing at the scratch page, index. grouped (S = Q*k, every group
+  admitted at once): the static sampler's layout, prefix row q's k streams in stream row q,
+  so a decode reads each prefix row in place, never gathering a copy for each of its streams."""
   tokens = jnp.zeros((1, p), jnp.int32)
   _, prefix = jax.eval_shape(fns.prefill, params, tokens, tokens, tokens > 0)
 
@@ -105,12 +107,12 @@ def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool, p
   pool = init(PrefixKV(rows(prefix.k_lbphd, q, p), rows(prefix.v_lbphd, q, p),
                        None if prefix.positions_bp is None else jnp.zeros((q, p), jnp.int32)),
               jnp.zeros((q, p), bool), 1, 1)
-  n = pages + 1 if pages else s
+  n, k = (q, s // q) if grouped else (pages + 1 if pages else s, 1)
   one = PrefixKV(rows(prefix.k_lbphd, n, 1), rows(prefix.v_lbphd, n, 1))
-  streams = init(one, jnp.zeros((n, 1), bool), 1, page_size if pages else t)
+  streams = init(one, jnp.zeros((n, 1), bool), k, page_size if pages else t)
   return pool.replace(k_lbkhdt=streams.k_lbkhdt, v_lbkhtd=streams.v_lbkhtd,
-                      index=jnp.zeros((s, 1), jnp.int32),
-                      prefix_rows_b=jnp.zeros((s,), jnp.int32),
+                      index=jnp.zeros((n, k) if grouped else (s, 1), jnp.int32),
+                      prefix_rows_b=None if grouped else jnp.zeros((s,), jnp.int32),
                       pages_bm=jnp.full((s, -(-t // page_size)), pages, jnp.int32)
                       if pages else None)
 
@@ -163,11 +165,9 @@ def kv_limits(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
                                           if max_new_tokens >> i >= SMALLEST_KV_LIMIT}))
 
 
-def _admits(state: EngineState, groups: int, k: int) -> bool:
-  """Whether groups wait for a slot after `start` (every shard has `groups`): paged (a group
-  also needs pages), or more groups than its slots or prefix rows hold at once."""
-  s, q = state.group_s.shape[-1], state.refs_q.shape[-1]
-  return state.free_p is not None or groups > min(s // k, q)
+def _admits(state: EngineState) -> bool:
+  """Whether groups wait for a slot after `start`: all but the grouped layout (`start`)."""
+  return state.cache.prefix_rows_b is not None
 
 
 def _need(st: EngineState):
@@ -220,7 +220,8 @@ class _Programs:
                 jnp.ones((n * k,), bool))
     live_x = ~sampling.is_stop(tokens_x, self.eos_id) & (self.t_cap > 1)
     cache = _write_prefix(st.cache, q_g, prefix, mask_gp)
-    cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_x].set(jnp.repeat(q_g, k)))
+    if cache.prefix_rows_b is not None:  # grouped: slot s reads row s // k (all admitted here)
+      cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_x].set(jnp.repeat(q_g, k)))
     if st.age_s is not None:
       st = st.replace(age_s=st.age_s.at[slots_x].set(g_x))
     return st.replace(
@@ -243,18 +244,23 @@ class _Programs:
     index_s = jnp.maximum(st.step_s - 1, 0)
     if st.free_p is not None:  # paged: a page for each stream entering one; stalled if none
       st, live_s = paging.grant(st, live_s, index_s)
-    cache = st.cache.replace(index=index_s[:, None])
+    rows_s = st.cache.prefix_rows_b
+    if rows_s is None:  # grouped (`_empty_cache`): the decode's streams [Q, k]
+      rows_s = jnp.arange(st.group_s.shape[0]) // self.k
+    shape = st.cache.index.shape
+    cache = st.cache.replace(index=index_s.reshape(shape))
     positions_s = self.lengths_n[g_s] + index_s
-    logits_s1v, cache = self.fns.decode(
-        self.dparams, st.last_s[:, None], positions_s[:, None], cache,
+    logits, cache = self.fns.decode(
+        self.dparams, st.last_s.reshape(shape), positions_s.reshape(shape), cache,
         kv_limit=None if kv_limit >= self.t_cap else kv_limit, column=column, **self.split)
+    logits_s1v = logits.reshape(-1, 1, logits.shape[-1])
     uniforms_s12 = _uniforms(self.keys_nk, g_s, st.stream_s, st.step_s)[:, None]
     tokens_s1, lp_s1, plp_s1 = sampling.draw(self.method, uniforms_s12, logits_s1v)
     tokens_s = tokens_s1[:, 0]
     st = _write(st, g_s, st.stream_s, st.step_s, tokens_s, lp_s1[:, 0], plp_s1[:, 0], live_s)
     step_s = st.step_s + live_s
     ended_s = live_s & (sampling.is_stop(tokens_s, self.eos_id) | (step_s >= self.t_cap))
-    refs_q = st.refs_q.at[cache.prefix_rows_b].add(-ended_s.astype(jnp.int32))
+    refs_q = st.refs_q.at[rows_s].add(-ended_s.astype(jnp.int32))
     st = st.replace(cache=cache, group_s=jnp.where(ended_s, -1, st.group_s), step_s=step_s,
                     last_s=jnp.where(live_s, tokens_s, st.last_s), refs_q=refs_q,
                     steps=st.steps + 1)
@@ -302,11 +308,16 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
   d = leading_ways(batch_sharding)
   # No more prefix rows than prompts: unchunked, every group is admitted here.
   s, q, npages = slots // d, min(prefix_rows, n) // d, pages // d
+  # Unpaged with a slot for every stream and a row for every prompt: every group in one
+  # prefill, in the static sampler's grouped layout (`_empty_cache`), no slot left over.
+  at_once = not pages and n // d <= min(s // k, q)
+  s, q = ((n // d) * k, n // d) if at_once else (s, q)
   zeros_s = jnp.zeros((s,), jnp.int32)
   shape_nkt = (n // d, k, max_new_tokens)
   one = EngineState(
       cache=_empty_cache(fns, params, p, q, s, max_new_tokens,
-                         sampler_args.per_layer(fns, unstack_layers), npages, page_size),
+                         sampler_args.per_layer(fns, unstack_layers), npages, page_size,
+                         grouped=at_once),
       group_s=jnp.full((s,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,
       last_s=zeros_s + pad_id, refs_q=jnp.zeros((q,), jnp.int32),
       next_group=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32),
@@ -321,7 +332,6 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
   run_shards = _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, d,
                              k=k, max_new_tokens=max_new_tokens, method=method,
                              unstack_layers=unstack_layers, batch_sharding=batch_sharding)
-  at_once = not _admits(one, n // d, k)  # every group in one prefill, as the static sampler
   return run_shards(lambda programs, st: programs.admit_all(st, at_once), state)
 
 
@@ -346,7 +356,7 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
 
   # Unpaged, with every group admitted by `start` (it had slots and prefix rows for all), no
   # step admits: the phase is the decode alone, as the static sampler's loop.
-  admits = _admits(state, prompt_tokens_np.shape[0] // state.refs_q.shape[0], k)
+  admits = _admits(state)
 
   def body(st):
     column = None if state.free_p is not None else ring.column(st, kv_limit)

@@ -4,6 +4,7 @@ static sampler draws, whatever slot a stream lands in and whatever its slot held
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,29 @@ def test_with_a_slot_for_every_stream_start_admits_all_and_a_phase_only_decodes(
   assert at_once[0] < waiting[0] and at_once[1] < waiting[1] and waiting == loops(15, 4)
 
 
+def test_with_every_group_admitted_at_once_a_decode_reads_the_prefix_rows_in_place():
+  """The at-once engine keeps the static sampler's grouped layout (a group's k streams in its
+  prefix row's stream row): no decode step gathers a copy of a prefix row for each stream
+  (`DecodeCache.prefix_for_rows`), which the accelerator compilers keep live for every layer."""
+  fns, params = _tiny('llama')
+  tokens, lengths = (jnp.asarray(x) for x in _prompts())
+  args = (fns, params, tokens, lengths, jax.random.key(3), jnp.asarray(STOPS))
+  static = dict(k=3, max_new_tokens=20, method=sampling.Temperature(1.0))
+
+  def prefix_gathers(slots, rows):
+    state = engine.start(*args, jnp.int32(PAD), slots=slots, prefix_rows=rows, **static)
+    # a layer's prefix keys or values [D, Q, Hkv, ...] as a gather's operand
+    pool = {'x'.join(map(str, x.shape[:1] + x.shape[2:])) for x in (
+        state.cache.prefix_k_lbhdp, state.cache.prefix_v_lbhpd)}
+    hlo = engine.phase.lower(*args, state, kv_limit=20, **static).as_text()
+    operands = re.findall(r'"stablehlo.gather".*?: \(tensor<([0-9x]+)x[a-z0-9]+>', hlo)
+    return state, sum(o in pool for o in operands)
+
+  state, gathers = prefix_gathers(15, 15)
+  assert state.cache.k_lbkhdt.shape[2:4] == (5, 3) and state.cache.prefix_rows_b is None
+  assert gathers == 0 and prefix_gathers(6, 2)[1] >= 2
+
+
 @pytest.mark.parametrize('unstack', [False, True])
 def test_a_decode_step_writes_every_slot_with_one_slice_update_not_a_scatter(unstack):
   """The ring: every slot writes one column, so the step's KV write is a dynamic-update-slice
@@ -142,8 +166,8 @@ def _poison(monkeypatch, *fields):
   clean = engine._empty_cache
   fill = lambda x: jnp.full_like(x, 30.0) if x.dtype == jnp.float32 else x  # noqa: E731
 
-  def poisoned(*args):
-    cache = clean(*args)
+  def poisoned(*args, **kw):
+    cache = clean(*args, **kw)
     return cache.replace(**{f: jax.tree.map(fill, getattr(cache, f)) for f in fields})
 
   monkeypatch.setattr(engine, '_empty_cache', poisoned)

@@ -48,8 +48,8 @@ def fit(peak_at, known: dict, guess: float, k: int, top: int, limit: int):
       s = 2 * s if len(seen) < 2 else _affine(seen, limit, s)
     elif best is not None:
       break
-    else:
-      s = s // 2 if len(seen) < 2 else _affine(seen, limit, s)
+    else:  # halved where the peak does not grow with the slots (the at-once engine's layout)
+      s = (_affine(seen, limit, s) if len(seen) > 1 else None) or s // 2
   return best
 
 
