@@ -306,12 +306,10 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
   """Every shard's empty slots, prefix rows (and pages), then its first groups admitted."""
   n, p = prompt_tokens_np.shape
   d = leading_ways(batch_sharding)
-  # No more prefix rows than prompts: unchunked, every group is admitted here.
-  s, q, npages = slots // d, min(prefix_rows, n) // d, pages // d
-  # Unpaged with a slot for every stream and a row for every prompt: every group in one
-  # prefill, in the static sampler's grouped layout (`_empty_cache`), no slot left over.
-  at_once = not pages and n // d <= min(s // k, q)
-  s, q = ((n // d) * k, n // d) if at_once else (s, q)
+  slots, prefix_rows = sampler_args.engine_pools(n, slots, prefix_rows, k, d, bool(pages))
+  s, q, npages = slots // d, prefix_rows // d, pages // d
+  # Every group in one prefill, in the static sampler's grouped layout (`_empty_cache`).
+  at_once = not pages and (s, q) == ((n // d) * k, n // d)
   zeros_s = jnp.zeros((s,), jnp.int32)
   shape_nkt = (n // d, k, max_new_tokens)
   one = EngineState(

@@ -239,6 +239,17 @@ def check_slots(slots, k: int, prefix_rows, key: str = 'slots', ways: int = 1,
   return slots, got
 
 
+def engine_pools(prompts: int, slots: int, prefix_rows: int, k: int, ways: int = 1,
+                 paged: bool = False) -> tuple[int, int]:
+  """(stream slots, prefix rows) an engine over `prompts` holds, all `ways` shards: no more
+  prompt rows than prompts; unpaged, with a slot for every stream and a row for every prompt,
+  exactly those (`engine.start` admits every group at once, in the static sampler's layout)."""
+  rows = min(prefix_rows, prompts)
+  if not paged and prompts // ways <= min(slots // ways // k, rows // ways):
+    return prompts * k, prompts
+  return slots, rows
+
+
 def decode_options(exp) -> dict:
   """`sampler.sample`'s decode layout arguments for `exp`: the layer layout, and the rollout
   engine's slots (config.rloo.rollout_slots; 0: the static sampler)."""

@@ -67,8 +67,8 @@ def test_the_rollout_engine_compiles_and_fits(target):
   start and decode), and its KV cache is at most the whole slot and prefix pools."""
   config = load_config()
   config.mesh.data, config.mesh.fsdp = -1, 1
-  ways = targets.parse(target).chips  # an engine a batch shard, 2 groups' slots each
-  config.rloo.rollout_slots = 2 * config.rloo.k * ways
+  ways = targets.parse(target).chips  # an engine a batch shard, 2 groups' slots for its 4
+  config.rloo.rollout_slots, config.rloo.num_prompts = 2 * config.rloo.k * ways, 4 * ways
   report = memory.plan(_algo(config, target), names=("engine",),
                        device_memory_gb=targets.parse(target).memory_gb)
   assert list(report["programs"]) == ["engine"] and report["fits"]

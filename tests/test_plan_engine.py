@@ -63,6 +63,8 @@ def test_an_engine_run_plans_the_engine_program_not_the_sampler(plans):
   default = engine_algo(0).exp.config
   assert programs.program_names(default, ("update", "start")) == ("update", "engine")
   assert programs.engine_slots(default) == (32, 8)
+  # More slots than streams, all admitted at once: the engine holds the streams' 32 alone.
+  assert programs.engine_slots(engine_algo(64).exp.config) == (32, 8)
 
 
 def test_the_engine_kv_cache_is_its_stream_buffers_and_prefix_pool_and_grows_with_the_slots(

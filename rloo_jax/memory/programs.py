@@ -343,16 +343,16 @@ def _static_rollout(exp, x, names, _compile, found, resident):
 
 
 def engine_slots(config, ways: int = 1) -> tuple[int, int]:
-  """(stream slots, prefix rows) of the rollout engine, config.rloo.rollout_slots and
-  rollout_prefix_rows resolved (0: its default) over `ways` batch shards (`sharding.leading_ways`);
-  (0, 0) for the static sampler."""
+  """(stream slots, prefix rows) the rollout engine holds over `ways` batch shards
+  (`sampler_args.engine_pools`) for config.rloo.rollout_slots; (0, 0): the static sampler."""
   slots = sampler_args.rollout_slots(config.rloo)
   if not slots:
     return 0, 0
   slots, rows = sampler_args.check_slots(slots, int(config.rloo.k),
                                          int(config.rloo.get("rollout_prefix_rows", 0) or 0),
                                          key="config.rloo.rollout_slots", ways=ways)
-  return slots, min(rows, chunk_prompts(config))  # as `engine.start`: no more than prompts
+  return sampler_args.engine_pools(chunk_prompts(config), slots, rows, int(config.rloo.k), ways,
+                                   bool(config.rloo.get("rollout_pages", 0)))
 
 
 def _engine_rollout(exp, x, names, _compile, found, resident):

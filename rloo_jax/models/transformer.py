@@ -5,9 +5,8 @@ The module is Flax NNX; everything outside this package calls the pure functions
 `model_fns(graphdef)` (forward / prefill / init_cache / decode / grouped) on a params `nnx.State`,
 so jit, grad and donation see plain pytrees and no hidden mutable state.
 
-Decoding is built for RLOO's access pattern: k completions per prompt. `prefill` runs the prompt once;
-`decode` lets the k streams of a prompt attend to that single prefix cache (never copied k times) plus
-their own per-stream cache, with both score blocks joined in one float32 softmax.
+Decoding serves RLOO's k completions per prompt: `prefill` runs a prompt once, and `decode`'s k
+streams attend to its one prefix cache (never copied k times) and their own, in one float32 softmax.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from rloo_jax.models import attention_ops, traced_mesh
 from rloo_jax.models.block import stacked_blocks
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
     DecodeCache, PrefixKV, init_cache, read_pages, write_page, write_slot)
-from rloo_jax.models.config import (  # noqa: F401  (re-exported)
-    _DTYPES, TransformerConfig, dtype_of)
+from rloo_jax.models.config import _DTYPES, TransformerConfig, dtype_of  # noqa: F401  (re-exported)
 from rloo_jax.models import decode_weights as decode_weights_lib
 from rloo_jax.models.layers import Norm, _param, _rotary, apply_head
 from rloo_jax.models.presets import from_experiment_config  # noqa: F401  (re-exported)
@@ -277,7 +275,9 @@ class Transformer(nnx.Module):
       l, prefix = xs_l
       if cache.per_layer:
         prefix = (cache.prefix_k_lbhdp[l], cache.prefix_v_lbhpd[l])
-      prefix = tuple(cache.prefix_for_rows(x) for x in prefix)  # the engine's pool rows
+      if cache.prefix_rows_b is not None:  # the engine's pool rows, gathered in this layer's turn
+        prefix, x = jax.lax.optimization_barrier((prefix, x))
+        prefix = tuple(cache.prefix_for_rows(p) for p in prefix)
 
       def store(k, v):  # the stream buffers ride in the carry, written in place
         if cache.pages_bm is None:
