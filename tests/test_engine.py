@@ -196,6 +196,10 @@ def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
                      method=sampling.Temperature(1.0), slots=3, prefix_rows=1)
   assert int(state.next_group.sum()) == 5 and not (np.asarray(state.group_s) >= 0).any()
   assert {(2, 4), (4, 9), (9, 19)} <= set(periods) and any(o > n for o, n in periods), periods
+  # Every group admitted at once (the grouped layout), its rings re-laid between phases too.
+  periods.clear()
+  _assert_same(static, _both(fns, params, sampling.Temperature(1.0), slots=15, t=19)[1])
+  assert {(2, 4), (4, 9), (9, 19)} <= set(periods), periods
   # Every decode step ran some slot: fewer steps than the sum of each group's longest stream.
   assert int(state.steps.max()) <= int(static.lengths_bk.max(axis=1).sum())
 
