@@ -220,7 +220,7 @@ class _Programs:
                 jnp.ones((n * k,), bool))
     live_x = ~sampling.is_stop(tokens_x, self.eos_id) & (self.t_cap > 1)
     cache = _write_prefix(st.cache, q_g, prefix, mask_gp)
-    if cache.prefix_rows_b is not None:  # grouped: slot s reads row s // k (all admitted here)
+    if cache.prefix_rows_b is not None:  # None: grouped, slot s reads row s // k
       cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_x].set(jnp.repeat(q_g, k)))
     if st.age_s is not None:
       st = st.replace(age_s=st.age_s.at[slots_x].set(g_x))
