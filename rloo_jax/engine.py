@@ -118,22 +118,26 @@ def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool, p
 
 
 def _write_prefix(cache, q_g, prefix: PrefixKV, mask_gp):
-  """Writes G prefilled prompts into prefix rows q_g [G], in the decode layouts (`init_cache`)."""
+  """Writes G prefilled prompts into prefix rows q_g [G], in the decode layouts (`init_cache`);
+  q_g None: they are every row, in order, so the pool is the prefill's (no zeros scattered into)."""
   k_lghdp = jnp.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2))
   v_lghpd = jnp.transpose(prefix.v_lbphd, (0, 1, 3, 2, 4))
 
+  def write(x, new, axis=0):
+    new = new.astype(x.dtype)
+    return new if q_g is None else x.at[(slice(None),) * axis + (q_g,)].set(new)
+
   def put(pool, new_lg):
     if isinstance(pool, tuple):
-      return tuple(x.at[q_g].set(new_lg[l].astype(x.dtype)) for l, x in enumerate(pool))
-    return pool.at[:, q_g].set(new_lg.astype(pool.dtype))
+      return tuple(write(x, new_lg[l]) for l, x in enumerate(pool))
+    return write(pool, new_lg, 1)
 
   positions = cache.prefix_positions_bp
-  if positions is not None:
-    positions = positions.at[q_g].set(prefix.positions_bp)
   return cache.replace(prefix_k_lbhdp=put(cache.prefix_k_lbhdp, k_lghdp),
                        prefix_v_lbhpd=put(cache.prefix_v_lbhpd, v_lghpd),
-                       prefix_mask_bp=cache.prefix_mask_bp.at[q_g].set(mask_gp),
-                       prefix_positions_bp=positions)
+                       prefix_mask_bp=write(cache.prefix_mask_bp, mask_gp),
+                       prefix_positions_bp=None if positions is None else write(
+                           positions, prefix.positions_bp))
 
 
 def _uniforms(keys_nk, group_s, stream_s, step_s):
@@ -163,11 +167,6 @@ def kv_limits(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
   """The stream-slot counts a phase's decode steps attend to: ..., T/4, T/2, T."""
   return tuple(sorted({max_new_tokens} | {max_new_tokens >> i for i in range(buckets)
                                           if max_new_tokens >> i >= SMALLEST_KV_LIMIT}))
-
-
-def _admits(state: EngineState) -> bool:
-  """Whether groups wait for a slot after `start`: all but the grouped layout (`start`)."""
-  return state.cache.prefix_rows_b is not None
 
 
 def _need(st: EngineState):
@@ -219,8 +218,9 @@ class _Programs:
     st = _write(st, g_x, j_x, t_x, tokens_x, lp_gk.reshape(-1), plp_gk.reshape(-1),
                 jnp.ones((n * k,), bool))
     live_x = ~sampling.is_stop(tokens_x, self.eos_id) & (self.t_cap > 1)
-    cache = _write_prefix(st.cache, q_g, prefix, mask_gp)
-    if cache.prefix_rows_b is not None:  # None: grouped, slot s reads row s // k
+    grouped = st.cache.prefix_rows_b is None  # every group at once, slot s reading row s // k
+    cache = _write_prefix(st.cache, None if grouped else q_g, prefix, mask_gp)
+    if not grouped:
       cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_x].set(jnp.repeat(q_g, k)))
     if st.age_s is not None:
       st = st.replace(age_s=st.age_s.at[slots_x].set(g_x))
@@ -354,7 +354,7 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
 
   # Unpaged, with every group admitted by `start` (it had slots and prefix rows for all), no
   # step admits: the phase is the decode alone, as the static sampler's loop.
-  admits = _admits(state)
+  admits = state.cache.prefix_rows_b is not None  # None: the grouped layout (`start`)
 
   def body(st):
     column = None if state.free_p is not None else ring.column(st, kv_limit)
