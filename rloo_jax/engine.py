@@ -10,9 +10,10 @@ streams decode at once; a stream that ends frees its slot, and whenever k slots 
 row) are free the next group is admitted inside the same jitted loop: its prompt prefilled once
 into a pool of prefix rows that its k streams read (`DecodeCache.prefix_rows_b`), its first
 tokens drawn, its streams placed in the free slots (with room for every group, unpaged, all in
-one prefill at the start and none in the loop: an unchunked rollout). A stream's index is its own
-(`DecodeCache.index` [S, 1]); unpaged, its keys and values sit in a ring whose column all slots
-write at once (`engine_ring`), so a reused slot reads nothing of its previous stream.
+one prefill at the start, none in the loop, in the static sampler's grouped layout: no pool
+rows to look up). A stream's index is its own (`DecodeCache.index` [S, 1]; grouped [Q, k]);
+unpaged, its keys and values sit in a ring whose column all slots write at once (`engine_ring`),
+so a reused slot reads nothing of its previous stream.
 
 Same `SampleOutput` [N, k, T], token for token, as `sampler.sample(mode='shared')` of the same
 prompts and rng: stream (g, j) draws step t from fold_in(stream_keys(rng)[g, j], t) whatever
