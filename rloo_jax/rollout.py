@@ -225,11 +225,11 @@ def sample_output(exp, params, batch: Mapping[str, Any], rng, *, k: int, method=
   consecutive chunks of C prompts (`sample_chunked`), so the KV cache holds only C prompts at
   once; the output has the same shapes, layout and row order as an unchunked one. With
   config.rloo.rollout_engine the batch streams through the engine's C * k slots (or `slots`)."""
-  chunk = int(exp.config.rloo.get("rollout_chunk_prompts", 0) or 0)
   b = batch["prompt_tokens"].shape[0] * jax.process_count()
-  slots = slots or sampler_args.chunk_engine_slots(exp.config.rloo, b)  # a chunk's KV
-  if 0 < chunk < b and not slots:
+  chunk = sampler_args.chunk_prompts(exp.config.rloo, b)
+  if chunk < b and not slots:
     return sample_chunked(exp, params, batch, rng, k=k, method=method, chunk_prompts=chunk)
+  slots = slots or sampler_args.chunk_engine_slots(exp.config.rloo, b)  # a chunk's KV
   return _sample_rows(exp, params, batch["prompt_tokens"], batch["prompt_lengths"], rng, k=k,
                       method=method, slots=slots)
 

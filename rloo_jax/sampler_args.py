@@ -250,6 +250,51 @@ def engine_pools(prompts: int, slots: int, prefix_rows: int, k: int, ways: int =
   return slots, rows
 
 
+def chunk_prompts(rloo_config, prompts: int | None = None) -> int:
+  """Prompts per sampler call over a batch of `prompts` (default num_prompts):
+  config.rloo.rollout_chunk_prompts below the batch, else (or with the engine taking the batch
+  through a chunk's slots, `chunk_engine_slots`) the batch."""
+  prompts = prompts or int(rloo_config.num_prompts)
+  chunk = int(rloo_config.get('rollout_chunk_prompts', 0) or 0)
+  if 0 < chunk < prompts and not chunk_engine_slots(rloo_config, prompts):
+    return chunk
+  return prompts
+
+
+def engine_slots(rloo_config, ways: int = 1) -> tuple[int, int]:
+  """(stream slots, prefix rows) the rollout engine holds over `ways` batch shards for a
+  rollout of config.rloo.num_prompts (`engine_pools`); (0, 0): the static sampler."""
+  r = rloo_config
+  slots = rollout_slots(r)
+  if not slots:
+    return 0, 0
+  slots, rows = check_slots(slots, int(r.k), int(r.get('rollout_prefix_rows', 0) or 0),
+                            key='config.rloo.rollout_slots', ways=ways)
+  return engine_pools(chunk_prompts(r), slots, rows, int(r.k), ways,
+                      bool(r.get('rollout_pages', 0)))
+
+
+def describe(rloo_config, ways: int = 1) -> str:
+  """The rollout's sampler and the pools it holds, in the line a run logs before it starts."""
+  r = rloo_config
+  n, k = int(r.num_prompts), int(r.k)
+  slots, rows = engine_slots(r, ways)
+  if not slots:
+    chunk = chunk_prompts(r)
+    calls = f" in {n // chunk} calls of {chunk}" if chunk < n else ""
+    return (f"[rollout] the static sampler ({r.sampler_mode}): {n} prompts x k={k}{calls}, "
+            "each call decoding until its longest stream ends")
+  pages = int(r.get('rollout_pages', 0) or 0)
+  kv = (f"their KV in {pages} pages of {r.get('rollout_page_size', 64)} tokens" if pages else
+        f"each a KV buffer of {r.max_new_tokens} tokens")
+  shards = f", over {ways} batch shards" if ways > 1 else ""
+  asked = int(r.get('rollout_slots', 0) or 0)
+  held = (f"; config.rloo.rollout_slots={asked} is more than the streams need, so {slots} are "
+          "held" if asked > slots else "")
+  return (f"[rollout] the engine: {n} prompts x k={k} streams through {slots} stream slots "
+          f"({kv}) and {rows} prompt rows{shards}{held}")
+
+
 def decode_options(exp) -> dict:
   """`sampler.sample`'s decode layout arguments for `exp`: the layer layout, and the rollout
   engine's slots (config.rloo.rollout_slots; 0: the static sampler)."""

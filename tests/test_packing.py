@@ -242,6 +242,7 @@ def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path):
   log = []
   m = algorithms.run(config, str(tmp_path / "run"), log=log.append)["last_metrics"]
   assert any(f"microbatch_tokens='auto': {tried[-1]} tokens" in line for line in log), log
+  assert "[rollout] the engine: 2 prompts x k=2 streams through 4 stream slots" in "\n".join(log)
   assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
 

@@ -5,7 +5,7 @@ Planned in this process on its one CPU device, the rollout alone (a few small co
 import pytest
 
 from conftest import load_config
-from rloo_jax import experiment
+from rloo_jax import experiment, sampler_args
 from rloo_jax import memory as plan
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.memory import programs
@@ -62,9 +62,21 @@ def test_an_engine_run_plans_the_engine_program_not_the_sampler(plans):
   # there are prompts).
   default = engine_algo(0).exp.config
   assert programs.program_names(default, ("update", "start")) == ("update", "engine")
-  assert programs.engine_slots(default) == (32, 8)
+  assert sampler_args.engine_slots(default.rloo) == (32, 8)
   # More slots than streams, all admitted at once: the engine holds the streams' 32 alone.
-  assert programs.engine_slots(engine_algo(64).exp.config) == (32, 8)
+  more = engine_algo(64).exp.config.rloo
+  assert sampler_args.engine_slots(more) == (32, 8)
+  # ... and a run says so in the line it logs before it starts (`algorithms.run`).
+  assert sampler_args.describe(more) == (
+      "[rollout] the engine: 8 prompts x k=4 streams through 32 stream slots (each a KV buffer "
+      "of 16 tokens) and 8 prompt rows; config.rloo.rollout_slots=64 is more than the streams "
+      "need, so 32 are held")
+  assert sampler_args.describe(more, ways=2).endswith("over 2 batch shards; config.rloo."
+                                                      "rollout_slots=64 is more than the streams "
+                                                      "need, so 32 are held")
+  assert sampler_args.describe(static.rloo) == (
+      "[rollout] the static sampler (shared): 8 prompts x k=4, each call decoding until its "
+      "longest stream ends")
 
 
 def test_the_engine_kv_cache_is_its_stream_buffers_and_prefix_pool_and_grows_with_the_slots(

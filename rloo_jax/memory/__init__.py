@@ -260,10 +260,10 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
                         compile_s=p.compile_s, flops=p.flops, bytes_accessed=p.bytes_accessed)
                 for n, p in compiled.programs.items()},
       **programs_lib.microbatch(c),
-      rollout_chunk_prompts=programs_lib.chunk_prompts(c),
+      rollout_chunk_prompts=sampler_args.chunk_prompts(c.rloo),
       # The rollout engine's stream slots and prompt rows (0, 0: the static sampler).
-      **dict(zip(("rollout_slots", "rollout_prefix_rows"), programs_lib.engine_slots(
-          c, leading_ways(exp.layout.batch_sharding)))),
+      **dict(zip(("rollout_slots", "rollout_prefix_rows"), sampler_args.engine_slots(
+          c.rloo, leading_ways(exp.layout.batch_sharding)))),
       rollout_pages=int(c.rloo.get("rollout_pages", 0) or 0),
       # Model FLOPs: rollout + reference + the old policy's + update (num_epochs passes over
       # every row); the backward's recompute is reported apart, not included.

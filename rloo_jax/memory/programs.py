@@ -94,15 +94,6 @@ class Inputs:
   stop_ids: Any  # int32 [S]: the tokenizer's stop ids, as sampler.sample passes them
 
 
-def chunk_prompts(config) -> int:
-  """Prompts per sampler call: config.rloo.rollout_chunk_prompts below the batch, else (or with
-  the engine in a chunk's slots, `sampler_args.chunk_engine_slots`) all."""
-  chunk = int(config.rloo.get("rollout_chunk_prompts", 0) or 0)
-  if 0 < chunk < config.rloo.num_prompts and not sampler_args.chunk_engine_slots(config.rloo):
-    return chunk
-  return int(config.rloo.num_prompts)
-
-
 def divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -141,7 +132,7 @@ def inputs(exp) -> Inputs:
   m = c.train.num_minibatches
   minibatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]),
                                                           x.dtype), rows)
-  chunk = chunk_prompts(c)
+  chunk = sampler_args.chunk_prompts(c.rloo)
   return Inputs(state=experiment.abstract_state(exp), rows=_with(rows, rows_sh),
                 minibatch=_with(minibatch, rows_sh),
                 prompts=(_struct((chunk, p), jnp.int32, rows_sh),
@@ -245,7 +236,7 @@ def program_names(config, names=NAMES) -> tuple:
   if not set(names) & set(ROLLOUT):
     return tuple(names)
   rest = tuple(n for n in names if n not in ROLLOUT)
-  if engine_slots(config)[0]:
+  if sampler_args.engine_slots(config.rloo)[0]:
     return rest + ("engine",)
   return rest + (tuple(n for n in names if n in ("start", "decode")) or ("start", "decode"))
 
@@ -275,12 +266,12 @@ def _compile_programs(algo, names, options) -> Compiled:
   policy_parts = ("params", "ref_params") if state.lora else ("params",)
   policy_bytes = sum(parts[p] for p in policy_parts)
   found = {}
-  rollout = _engine_rollout if engine_slots(c)[0] else _static_rollout
+  rollout = _engine_rollout if sampler_args.engine_slots(c.rloo)[0] else _static_rollout
   samp, kv_cache, sample_output = rollout(exp, x, names, _compile, found,
                                           persistent - policy_bytes)
   # The whole rollout's sample output (this chunk's, times the chunks) stays alive until the
   # iteration's metrics are taken.
-  sample_output *= c.rloo.num_prompts // chunk_prompts(c)
+  sample_output *= c.rloo.num_prompts // sampler_args.chunk_prompts(c.rloo)
   rows_bytes = per_device_bytes(x.rows)
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
   score_args = (state.ref_params, state.adv_state, x.rows,
@@ -342,26 +333,13 @@ def _static_rollout(exp, x, names, _compile, found, resident):
   return samp, per_device_bytes(samp.cache), per_device_bytes(samp.output())
 
 
-def engine_slots(config, ways: int = 1) -> tuple[int, int]:
-  """(stream slots, prefix rows) the rollout engine holds over `ways` batch shards
-  (`sampler_args.engine_pools`) for config.rloo.rollout_slots; (0, 0): the static sampler."""
-  slots = sampler_args.rollout_slots(config.rloo)
-  if not slots:
-    return 0, 0
-  slots, rows = sampler_args.check_slots(slots, int(config.rloo.k),
-                                         int(config.rloo.get("rollout_prefix_rows", 0) or 0),
-                                         key="config.rloo.rollout_slots", ways=ways)
-  return sampler_args.engine_pools(chunk_prompts(config), slots, rows, int(config.rloo.k), ways,
-                                   bool(config.rloo.get("rollout_pages", 0)))
-
-
 def _engine_rollout(exp, x, names, _compile, found, resident):
   """`engine.start` and `engine.phase` (config.rloo.rollout_slots) on one chunk, the phase at
   the full KV limit (the longest live stream at the cap), measured as "engine" (the larger
   peak of the two) when `names` asks for it; returns (its EngineState, KV cache bytes (stream
   buffers + prefix pool) and sample output per device)."""
   c = exp.config
-  slots, prefix_rows = engine_slots(c, leading_ways(exp.layout.batch_sharding))
+  slots, prefix_rows = sampler_args.engine_slots(c.rloo, leading_ways(exp.layout.batch_sharding))
   t_cap = int(c.rloo.max_new_tokens)
   static = dict(k=int(c.rloo.k), max_new_tokens=t_cap, method=exp.method,
                 unstack_layers=sampler_args.decode_unstacked(exp),

@@ -136,7 +136,7 @@ def _decode_layers(algo, limit: int, accelerator: bool) -> list:
   config = c.copy_and_resolve_references()
   config.rloo.decode_layers = "unstacked"
   # The decode loop's program: the static sampler's decode, or the rollout engine's one.
-  name = "engine" if programs_lib.engine_slots(c)[0] else "decode"
+  name = "engine" if sampler_args.engine_slots(c.rloo)[0] else "decode"
   peak = programs_lib.compile_at(algo, config, ("start", "decode"),
                                  accelerator=accelerator)[name].peak
   if peak > HEADROOM * limit:
