@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 import gpu_check  # experiments/, beside this file: its median_s
 from rloo_jax import engine as engine_lib
+from rloo_jax import engine_pool
 from rloo_jax import models, sampler, sampler_args, sampling
 
 EOS = 1
@@ -64,8 +65,8 @@ def decode_cost(fns, params, a) -> dict:
   """FLOPs and bytes per token of one engine decode step (`cost_analysis` of the compiled
   model step over every slot) at each KV limit L the engine's phases read: they follow L."""
   t_cap, out = a.max_new_tokens, {}
-  cache = jax.eval_shape(lambda: engine_lib._empty_cache(fns, params, a.prompt_len, a.slots,
-                                                         a.slots, t_cap, False))
+  cache = jax.eval_shape(lambda: engine_pool.empty_cache(fns, params, a.prompt_len, a.slots,
+                                                      a.slots, t_cap, False))
   tok = jax.ShapeDtypeStruct((a.slots, 1), jnp.int32)
   for lim in (t_cap // 8, t_cap // 4, t_cap // 2, t_cap):
     step = jax.jit(lambda p, t, x, c, lim=lim: fns.decode(p, t, x, c, kv_limit=lim))

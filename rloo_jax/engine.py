@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from rloo_jax import engine_paging as paging
+from rloo_jax import engine_pool as pool
 from rloo_jax import engine_ring as ring
 from rloo_jax import sampler_args, sampling
 from rloo_jax.models import traced_mesh
-from rloo_jax.models.cache import PrefixKV
 from rloo_jax.sharding import leading_ways
 from rloo_jax.platform import jit_by_platform
 
@@ -89,56 +89,6 @@ def _on_shards(tree, batch_sharding):
     return tree
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
       batch_sharding.mesh, jax.sharding.PartitionSpec(batch_sharding.spec[0]))), tree)
-
-
-def _empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool, pages: int = 0,
-                 page_size: int = 0, grouped: bool = False):
-  """The engine's DecodeCache: Q prefix rows of P columns and S one-stream rows of T slots; or,
-  paged, a pool of `pages` pages of `page_size` slots (and the scratch page) that the S stream
-  rows' page tables, all pointing at the scratch page, index. grouped (S = Q*k, every group
-  admitted at once): the static sampler's layout, prefix row q's k streams in stream row q,
-  so a decode reads each prefix row in place, never gathering a copy for each of its streams."""
-  tokens = jnp.zeros((1, p), jnp.int32)
-  _, prefix = jax.eval_shape(fns.prefill, params, tokens, tokens, tokens > 0)
-
-  def rows(x, n, cols):  # [L, 1, P, H, D] -> zeros [L, n, cols, H, D]
-    return jnp.zeros(x.shape[:1] + (n, cols) + x.shape[3:], x.dtype)
-
-  init = functools.partial(fns.init_cache, per_layer=per_layer) if per_layer else fns.init_cache
-  pool = init(PrefixKV(rows(prefix.k_lbphd, q, p), rows(prefix.v_lbphd, q, p),
-                       None if prefix.positions_bp is None else jnp.zeros((q, p), jnp.int32)),
-              jnp.zeros((q, p), bool), 1, 1)
-  n, k = (q, s // q) if grouped else (pages + 1 if pages else s, 1)
-  one = PrefixKV(rows(prefix.k_lbphd, n, 1), rows(prefix.v_lbphd, n, 1))
-  streams = init(one, jnp.zeros((n, 1), bool), k, page_size if pages else t)
-  return pool.replace(k_lbkhdt=streams.k_lbkhdt, v_lbkhtd=streams.v_lbkhtd,
-                      index=jnp.zeros((n, k) if grouped else (s, 1), jnp.int32),
-                      prefix_rows_b=None if grouped else jnp.zeros((s,), jnp.int32),
-                      pages_bm=jnp.full((s, -(-t // page_size)), pages, jnp.int32)
-                      if pages else None)
-
-
-def _write_prefix(cache, q_g, prefix: PrefixKV, mask_gp):
-  """Writes G prefilled prompts into prefix rows q_g [G], in the decode layouts (`init_cache`);
-  q_g None: they are every row, in order, so the pool is the prefill's (no zeros scattered into)."""
-  k_lghdp = jnp.transpose(prefix.k_lbphd, (0, 1, 3, 4, 2))
-  v_lghpd = jnp.transpose(prefix.v_lbphd, (0, 1, 3, 2, 4))
-
-  def write(x, new, axis=0):
-    new = new.astype(x.dtype)
-    return new if q_g is None else x.at[(slice(None),) * axis + (q_g,)].set(new)
-
-  def put(pool, new_lg):
-    if isinstance(pool, tuple):
-      return tuple(write(x, new_lg[l]) for l, x in enumerate(pool))
-    return write(pool, new_lg, 1)
-
-  positions = cache.prefix_positions_bp
-  return cache.replace(prefix_k_lbhdp=put(cache.prefix_k_lbhdp, k_lghdp),
-                       prefix_v_lbhpd=put(cache.prefix_v_lbhpd, v_lghpd),
-                       prefix_mask_bp=write(cache.prefix_mask_bp, mask_gp),
-                       prefix_positions_bp=None if positions is None else write(
-                           positions, prefix.positions_bp))
 
 
 def _uniforms(keys_nk, group_s, stream_s, step_s):
@@ -220,7 +170,7 @@ class _Programs:
                 jnp.ones((n * k,), bool))
     live_x = ~sampling.is_stop(tokens_x, self.eos_id) & (self.t_cap > 1)
     grouped = st.cache.prefix_rows_b is None  # every group at once, slot s reading row s // k
-    cache = _write_prefix(st.cache, None if grouped else q_g, prefix, mask_gp)
+    cache = pool.write_prefix(st.cache, None if grouped else q_g, prefix, mask_gp)
     if not grouped:
       cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_x].set(jnp.repeat(q_g, k)))
     if st.age_s is not None:
@@ -246,7 +196,7 @@ class _Programs:
     if st.free_p is not None:  # paged: a page for each stream entering one; stalled if none
       st, live_s = paging.grant(st, live_s, index_s)
     rows_s = st.cache.prefix_rows_b
-    if rows_s is None:  # grouped (`_empty_cache`): the decode's streams [Q, k]
+    if rows_s is None:  # grouped (`engine_pool.empty_cache`): the decode's streams [Q, k]
       rows_s = jnp.arange(st.group_s.shape[0]) // self.k
     shape = st.cache.index.shape
     cache = st.cache.replace(index=index_s.reshape(shape))
@@ -309,12 +259,12 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
   d = leading_ways(batch_sharding)
   slots, prefix_rows = sampler_args.engine_pools(n, slots, prefix_rows, k, d, bool(pages))
   s, q, npages = slots // d, prefix_rows // d, pages // d
-  # Every group in one prefill, in the static sampler's grouped layout (`_empty_cache`).
+  # Every group in one prefill, in the static sampler's grouped layout (`engine_pool.empty_cache`).
   at_once = not pages and (s, q) == ((n // d) * k, n // d)
   zeros_s = jnp.zeros((s,), jnp.int32)
   shape_nkt = (n // d, k, max_new_tokens)
   one = EngineState(
-      cache=_empty_cache(fns, params, p, q, s, max_new_tokens,
+      cache=pool.empty_cache(fns, params, p, q, s, max_new_tokens,
                          sampler_args.per_layer(fns, unstack_layers), npages, page_size,
                          grouped=at_once),
       group_s=jnp.full((s,), -1, jnp.int32), stream_s=zeros_s, step_s=zeros_s,

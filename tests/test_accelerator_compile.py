@@ -214,3 +214,42 @@ def test_the_prefill_of_one_prompt_keeps_the_h100_head_in_bfloat16():
   # The compiler's conversion itself, on one row's head.
   one_row = jax.jit(fns.head).lower(fns.head_params(params), on((1, 1, 1536), jnp.bfloat16))
   assert f32_head.search(one_row.compile().as_text())
+
+
+@pytest.mark.parametrize("layers", ["scanned", "unstacked"])
+def test_the_gpu_engine_phase_keeps_the_prefix_pool_in_its_layout(layers, monkeypatch):
+  """A streamed engine admits groups inside its decode loop, writing each prompt's rows into the
+  prefix pool. The rows come in the layout the prefill's matmuls gave them; written as they
+  came, they pulled the whole pool into it inside the loop, and the H100 compiler copied the
+  pool in and out of that layout at every decode step (veRL's 256-prompt chunks: 0.88 GiB each
+  for K and V). Every array of the pool's dimensions is now the pool itself, row-major."""
+  config = load_config()
+  config.mesh.data, config.mesh.fsdp = -1, 1
+  config.model.update(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, dtype="bfloat16")
+  config.data.max_prompt_len, config.rloo.decode_layers = 24, layers
+  ways = targets.parse("h100-4").chips
+  config.rloo.num_prompts, config.rloo.rollout_chunk_prompts = 4 * ways, 2 * ways  # streamed
+  compiled = []
+  real = programs_lib._compile_with  # pylint: disable=protected-access
+
+  def spy(lower, options=None):
+    program, seconds = real(lower, options=options)
+    compiled.append(program)
+    return program, seconds
+
+  monkeypatch.setattr(programs_lib, "_compile_with", spy)
+  memory.plan(_algo(config, "h100-4"), names=("engine",),
+              device_memory_gb=targets.parse("h100-4").memory_gb)
+  phase = next(p.as_text() for p in compiled if "jit_phase" in p.as_text()[:100])
+  m, p = config.model, config.data.max_prompt_len
+  rows = sampler_args.engine_slots(config.rloo, ways)[1] // ways
+  lead = (m.num_layers,) if layers == "scanned" else ()  # unstacked: a pool a layer
+  pools = {lead + (rows, m.num_kv_heads, m.head_dim, p), lead + (rows, m.num_kv_heads, p, m.head_dim)}
+
+  def physical(dims, layout):  # sizes major to minor, size-1 axes (bitcasts) left out
+    return tuple(dims[i] for i in reversed(layout) if dims[i] != 1)
+
+  found = {physical(tuple(map(int, d.split(","))), tuple(map(int, lay.split(","))))
+           for d, lay in re.findall(r"[a-z]+[0-9]*\[([0-9,]+)\]\{([0-9,]+)\}", phase)
+           if sorted(int(x) for x in d.split(",") if x != "1") == sorted(next(iter(pools)))}
+  assert found == pools, found

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from numerics import FIXTURE_TERMS, assert_f32_close
 
-from rloo_jax import engine, engine_paging, models, sampler, sampling
+from rloo_jax import engine, engine_paging, engine_pool, models, sampler, sampling
 
 PAD = 0
 STOPS = (45, 46, 47)
@@ -163,14 +163,14 @@ def test_a_decode_step_writes_every_slot_with_one_slice_update_not_a_scatter(uns
 def _poison(monkeypatch, *fields):
   """The engine's empty caches start with `fields` full of large values (float32 leaves): what
   a previous stream could have left in a slot or page."""
-  clean = engine._empty_cache
+  clean = engine_pool.empty_cache
   fill = lambda x: jnp.full_like(x, 30.0) if x.dtype == jnp.float32 else x  # noqa: E731
 
   def poisoned(*args, **kw):
     cache = clean(*args, **kw)
     return cache.replace(**{f: jax.tree.map(fill, getattr(cache, f)) for f in fields})
 
-  monkeypatch.setattr(engine, '_empty_cache', poisoned)
+  monkeypatch.setattr(engine_pool, 'empty_cache', poisoned)
 
 
 def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
