@@ -65,6 +65,12 @@ class EngineState:
   age_s: Any = None
   preempted: Any = None
 
+  @property
+  def grouped(self) -> bool:
+    """Every group admitted by `start`, in the static sampler's grouped layout: stream row q
+    holds prefix row q's k streams (`engine_pool.empty_cache`), no pool rows to look up."""
+    return self.cache.prefix_rows_b is None
+
   def output(self) -> sampling.SampleOutput:
     """The shards' outputs as one [N, k, T] batch (shard d's rows d*N/D.., as placed)."""
     def rows(x):  # also of the abstract state (the plan's), its sharding kept on dim 0
@@ -169,9 +175,8 @@ class _Programs:
     st = _write(st, g_x, j_x, t_x, tokens_x, lp_gk.reshape(-1), plp_gk.reshape(-1),
                 jnp.ones((n * k,), bool))
     live_x = ~sampling.is_stop(tokens_x, self.eos_id) & (self.t_cap > 1)
-    grouped = st.cache.prefix_rows_b is None  # every group at once, slot s reading row s // k
-    cache = pool.write_prefix(st.cache, None if grouped else q_g, prefix, mask_gp)
-    if not grouped:
+    cache = pool.write_prefix(st.cache, None if st.grouped else q_g, prefix, mask_gp)
+    if not st.grouped:
       cache = cache.replace(prefix_rows_b=cache.prefix_rows_b.at[slots_x].set(jnp.repeat(q_g, k)))
     if st.age_s is not None:
       st = st.replace(age_s=st.age_s.at[slots_x].set(g_x))
@@ -195,9 +200,9 @@ class _Programs:
     index_s = jnp.maximum(st.step_s - 1, 0)
     if st.free_p is not None:  # paged: a page for each stream entering one; stalled if none
       st, live_s = paging.grant(st, live_s, index_s)
-    rows_s = st.cache.prefix_rows_b
-    if rows_s is None:  # grouped (`engine_pool.empty_cache`): the decode's streams [Q, k]
-      rows_s = jnp.arange(st.group_s.shape[0]) // self.k
+    # grouped: slot s reads prefix row s // k, the decode's streams [Q, k]
+    rows_s = (jnp.arange(st.group_s.shape[0]) // self.k if st.grouped else
+              st.cache.prefix_rows_b)
     shape = st.cache.index.shape
     cache = st.cache.replace(index=index_s.reshape(shape))
     positions_s = self.lengths_n[g_s] + index_s
@@ -305,7 +310,7 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
 
   # Unpaged, with every group admitted by `start` (it had slots and prefix rows for all), no
   # step admits: the phase is the decode alone, as the static sampler's loop.
-  admits = state.cache.prefix_rows_b is not None  # None: the grouped layout (`start`)
+  admits = not state.grouped
 
   def body(st):
     column = None if state.free_p is not None else ring.column(st, kv_limit)
