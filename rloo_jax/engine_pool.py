@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from rloo_jax.models import traced_mesh
 from rloo_jax.models.cache import PrefixKV
 
 
@@ -50,7 +51,7 @@ def write_prefix(cache, q_g, prefix: PrefixKV, mask_gp):
     return new if q_g is None else x.at[(slice(None),) * axis + (q_g,)].set(new)
 
   def put(pool, new_lg):
-    if q_g is not None:  # rows written into a pool: its layout must not follow the prefill's
+    if q_g is not None and traced_mesh.platform() == 'gpu':  # rows written into a pool
       new_lg = _row_major(new_lg)
     if isinstance(pool, tuple):
       return tuple(write(x, new_lg[l]) for l, x in enumerate(pool))
@@ -65,8 +66,8 @@ def write_prefix(cache, q_g, prefix: PrefixKV, mask_gp):
 
 
 def _row_major(x):
-  """x materialized in row-major order, flat through an optimization barrier. Written as it
-  comes, rows in the layout the prefill's matmuls gave them pull the whole pool into that
-  layout in an admitting loop (the GPU compiler then copies the pool in and out of it at every
-  decode step), when the decode reads it row-major."""
+  """x materialized in row-major order, flat through an optimization barrier. Written as they
+  come, rows in the layout the prefill's matmuls gave them pull the whole pool into that layout
+  in an admitting loop, and the GPU compiler copies the pool in and out of it at every decode
+  step. The TPU compiler keeps its tiled pool without this, and would copy it each step with."""
   return jax.lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
