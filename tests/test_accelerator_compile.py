@@ -244,7 +244,8 @@ def test_the_gpu_engine_phase_keeps_the_prefix_pool_in_its_layout(layers, monkey
   m, p = config.model, config.data.max_prompt_len
   rows = sampler_args.engine_slots(config.rloo, ways)[1] // ways
   lead = (m.num_layers,) if layers == "scanned" else ()  # unstacked: a pool a layer
-  pools = {lead + (rows, m.num_kv_heads, m.head_dim, p), lead + (rows, m.num_kv_heads, p, m.head_dim)}
+  pools = {lead + (rows, m.num_kv_heads, m.head_dim, p),  # K, then V
+           lead + (rows, m.num_kv_heads, p, m.head_dim)}
 
   def physical(dims, layout):  # sizes major to minor, size-1 axes (bitcasts) left out
     return tuple(dims[i] for i in reversed(layout) if dims[i] != 1)
