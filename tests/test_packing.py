@@ -210,7 +210,7 @@ def test_a_packed_run_trains_and_reports_the_loss_of_the_unpacked_one(tmp_path):
     np.testing.assert_allclose(packed[key], plain[key], rtol=1e-4, atol=1e-7, err_msg=key)
 
 
-def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path):
+def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path, monkeypatch):
   """config.train.microbatch_tokens='auto': the candidates double from the least budget to a
   shard's whole minibatch; the largest whose plan fits the device's memory is taken, and a run
   with it trains, naming its pick."""
@@ -234,9 +234,14 @@ def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path):
   assert got.exp.config.train.microbatch_tokens == tried[i], (lines, peaks)
   assert got.step_fn.packer.budget == tried[i]
   assert report["peak_gb_per_device"] == peaks[i]  # the pick's plan, handed to memory.check
+  compiled = []  # the bisection's two plans, no advice compiled for what does not fit
+  compile_programs = memory.programs_lib.compile_programs
+  monkeypatch.setattr(memory.programs_lib, "compile_programs",
+                      lambda *a, **kw: compiled.append(1) or compile_programs(*a, **kw))
   none, report = budget.resolve(algo, device_memory_gb=peaks[0] / 2, log=lines.append)
   assert none.exp.config.train.microbatch_tokens == least and "none of" in lines[-1]
-  assert report is None
+  assert report is None and len(compiled) == 2, compiled
+  monkeypatch.undo()
   config.train.num_iterations = 1
   config.rewards.fns = [_length_reward]
   log = []

@@ -50,7 +50,9 @@ def resolve(algo, *, device_memory_gb: Optional[float] = None, accelerator: bool
   while lo <= hi:
     mid = (lo + hi) // 2
     candidate = with_budget(algo, tried[mid])
-    report = memory.plan(candidate, device_memory_gb=device_memory_gb, accelerator=accelerator)
+    # Only whether it fits: the advice for a candidate over the device is not used.
+    report = memory.plan(candidate, device_memory_gb=device_memory_gb, accelerator=accelerator,
+                         advise=False)
     if report["fits"]:
       best, lo = (candidate, tried[mid], report), mid + 1
     else:
