@@ -16,8 +16,9 @@ from rloo_jax.models.cache import PrefixKV
 def empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool, pages: int = 0,
                  page_size: int = 0, grouped: bool = False):
   """The engine's DecodeCache: Q prefix rows of P columns and S one-stream rows of T slots; or,
-  paged, a pool of `pages` pages of `page_size` slots (and the scratch page) that the S stream
-  rows' page tables, all pointing at the scratch page, index. grouped (S = Q*k, every group
+  paged, S rows of `page_size` slots (each stream's tail, its current page) and a pool of
+  `pages` pages (and the scratch page) that the S rows' page tables, all pointing at the scratch
+  page, index (`DecodeCache.pages_bm`). grouped (S = Q*k, every group
   admitted at once): the static sampler's layout, prefix row q's k streams in stream row q,
   so a decode reads each prefix row in place, never gathering a copy for each of its streams."""
   tokens = jnp.zeros((1, p), jnp.int32)
@@ -30,14 +31,21 @@ def empty_cache(fns, params, p: int, q: int, s: int, t: int, per_layer: bool, pa
   pool = init(PrefixKV(rows(prefix.k_lbphd, q, p), rows(prefix.v_lbphd, q, p),
                        None if prefix.positions_bp is None else jnp.zeros((q, p), jnp.int32)),
               jnp.zeros((q, p), bool), 1, 1)
-  n, k = (q, s // q) if grouped else (pages + 1 if pages else s, 1)
+  n, k = (q, s // q) if grouped else (s, 1)
   one = PrefixKV(rows(prefix.k_lbphd, n, 1), rows(prefix.v_lbphd, n, 1))
+  # Paged, a stream row's buffer is its tail, the page it is writing (`DecodeCache.pages_bm`).
   streams = init(one, jnp.zeros((n, 1), bool), k, page_size if pages else t)
-  return pool.replace(k_lbkhdt=streams.k_lbkhdt, v_lbkhtd=streams.v_lbkhtd,
+  pool = pool.replace(k_lbkhdt=streams.k_lbkhdt, v_lbkhtd=streams.v_lbkhtd,
                       index=jnp.zeros((n, k) if grouped else (s, 1), jnp.int32),
-                      prefix_rows_b=None if grouped else jnp.zeros((s,), jnp.int32),
-                      pages_bm=jnp.full((s, -(-t // page_size)), pages, jnp.int32)
-                      if pages else None)
+                      prefix_rows_b=None if grouped else jnp.zeros((s,), jnp.int32))
+  if not pages:
+    return pool
+  layers, _, _, h, d = prefix.k_lbphd.shape
+  per = (h, pages + 1, page_size, d)  # + the scratch page
+  zeros = (tuple(jnp.zeros(per, prefix.k_lbphd.dtype) for _ in range(layers)) if per_layer else
+           jnp.zeros((h, layers * (pages + 1), page_size, d), prefix.k_lbphd.dtype))
+  return pool.replace(k_pages=zeros, v_pages=zeros,
+                      pages_bm=jnp.full((s, -(-t // page_size)), pages, jnp.int32))
 
 
 def write_prefix(cache, q_g, prefix: PrefixKV, mask_gp):

@@ -82,6 +82,37 @@ def test_the_rollout_engine_compiles_and_fits(target):
   assert whole / ways <= report["kv_cache_gb"] * memory.GIB <= whole / ways * 1.02
 
 
+def test_one_tpu_chip_reads_the_engines_pages_in_place_through_the_pallas_kernel(monkeypatch):
+  """The paged engine on one TPU chip: under 'auto' its decode reads each stream's full pages
+  where they lie (the Pallas paged kernel, `models.attention_paged`); under 'xla' it gathers
+  them. The kernel's phase holds less than the gather's and never a copy of the page pool."""
+  device = _devices("tpu-v5e-1")
+  compiled, real = [], programs_lib._compile_with  # pylint: disable=protected-access
+  monkeypatch.setattr(programs_lib, "_compile_with", lambda lower, options=None: (
+      lambda out: (compiled.append(out[0].as_text()), out)[1])(real(lower, options=options)))
+  phases = {}
+  for attention in ("xla", "auto"):
+    config = load_config()
+    config.mesh.data = config.mesh.fsdp = 1
+    config.model.update(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                        head_dim=128, intermediate_size=256, max_seq_len=1088,
+                        dtype="bfloat16", attention=attention)
+    config.data.max_prompt_len = 64
+    config.rloo.update(num_prompts=16, max_new_tokens=1024, rollout_slots=32,
+                       rollout_pages=192, rollout_page_size=64)
+    checked = algorithms.validate(config, devices=device, with_rewards=False)
+    algo = algorithms.ALGORITHMS["rloo"](experiment.build_abstract(checked.config,
+                                                                   devices=device))
+    phases[attention] = memory.plan(algo, names=("engine",), device_memory_gb=16)
+    phases[attention]["hlo"] = next(t for t in compiled[::-1] if "jit_phase" in t[:100])
+  pool_gb = 2 * 2 * 193 * 64 * 128 * 2 / memory.GIB  # K's pages: layers x heads x pages x G x D
+  kernel, gather = (phases[a]["programs"]["engine"] for a in ("auto", "xla"))
+  assert "tpu_custom_call" in phases["auto"]["hlo"]
+  assert "tpu_custom_call" not in phases["xla"]["hlo"]
+  assert kernel["temp_gb"] < pool_gb / 2 and kernel["temp_gb"] < gather["temp_gb"] / 2, (
+      kernel, gather)
+
+
 def _qwen_1p5b(target):
   """Qwen2.5-1.5B, one layer, 64 prompts x 4 x (256 + 256), FSDP over 8: the job whose gradient
   program the H100 compiler refused with its default Triton GEMM (platform.GPU_COMPILER_OPTIONS)."""

@@ -507,10 +507,10 @@ def test_remat_names_saves_the_blockwise_attention_output(capsys):
 
 def test_auto_runs_blockwise_from_the_keys_a_query_reads_and_the_decode_on_xla(monkeypatch):
   rng, calls = np.random.default_rng(0), []
-  for name in ('_xla', '_blockwise'):
+  for name in ('_xla', '_blockwise', '_shared_prefix_decode'):
     kernel = getattr(attention_ops, name)
-    monkeypatch.setattr(attention_ops, name,
-                        lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    monkeypatch.setattr(attention_ops, name, lambda *a, _k=kernel, _n=name, **kw: (
+        calls.append(_n) or _k(*a, **kw)))
   monkeypatch.setattr(attention_ops, 'AUTO_BLOCKWISE_MIN_TOKENS', 12)
   for s in (11, 12):
     q, k = _rand(rng, 1, s, H, G, D), _rand(rng, 1, s, H, D)
@@ -528,7 +528,8 @@ def test_auto_runs_blockwise_from_the_keys_a_query_reads_and_the_decode_on_xla(m
   attention_ops.attend(_rand(rng, 1, 2, H, G, D),
                        (_rand(rng, 1, H, D, p), _rand(rng, 1, 2, H, D, t)),
                        (_rand(rng, 1, H, p, D), _rand(rng, 1, 2, H, t, D)), decode)
-  assert calls == ['_xla', '_blockwise', '_xla', '_xla']
+  # The decode's xla form (its paged streams' pages through the Pallas kernel on one TPU chip).
+  assert calls == ['_xla', '_blockwise', '_xla', '_shared_prefix_decode']
 
 
 _MESH_SCRIPT = '''

@@ -208,11 +208,11 @@ def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):
 def test_paged_streams_in_a_pool_of_one_streams_pages_draw_the_static_samplers_tokens(
     family, unstack, monkeypatch):
   """Paged KV (`pages`): 6 slots share 5 pages of 4 slots, what one stream at the cap of 20
-  needs, so streams stall for pages and are preempted to start again. The pool starts full of
-  large values and its pages pass from stream to stream; the tokens are still the static
+  needs, so streams stall for pages and are preempted to start again. The pool and the
+  streams' tails start full of large values and pages pass from stream to stream; the tokens are still the static
   sampler's, with sliding windows and unrolled layers too."""
   fns, params = _tiny(family)
-  _poison(monkeypatch, 'k_lbkhdt', 'v_lbkhtd')
+  _poison(monkeypatch, 'k_lbkhdt', 'v_lbkhtd', 'k_pages', 'v_pages')
   paged = dict(slots=6, pages=5, page_size=4, unstack_layers=unstack)
   static, ours = _both(fns, params, sampling.Temperature(1.0), **paged)
   _assert_same(static, ours)
@@ -311,3 +311,35 @@ def test_a_stuck_pool_preempts_the_fewest_youngest_streams_that_let_every_other_
   index_s = jnp.maximum(st.step_s - 1, 0)
   st, steps_s = engine_paging.grant(st, st.group_s >= 0, index_s)
   assert bool(steps_s.all()) and int(st.free_p.sum()) == 0
+
+
+def test_paged_streams_read_in_place_by_the_pallas_kernel_draw_the_static_samplers_tokens(
+    monkeypatch):
+  """On TPU a paged decode reads each stream's full pages where they lie (the Pallas paged
+  kernel, `models.attention_paged`) and joins them to the prompt and the stream's tail by
+  log-sum-exp. Here the kernel runs in Pallas' TPU interpreter, which rounds float32 products'
+  operands to bfloat16, so the model is bfloat16 (head_dim 16: the scale 1/4 is exact); the
+  pool and the tails start full of large values, pages pass between streams."""
+  # pylint: disable-next=import-outside-toplevel
+  from rloo_jax.models import attention_paged, traced_mesh
+  config = models.TransformerConfig.llama(
+      vocab_size=48, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+      intermediate_size=64, max_seq_len=64, dtype='bfloat16')
+  graphdef, params = models.create(config)
+  fns = models.model_fns(graphdef)
+  _poison(monkeypatch, 'k_lbkhdt', 'v_lbkhtd', 'k_pages', 'v_pages')
+  decode, read = attention_paged.decode, []
+  monkeypatch.setattr(attention_paged, 'applies', lambda spec: not traced_mesh.shards_vmapped())
+  monkeypatch.setattr(attention_paged, 'decode', lambda *a: (
+      read.append(1), decode(*a, interpret=True))[1])
+  tokens, lengths = _prompts(n=3)
+  args = dict(k=2, max_new_tokens=8, method=sampling.Temperature(1.0), eos_id=STOPS, pad_id=PAD)
+  static = sampler.sample(fns, params, tokens, lengths, jax.random.key(3), **args)
+  ours = sampler.sample(fns, params, tokens, lengths, jax.random.key(3), slots=4, pages=4,
+                        page_size=2, **args)
+  assert read  # the kernel's program was traced
+  static, ours = jax.tree.map(np.asarray, (static, ours))
+  np.testing.assert_array_equal(ours.tokens_bkt, static.tokens_bkt)
+  np.testing.assert_array_equal(ours.lengths_bk, static.lengths_bk)
+  assert (static.lengths_bk == 8).sum() >= 2  # streams that filled pages and read them back
+  np.testing.assert_allclose(ours.logprobs_bkt, static.logprobs_bkt, atol=4e-3)

@@ -436,7 +436,8 @@ def test_a_target_is_parsed_with_its_memory_and_a_bad_one_names_the_forms(monkey
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   assert targets.parse("h200-16").memory_gb == pytest.approx(139.8 * 0.9)
   assert (targets.parse("tpu-v5p-8").platform, targets.parse("tpu-v5p-8").memory_gb) == ("tpu", 95)
-  for bad in ("tpu-v5e-2", "h100-6", "a100-8", "tpu-v7-8"):
+  assert targets.parse("tpu-v6e-1").chips == 1  # one chip: compiled for a 2 x 2 slice's first
+  for bad in ("tpu-v5e-3", "h100-6", "a100-8", "tpu-v7-8", "tpu-v5e-0"):
     with pytest.raises(ValueError, match=rf"--target='{bad}': expected tpu-<v5e\|v5p\|v6e>-"):
       targets.parse(bad)
 

@@ -2,7 +2,7 @@
 (`jax.experimental.topologies`), and hand back devices a mesh is built from. The programs then
 compile, and report their memory and cost, as that accelerator's compiler makes them.
 
-    tpu-v5e-8, tpu-v5p-8, tpu-v6e-8  (4 or more chips, a power of two: the slices of one host up)
+    tpu-v5e-8, tpu-v5p-8, tpu-v6e-8  (a power of two of chips; 1 or 2: the first of a 2 x 2 slice)
     h100-8, h200-8                              (GPUs of one host; h100-16 = two hosts of 8)
 
 The compilers come with `pip install -e ".[plan]"` (libtpu; the CUDA plugin, which compiles
@@ -45,9 +45,8 @@ def parse(name: str) -> Target:
   """`tpu-<v5e|v5p|v6e>-<chips>` or `<h100|h200>-<gpus>`; ValueError naming the forms."""
   m = re.fullmatch(r"tpu-(v5e|v5p|v6e)-(\d+)|(h100|h200)-(\d+)", name.strip().lower())
   chips = int(m.group(2) or m.group(4)) if m else 0
-  # The TPU compiler's smallest deviceless slice is one host's 2 x 2 chips.
-  if not m or chips < (4 if m.group(1) else 1) or chips & (chips - 1):
-    raise ValueError(f"--target={name!r}: expected tpu-<v5e|v5p|v6e>-<chips> (4 or more) or "
+  if not m or chips < 1 or chips & (chips - 1):
+    raise ValueError(f"--target={name!r}: expected tpu-<v5e|v5p|v6e>-<chips> or "
                      f"<h100|h200>-<gpus>, a power-of-two count (e.g. {', '.join(NAMES)})")
   if m.group(1):
     return Target(name, "tpu", chips, _TPU[m.group(1)][0], f"TPU {m.group(1)}")
@@ -106,8 +105,10 @@ def devices(target: Target) -> list:
     if target.platform == "tpu":
       family = re.match(r"tpu-(\w+)-", target.name.lower()).group(1)
       _, prefix, dims = _TPU[family]
+      # The TPU compiler's smallest deviceless slice is one host's 2 x 2 chips: a job of fewer
+      # compiles for its first.
       desc = topologies.get_topology_desc(
-          f"{prefix}:{_grid(target.chips, 2 if dims == '2d' else 3)}", platform="tpu")
+          f"{prefix}:{_grid(max(target.chips, 4), 2 if dims == '2d' else 3)}", platform="tpu")
     else:
       hosts, per_host = max(target.chips // _GPUS_PER_HOST, 1), min(target.chips, _GPUS_PER_HOST)
       desc = topologies.get_topology_desc(
@@ -118,7 +119,7 @@ def devices(target: Target) -> list:
     raise ValueError(f"--target={target.name}: the {target.platform.upper()} compiler is not "
                      f"available here ({str(e).splitlines()[0][:200]}); install it with "
                      f"pip install -e \".[plan]\"") from e
-  found = list(desc.devices)
+  found = list(desc.devices)[:target.chips]
   if len(found) != target.chips:
     raise ValueError(f"--target={target.name}: the compiler gave {len(found)} devices, not "
                      f"{target.chips}")

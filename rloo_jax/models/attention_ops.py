@@ -19,7 +19,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from rloo_jax.models import attention_blockwise, attention_cudnn, attention_splash, traced_mesh
+from rloo_jax.models import (attention_blockwise, attention_cudnn, attention_paged,
+                             attention_splash, traced_mesh)
+from rloo_jax.models import cache as cache_lib
 
 # Finite rather than -inf: a query whose keys are all masked (e.g. a pad row) then gets a uniform,
 # finite distribution instead of NaNs that would leak into gradients through a masked mean.
@@ -208,9 +210,23 @@ def _decode_mask(layout: SharedPrefixDecode, k: int, t: int, window):
   return jnp.concatenate([mask_p, mask_t], axis=-1)[:, :, None, None, :]
 
 
-def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec):
+def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec, pallas: bool = False):
   # The prefix is contracted against all K queries at once instead of being tiled per stream, so
   # its memory traffic is paid once per row; both score blocks share one float32 softmax.
+  if len(k) == 4:  # paged: read in place by the Pallas kernel, or gathered
+    if pallas and attention_paged.applies(spec):
+      return attention_paged.decode(q_bkhgd, k, v, spec,
+                                    functools.partial(_prefix_and_streams, lse=True))
+    (prefix_k, tail_k, pool_k, paged), (prefix_v, tail_v, pool_v, _) = k, v
+    k, v = cache_lib.read_pages(tail_k, tail_v, pool_k, pool_v, paged.pages_bm,
+                                spec.layout.index[:, 0], paged.slots)
+    k, v = (prefix_k, k), (prefix_v, v)
+  return _prefix_and_streams(q_bkhgd, k, v, spec)[0]
+
+
+def _prefix_and_streams(q_bkhgd, k, v, spec: AttentionSpec, lse: bool = False):
+  """(o, with `lse` the log-sum-exp of the scores [B,K,Hkv,G], else None) of the decode queries
+  over a prefix and the streams' own slots."""
   (prefix_k_bhdp, k_bkhdt), (prefix_v_bhpd, v_bkhtd) = k, v
   f32 = jnp.float32
   # Scored in dot_general's own order (batch b, h first), then moved: XLA:CPU has no
@@ -222,8 +238,9 @@ def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec):
   scores = spec.logits(jnp.concatenate([scores_p, scores_t], axis=-1))
   mask = _decode_mask(spec.layout, q_bkhgd.shape[1], t, spec.window)
   probs = _softmax_f32(scores, mask).astype(v_bkhtd.dtype)
-  return (jnp.einsum('bkhgp,bhpd->bkhgd', probs[..., :p], prefix_v_bhpd)
-          + jnp.einsum('bkhgt,bkhtd->bkhgd', probs[..., p:], v_bkhtd))
+  o = (jnp.einsum('bkhgp,bhpd->bkhgd', probs[..., :p], prefix_v_bhpd)
+       + jnp.einsum('bkhgt,bkhtd->bkhgd', probs[..., p:], v_bkhtd))
+  return o, (jax.nn.logsumexp(jnp.where(mask, scores, _MASKED), axis=-1) if lse else None)
 
 
 def _xla(q, k, v, spec: AttentionSpec):
@@ -280,8 +297,9 @@ def _blockwise(q, k, v, spec: AttentionSpec):
 def _splash(q, k, v, spec: AttentionSpec):
   """'splash' (attention_splash): Pallas splash attention, TPU's flash kernel, for Causal rows
   without segments and PromptGroup rows; packed rows raise. SharedPrefixDecode runs the xla form,
-  as under 'blockwise'. Under the rollout engine's vmap over its shards (an admission's prefill),
-  blockwise: XLA cannot partition a Pallas call over the vmapped, sharded axis."""
+  its paged streams' pages read in place by the Pallas paged kernel (`attention_paged`). Under
+  the rollout engine's vmap over its shards (an admission's prefill), blockwise: XLA cannot
+  partition a Pallas call over the vmapped, sharded axis."""
   layout = spec.layout
   if traced_mesh.shards_vmapped():
     return _blockwise(q, k, v, spec)
@@ -290,7 +308,7 @@ def _splash(q, k, v, spec: AttentionSpec):
   if isinstance(layout, PromptGroup):
     return attention_splash.prompt_group(q, k, v, spec)
   if isinstance(layout, SharedPrefixDecode):
-    return _shared_prefix_decode(q, k, v, spec)
+    return _shared_prefix_decode(q, k, v, spec, pallas=True)
   raise TypeError(f'attention layout {type(layout).__name__} has no splash implementation')
 
 
@@ -337,8 +355,8 @@ def _auto(q, k, v, spec: AttentionSpec):
   one completion (xla never scores one completion against another), none for the decode's one
   query a stream; on the platform the program is built for (`traced_mesh.platform`)."""
   layout = spec.layout
-  if isinstance(layout, SharedPrefixDecode):
-    return _xla(q, k, v, spec)
+  if isinstance(layout, SharedPrefixDecode):  # paged streams: as under 'splash'
+    return _shared_prefix_decode(q, k, v, spec, pallas=True)
   if isinstance(layout, PromptGroup):
     keys = layout.prompt_mask_bp.shape[1] + layout.mask_bmt.shape[2]
   else:

@@ -4,6 +4,7 @@ prompt's keys/values computed once."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -37,10 +38,14 @@ class DecodeCache:
   int for every stream (the static sampler), or [B, K], each stream its own (`rloo_jax.engine`).
   `prefix_rows_b` [B] (the engine's): the prefix rows are a pool and stream row b reads pool row
   prefix_rows_b[b], so a group's k streams share one prefill wherever their slots are.
-  `pages_bm` [B, M] (the engine's paged KV, `rollout_pages`): the stream buffers are then a pool
-  of pages of G slots ([L, pages + 1, 1, Hkv, D, G]: the last page a scratch page that nothing
-  owns) and stream row b's slot i lives in page pages_bm[b, i // G] at i % G (`write_page`,
-  `read_pages`), so a stream holds only the pages its length has reached.
+  `pages_bm` [B, M] (the engine's paged KV, `rollout_pages`): stream row b's slots i*G..i*G+G-1
+  belong to page pages_bm[b, i], so a stream holds only the pages its length has reached. The
+  stream buffers are then each row's tail, its current page (T = G), and the pages live in
+  `k_pages` / `v_pages`, [Hkv, L * (N + 1), G, D] (layer l's page p at l * (N + 1) + p; page N a
+  scratch page that nothing owns), or L x [Hkv, N + 1, G, D]: the layout the Pallas paged kernel
+  reads in place, written only a whole page at a time (a token into a tiled page makes the TPU
+  compiler copy the pool at every step). `write_page` puts a token in the tail and a tail it
+  fills into its page; `read_pages` gathers the pages and lays the tail over the current one.
   """
 
   prefix_k_lbhdp: Any  # [L, B, Hkv, D, P] (or L x [B, Hkv, D, P])
@@ -53,6 +58,8 @@ class DecodeCache:
   prefix_positions_bp: jax.Array | None = None
   prefix_rows_b: jax.Array | None = None
   pages_bm: jax.Array | None = None
+  k_pages: Any = None
+  v_pages: Any = None
 
   def prefix_for_rows(self, x):
     """Pool rows `x` [Npool, ...] as the stream rows read them (x itself without a pool)."""
@@ -61,6 +68,31 @@ class DecodeCache:
   @property
   def per_layer(self) -> bool:
     return isinstance(self.k_lbkhdt, tuple)
+
+  def streams(self):
+    """What a decode step writes, (keys, values): the stream buffers, or paged ((tail keys, key
+    pages), (tail values, value pages))."""
+    if self.pages_bm is None:
+      return self.k_lbkhdt, self.v_lbkhtd
+    return (self.k_lbkhdt, self.k_pages), (self.v_lbkhtd, self.v_pages)
+
+  def with_streams(self, kv, index):
+    """The cache with a step's `streams()` written and its new index."""
+    if self.pages_bm is None:
+      return self.replace(k_lbkhdt=kv[0], v_lbkhtd=kv[1], index=index)
+    (k, k_pages), (v, v_pages) = kv
+    return self.replace(k_lbkhdt=k, k_pages=k_pages, v_lbkhtd=v, v_pages=v_pages, index=index)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedStreams:
+  """The rollout engine's paged stream KV as the decode's attention reads it
+  (`attention_ops.SharedPrefixDecode`, one stream a row): k = (prefix keys, tail keys
+  [B,1,Hkv,D,G], key pages [Hkv, pages, G, D], this), v alike. `pages_bm` [B, M]: each row's
+  pages in that pool (its layer's offset added); `slots`: the stream slots a step reads."""
+
+  pages_bm: jax.Array
+  slots: int
 
 
 def write_slot(kv, l, k_bkhd, v_bkhd, slot):
@@ -108,37 +140,59 @@ def _update(buf, update, slot, from_end: int, layer=None):
   return _dus(buf, update, jnp.stack(starts))
 
 
-def write_page(kv, l, k_bkhd, v_bkhd, slot_bk, pages_bm):
-  """`write_slot` into paged stream buffers (`DecodeCache.pages_bm`, one stream a row): row b's
-  token goes to page pages_bm[b, slot // G] at slot % G. Returns (kv, layer l's key pages, its
-  value pages)."""
-  keys, values = kv
-  g = (keys[0] if isinstance(keys, tuple) else keys).shape[-1]
+def layer_pages(pool, l, num_layers: int):
+  """(the page pool that holds layer l's pages, their offset in it): the stacked pool whole (its
+  page axis spans the layers: a layer's slice handed to a Pallas call would be copied) or the
+  layer's own."""
+  if isinstance(pool, tuple):
+    return pool[l], 0
+  return pool, l * (pool.shape[1] // num_layers)
+
+
+def write_page(prefix, kv, l, k_bkhd, v_bkhd, slot_bk, pages_bm, num_layers: int,
+               kv_limit=None):
+  """Writes layer l's token (k, v: [B, 1, Hkv, D]) of each stream row at its slot (`slot_bk`
+  [B, 1]) of the paged stream KV, kv = ((tail keys, key pages), (tail values, value pages)):
+  into the row's tail at slot % G, and a tail that this token fills into its page
+  pages_bm[b, slot // G]. Returns (keys, values, kv): what the layer's attention reads, the
+  `prefix` (keys, values) and the streams' (`PagedStreams`: read in place or gathered), and
+  the written kv."""
+  (tails_k, pool_k), (tails_v, pool_v) = kv
+  g = (tails_k[0] if isinstance(tails_k, tuple) else tails_k).shape[-1]
+  (tails_k, tails_v), tk, tv = write_slot((tails_k, tails_v), l, k_bkhd, v_bkhd, slot_bk % g)
   slot_b = slot_bk[:, 0]
   page_b = jnp.take_along_axis(pages_bm, (slot_b // g)[:, None], axis=1)[:, 0]
-  off_b = slot_b % g
-  if isinstance(keys, tuple):
-    k_l = keys[l].at[page_b, 0, :, :, off_b].set(k_bkhd[:, 0].astype(keys[l].dtype))
-    v_l = values[l].at[page_b, 0, :, off_b, :].set(v_bkhd[:, 0].astype(values[l].dtype))
-    return (keys[:l] + (k_l,) + keys[l + 1:], values[:l] + (v_l,) + values[l + 1:]), k_l, v_l
-  keys = keys.at[l, page_b, 0, :, :, off_b].set(k_bkhd[:, 0].astype(keys.dtype))
-  values = values.at[l, page_b, 0, :, off_b, :].set(v_bkhd[:, 0].astype(values.dtype))
-  return ((keys, values), jax.lax.dynamic_index_in_dim(keys, l, keepdims=False),
-          jax.lax.dynamic_index_in_dim(values, l, keepdims=False))
+
+  def flush(pool, tail_bhgd):  # the filled tails' pages, whole; the others dropped
+    one, offset = layer_pages(pool, l, num_layers)
+    at = jnp.where(slot_b % g == g - 1, offset + page_b, one.shape[1])
+    one = one.at[:, at].set(jnp.swapaxes(tail_bhgd, 0, 1).astype(one.dtype), mode='drop')
+    return pool[:l] + (one,) + pool[l + 1:] if isinstance(pool, tuple) else one
+
+  pool_k = flush(pool_k, jnp.swapaxes(tk[:, 0], -1, -2))  # [B, Hkv, D, G] -> [B, Hkv, G, D]
+  pool_v = flush(pool_v, tv[:, 0])
+  (one_k, offset), (one_v, _) = (layer_pages(x, l, num_layers) for x in (pool_k, pool_v))
+  paged = PagedStreams(pages_bm + offset, kv_limit or pages_bm.shape[1] * g)
+  return ((prefix[0], tk, one_k, paged), (prefix[1], tv, one_v, paged),
+          ((tails_k, pool_k), (tails_v, pool_v)))
 
 
-def read_pages(k_pool, v_pool, pages_bm, slots: int):
-  """Each stream row's first `slots` slots gathered from its pages, in the unpaged layouts:
-  keys [B, 1, Hkv, D, slots], values [B, 1, Hkv, slots, D]. Slots past a stream's index read
-  pages it does not own (the scratch page, or a page another stream now holds): the decode
-  mask hides them."""
-  g = k_pool.shape[-1]
+def read_pages(tail_k, tail_v, pool_k, pool_v, pages_bm, index_b, slots: int):
+  """Each stream row's first `slots` slots in the unpaged layouts, keys [B, 1, Hkv, D, slots]
+  and values [B, 1, Hkv, slots, D]: the pages before its current one (slot index_b[b]'s)
+  gathered from the pool, the current page from its tail. Slots past a stream's index read
+  what a page or tail held before: the decode mask hides them."""
+  g = pool_k.shape[2]
   m = -(-slots // g)
-  k = k_pool[pages_bm[:, :m]]  # [B, m, 1, Hkv, D, G]
-  v = v_pool[pages_bm[:, :m]]  # [B, m, 1, Hkv, G, D]
-  b, _, one, h, d, _ = k.shape
-  k = jnp.moveaxis(k, 1, 4).reshape(b, one, h, d, m * g)[..., :slots]
-  v = jnp.moveaxis(v, 1, 3).reshape(b, one, h, m * g, d)[..., :slots, :]
+  k = pool_k[:, pages_bm[:, :m]]  # [Hkv, B, m, G, D]
+  v = pool_v[:, pages_bm[:, :m]]
+  hkv, b, _, _, d = k.shape
+  k = jnp.transpose(k, (1, 0, 4, 2, 3)).reshape(b, 1, hkv, d, m * g)[..., :slots]
+  v = jnp.transpose(v, (1, 0, 2, 3, 4)).reshape(b, 1, hkv, m * g, d)[..., :slots, :]
+  j = jnp.arange(slots)
+  current = (j // g == (index_b // g)[:, None])[:, None, None]  # [B, 1, 1, slots]
+  k = jnp.where(current[..., None, :], jnp.take(tail_k, j % g, axis=-1), k)
+  v = jnp.where(current[..., None], jnp.take(tail_v, j % g, axis=-2), v)
   return k, v
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from rloo_jax.models import attention_ops, traced_mesh
 from rloo_jax.models.block import stacked_blocks
 from rloo_jax.models.cache import (  # noqa: F401  (re-exported)
-    DecodeCache, PrefixKV, init_cache, read_pages, write_page, write_slot)
+    DecodeCache, PrefixKV, init_cache, write_page, write_slot)
 from rloo_jax.models.config import _DTYPES, TransformerConfig, dtype_of  # noqa: F401  (re-exported)
 from rloo_jax.models import decode_weights as decode_weights_lib
 from rloo_jax.models.layers import Norm, _param, _rotary, apply_head
@@ -264,8 +264,9 @@ class Transformer(nnx.Module):
     if cache.per_layer and layers is None:  # its buffers are picked by a static layer number
       raise ValueError('a per-layer decode cache is read by unrolled layers only: pass `layers` '
                        '(ModelFns.decode_weights(params, unstacked=True))')
-    layer_ids = (np.arange(self.config.num_layers) if layers is not None else
-                 jnp.arange(self.config.num_layers, dtype=jnp.int32))
+    num_layers = self.config.num_layers
+    layer_ids = (np.arange(num_layers) if layers is not None else
+                 jnp.arange(num_layers, dtype=jnp.int32))
     layout = attention_ops.SharedPrefixDecode(
         cache.prefix_for_rows(cache.prefix_mask_bp), idx, positions_bk,
         cache.prefix_for_rows(cache.prefix_positions_bp), column)
@@ -283,20 +284,15 @@ class Transformer(nnx.Module):
         if cache.pages_bm is None:
           (k_all, v_all), k_l, v_l = write_slot(kv, l, k, v, idx if column is None else column)
           k_l, v_l = k_l[..., :kv_limit], v_l[..., :kv_limit, :]
-        else:  # the engine's paged buffers: the pages of each stream's first kv_limit slots
-          (k_all, v_all), k_l, v_l = write_page(kv, l, k, v, idx, cache.pages_bm)
-          k_l, v_l = read_pages(k_l, v_l, cache.pages_bm,
-                                kv_limit or cache.pages_bm.shape[1] * k_l.shape[-1])
-        return (prefix[0], k_l), (prefix[1], v_l), (k_all, v_all)
+          return (prefix[0], k_l), (prefix[1], v_l), (k_all, v_all)
+        return write_page(prefix, kv, l, k, v, idx, cache.pages_bm, num_layers, kv_limit)
 
       x, kv = block(x, rotary, spec, store, fused=True)
       return x, kv, None
 
-    x, (k_all, v_all), _ = self._scan(body, self._embed(tokens_bk, positions_bk), positions_bk,
-                                      layout, carry=(cache.k_lbkhdt, cache.v_lbkhtd), xs=xs,
-                                      gather=gather, layers=layers)
-    new_cache = cache.replace(k_lbkhdt=k_all, v_lbkhtd=v_all, index=idx + 1)
-    return self._head(x), new_cache
+    x, kv, _ = self._scan(body, self._embed(tokens_bk, positions_bk), positions_bk, layout,
+                          carry=cache.streams(), xs=xs, gather=gather, layers=layers)
+    return self._head(x), cache.with_streams(kv, idx + 1)
 
 
 class ModelFns(NamedTuple):

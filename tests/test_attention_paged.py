@@ -1,0 +1,93 @@
+"""The Pallas TPU paged-attention kernel with its log-sum-exp (`models.attention_paged`), run in
+Pallas' TPU interpreter: equal to the gathered reference, alone and joined with a shared prompt
+and a stream's tail as the rollout engine's paged decode reads them. The interpreter rounds the
+products' float32 operands to bfloat16 (the chip's default precision), so the inputs here are
+bfloat16 values; a decode step has no gradient."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rloo_jax.models import attention_ops, attention_paged
+from rloo_jax.models import cache as cache_lib
+
+
+def _bf16(rs, *shape):
+  return jnp.asarray(rs.normal(size=shape), jnp.bfloat16).astype(jnp.float32)
+
+
+def _reference(q_bhd, k_pages, v_pages, lengths_b, pages_bm, softcap):
+  hkv, _, g, d = k_pages.shape
+  b, hq, _ = q_bhd.shape
+  k = jnp.transpose(k_pages[:, pages_bm], (1, 0, 2, 3, 4)).reshape(b, hkv, -1, d)
+  v = jnp.transpose(v_pages[:, pages_bm], (1, 0, 2, 3, 4)).reshape(b, hkv, -1, d)
+  s = jnp.einsum('bhgd,bhtd->bhgt', q_bhd.reshape(b, hkv, hq // hkv, d), k,
+                 precision='highest')
+  if softcap:
+    s = softcap * jnp.tanh(s / softcap)
+  s = jnp.where(jnp.arange(s.shape[-1]) < lengths_b[:, None, None, None], s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  o = jnp.einsum('bhgt,bhtd->bhgd', jnp.exp(s - lse[..., None]), v, precision='highest')
+  return o.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize('heads, softcap', [(4, 0.0), (16, 0.0), (4, 2.0)],
+                         ids=['2_per_kv_head', '8_per_kv_head', 'soft_capped'])
+def test_the_kernel_gives_the_reference_output_and_log_sum_exp(heads, softcap):
+  """Streams of 0, 1, a page, a page and one, and every page of their tables (pages of 8 in a
+  shared pool, tables in any order); 2 kv heads."""
+  rs = np.random.RandomState(0)
+  b, hkv, d, g, pages, m = 5, 2, 128, 8, 12, 4
+  q = _bf16(rs, b, heads, d) * 0.25
+  k_pages, v_pages = _bf16(rs, hkv, pages, g, d), _bf16(rs, hkv, pages, g, d)
+  lengths = jnp.asarray([0, 1, g, g + 1, m * g], jnp.int32)
+  table = jnp.asarray(rs.permutation(pages)[:m][None] + np.zeros((b, 1), int), jnp.int32)
+  table = table.at[2].set(jnp.asarray(rs.permutation(pages)[:m]))
+  o, lse = attention_paged.attend(q, k_pages, v_pages, lengths, table, softcap=softcap,
+                                  interpret=True)
+  o_ref, lse_ref = _reference(q, k_pages, v_pages, lengths, table, softcap)
+  assert o.dtype == lse.dtype == jnp.float32 and o.shape == (b, heads, d)
+  np.testing.assert_array_equal(np.asarray(lse[0]), -np.inf)  # no keys: no weight
+  np.testing.assert_allclose(np.asarray(o[1:]), np.asarray(o_ref[1:]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse[1:]), np.asarray(lse_ref[1:]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize('num_layers', [1, 2])
+def test_a_paged_decode_through_the_kernel_equals_the_gathered_one(num_layers):
+  """One query a stream over a shared prompt (padded), the pages before its current one and
+  its tail (the current page): the kernel's pages joined by log-sum-exp equal the gathered
+  pages' one softmax; streams in their first page, on a page's last slot and further on; the
+  stacked pool's last layer (its pages offset)."""
+  rs = np.random.RandomState(1)
+  b, hkv, grp, d, g, p, pages, m = 4, 2, 2, 128, 4, 6, 9, 4
+  layer = num_layers - 1
+  q = _bf16(rs, b, 1, hkv, grp, d)
+  prefix_k, prefix_v = _bf16(rs, b, hkv, d, p), _bf16(rs, b, hkv, p, d)
+  prefix_mask = jnp.asarray(np.arange(p)[None] >= np.array([[0], [2], [5], [1]]))
+  tail_k, tail_v = _bf16(rs, b, 1, hkv, d, g), _bf16(rs, b, 1, hkv, g, d)
+  pool_k = _bf16(rs, hkv, num_layers * pages, g, d)
+  pool_v = _bf16(rs, hkv, num_layers * pages, g, d)
+  index = jnp.asarray([[2], [g - 1], [2 * g + 1], [m * g - 1]], jnp.int32)
+  table = jnp.asarray(np.stack([rs.permutation(pages - 1)[:m] for _ in range(b)]), jnp.int32)
+  paged = cache_lib.PagedStreams(table + layer * pages, m * g)
+  spec = attention_ops.AttentionSpec(
+      layout=attention_ops.SharedPrefixDecode(prefix_mask, index), scale=0.125)
+  k, v = (prefix_k, tail_k, pool_k, paged), (prefix_v, tail_v, pool_v, paged)
+  # pylint: disable=protected-access
+  gathered = attention_ops._shared_prefix_decode(q, k, v, spec)
+  score = functools.partial(attention_ops._prefix_and_streams, lse=True)
+  through = attention_paged.decode(q, k, v, spec, score, interpret=True)
+  assert through.shape == gathered.shape == (b, 1, hkv, grp, d)
+  np.testing.assert_allclose(np.asarray(through), np.asarray(gathered), rtol=2e-5, atol=2e-5)
+  # Not a vacuous match: the pages move the streams that have full pages, and only those.
+  moved = attention_ops._shared_prefix_decode(
+      q, (prefix_k, tail_k, pool_k.at[:, layer * pages:].multiply(-1.0), paged), v, spec)
+  change = np.abs(np.asarray(moved - gathered)).reshape(b, -1).max(axis=1)
+  assert (change[:2] == 0).all() and (change[2:] > 1e-2).all(), change
