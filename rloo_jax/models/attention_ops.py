@@ -213,13 +213,12 @@ def _decode_mask(layout: SharedPrefixDecode, k: int, t: int, window):
 def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec, pallas: bool = False):
   # The prefix is contracted against all K queries at once instead of being tiled per stream, so
   # its memory traffic is paid once per row; both score blocks share one float32 softmax.
-  if len(k) == 4:  # paged: read in place by the Pallas kernel, or gathered
+  if len(k) == 3:  # paged: read in place by the Pallas kernel, or gathered
     if pallas and attention_paged.applies(spec):
       return attention_paged.decode(q_bkhgd, k, v, spec,
                                     functools.partial(_prefix_and_streams, lse=True))
-    (prefix_k, tail_k, pool_k, paged), (prefix_v, tail_v, pool_v, _) = k, v
-    k, v = cache_lib.read_pages(tail_k, tail_v, pool_k, pool_v, paged.pages_bm,
-                                spec.layout.index[:, 0], paged.slots)
+    (prefix_k, pool_k, paged), (prefix_v, pool_v, _) = k, v
+    k, v = cache_lib.read_pages(pool_k, pool_v, paged.pages_bm, paged.slots)
     k, v = (prefix_k, k), (prefix_v, v)
   return _prefix_and_streams(q_bkhgd, k, v, spec)[0]
 

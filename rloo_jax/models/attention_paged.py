@@ -10,7 +10,6 @@ products' float32 operands to bfloat16, as the chip's default precision does.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -35,25 +34,23 @@ def applies(spec) -> bool:
           and (mesh is None or mesh.size == 1))
 
 
-def decode(q_bkhgd, k, v, spec, prefix_and_tail, interpret: bool = False):
-  """A paged decode step's attention (`cache.PagedStreams`): a stream's pages before
-  its current one through the kernel, where they lie; the prompt and the current page (the
-  stream's tail) by `prefix_and_tail(q, k, v, spec) -> (o, lse)`; both joined by their
-  log-sum-exps."""
-  (prefix_k, tail_k, pool_k, paged), (prefix_v, tail_v, pool_v, _) = k, v
+def decode(q_bkhgd, k, v, spec, score_prefix, interpret: bool = False):
+  """A paged decode step's attention (`cache.PagedStreams`): each stream's slots 0..index
+  through the kernel, where its pages lie; the prompt by `score_prefix(q, k, v, spec) -> (o,
+  lse)`, given no stream slot; both joined by their log-sum-exps."""
+  (prefix_k, pool_k, paged), (prefix_v, pool_v, _) = k, v
   b, _, h, g, d = q_bkhgd.shape
-  index_b, page = spec.layout.index[:, 0], pool_k.shape[2]
-  tail = dataclasses.replace(spec, layout=dataclasses.replace(
-      spec.layout, index=spec.layout.index % page))
-  o_t, lse_t = prefix_and_tail(q_bkhgd, (prefix_k, tail_k), (prefix_v, tail_v), tail)
+  none_k, none_v = jnp.zeros((b, 1, h, d, 0), pool_k.dtype), jnp.zeros((b, 1, h, 0, d),
+                                                                        pool_v.dtype)
+  o_t, lse_t = score_prefix(q_bkhgd, (prefix_k, none_k), (prefix_v, none_v), spec)
   q = (q_bkhgd[:, 0] * spec.scale).astype(q_bkhgd.dtype).reshape(b, h * g, d)
-  o_p, lse_p = attend(q, pool_k, pool_v, index_b // page * page, paged.pages_bm,
+  o_p, lse_p = attend(q, pool_k, pool_v, spec.layout.index[:, 0] + 1, paged.pages_bm,
                       softcap=spec.softcap, interpret=interpret)
   lse_p = lse_p.reshape(lse_t.shape)
   top = jnp.maximum(lse_t, lse_p)
   w_t, w_p = jnp.exp(lse_t - top), jnp.exp(lse_p - top)
   o = (o_t * w_t[..., None] + o_p.reshape(o_t.shape) * w_p[..., None]) / (w_t + w_p)[..., None]
-  return o.astype(tail_v.dtype)
+  return o.astype(pool_v.dtype)
 
 
 def pages_per_block(pages_per_sequence: int) -> int:

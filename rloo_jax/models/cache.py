@@ -44,8 +44,8 @@ class DecodeCache:
   `k_pages` / `v_pages`, [Hkv, L * (N + 1), G, D] (layer l's page p at l * (N + 1) + p; page N a
   scratch page that nothing owns), or L x [Hkv, N + 1, G, D]: the layout the Pallas paged kernel
   reads in place, written only a whole page at a time (a token into a tiled page makes the TPU
-  compiler copy the pool at every step). `write_page` puts a token in the tail and a tail it
-  fills into its page; `read_pages` gathers the pages and lays the tail over the current one.
+  compiler copy the pool at every step). `write_page` puts a token in the tail and the tail
+  into its page; `read_pages` gathers the pages.
   """
 
   prefix_k_lbhdp: Any  # [L, B, Hkv, D, P] (or L x [B, Hkv, D, P])
@@ -87,9 +87,9 @@ class DecodeCache:
 @dataclasses.dataclass(frozen=True)
 class PagedStreams:
   """The rollout engine's paged stream KV as the decode's attention reads it
-  (`attention_ops.SharedPrefixDecode`, one stream a row): k = (prefix keys, tail keys
-  [B,1,Hkv,D,G], key pages [Hkv, pages, G, D], this), v alike. `pages_bm` [B, M]: each row's
-  pages in that pool (its layer's offset added); `slots`: the stream slots a step reads."""
+  (`attention_ops.SharedPrefixDecode`, one stream a row): k = (prefix keys, key pages
+  [Hkv, pages, G, D], this), v alike. `pages_bm` [B, M]: each row's pages in that pool (its
+  layer's offset added); `slots`: the stream slots a step reads."""
 
   pages_bm: jax.Array
   slots: int
@@ -153,35 +153,35 @@ def write_page(prefix, kv, l, k_bkhd, v_bkhd, slot_bk, pages_bm, num_layers: int
                kv_limit=None):
   """Writes layer l's token (k, v: [B, 1, Hkv, D]) of each stream row at its slot (`slot_bk`
   [B, 1]) of the paged stream KV, kv = ((tail keys, key pages), (tail values, value pages)):
-  into the row's tail at slot % G, and a tail that this token fills into its page
-  pages_bm[b, slot // G]. Returns (keys, values, kv): what the layer's attention reads, the
-  `prefix` (keys, values) and the streams' (`PagedStreams`: read in place or gathered), and
-  the written kv."""
+  into the row's tail at slot % G, and the tail whole into its page pages_bm[b, slot // G] (a
+  page written whole: one token into a tiled page makes the TPU compiler copy the pool at
+  every step). Returns (keys, values, kv): what the layer's attention reads, the `prefix`
+  (keys, values) and the streams' pages (`PagedStreams`: read in place or gathered), and the
+  written kv."""
   (tails_k, pool_k), (tails_v, pool_v) = kv
   g = (tails_k[0] if isinstance(tails_k, tuple) else tails_k).shape[-1]
   (tails_k, tails_v), tk, tv = write_slot((tails_k, tails_v), l, k_bkhd, v_bkhd, slot_bk % g)
   slot_b = slot_bk[:, 0]
   page_b = jnp.take_along_axis(pages_bm, (slot_b // g)[:, None], axis=1)[:, 0]
 
-  def flush(pool, tail_bhgd):  # the filled tails' pages, whole; the others dropped
+  def flush(pool, tail_bhgd):
     one, offset = layer_pages(pool, l, num_layers)
-    at = jnp.where(slot_b % g == g - 1, offset + page_b, one.shape[1])
-    one = one.at[:, at].set(jnp.swapaxes(tail_bhgd, 0, 1).astype(one.dtype), mode='drop')
+    one = one.at[:, offset + page_b].set(jnp.swapaxes(tail_bhgd, 0, 1).astype(one.dtype))
     return pool[:l] + (one,) + pool[l + 1:] if isinstance(pool, tuple) else one
 
   pool_k = flush(pool_k, jnp.swapaxes(tk[:, 0], -1, -2))  # [B, Hkv, D, G] -> [B, Hkv, G, D]
   pool_v = flush(pool_v, tv[:, 0])
   (one_k, offset), (one_v, _) = (layer_pages(x, l, num_layers) for x in (pool_k, pool_v))
   paged = PagedStreams(pages_bm + offset, kv_limit or pages_bm.shape[1] * g)
-  return ((prefix[0], tk, one_k, paged), (prefix[1], tv, one_v, paged),
+  return ((prefix[0], one_k, paged), (prefix[1], one_v, paged),
           ((tails_k, pool_k), (tails_v, pool_v)))
 
 
-def read_pages(tail_k, tail_v, pool_k, pool_v, pages_bm, index_b, slots: int):
-  """Each stream row's first `slots` slots in the unpaged layouts, keys [B, 1, Hkv, D, slots]
-  and values [B, 1, Hkv, slots, D]: the pages before its current one (slot index_b[b]'s)
-  gathered from the pool, the current page from its tail. Slots past a stream's index read
-  what a page or tail held before: the decode mask hides them."""
+def read_pages(pool_k, pool_v, pages_bm, slots: int):
+  """Each stream row's first `slots` slots gathered from its pages, in the unpaged layouts:
+  keys [B, 1, Hkv, D, slots], values [B, 1, Hkv, slots, D]. Slots past a stream's index read
+  what its pages held before (or the scratch page, or a page another stream now holds): the
+  decode mask hides them."""
   g = pool_k.shape[2]
   m = -(-slots // g)
   k = pool_k[:, pages_bm[:, :m]]  # [Hkv, B, m, G, D]
@@ -189,10 +189,6 @@ def read_pages(tail_k, tail_v, pool_k, pool_v, pages_bm, index_b, slots: int):
   hkv, b, _, _, d = k.shape
   k = jnp.transpose(k, (1, 0, 4, 2, 3)).reshape(b, 1, hkv, d, m * g)[..., :slots]
   v = jnp.transpose(v, (1, 0, 2, 3, 4)).reshape(b, 1, hkv, m * g, d)[..., :slots, :]
-  j = jnp.arange(slots)
-  current = (j // g == (index_b // g)[:, None])[:, None, None]  # [B, 1, 1, slots]
-  k = jnp.where(current[..., None, :], jnp.take(tail_k, j % g, axis=-1), k)
-  v = jnp.where(current[..., None], jnp.take(tail_v, j % g, axis=-2), v)
   return k, v
 
 
