@@ -113,6 +113,26 @@ def test_one_tpu_chip_reads_the_engines_pages_in_place_through_the_pallas_kernel
       kernel, gather)
 
 
+def test_a_program_the_tpu_compiler_refuses_is_planned_as_not_fitting():
+  """The TPU compiler refuses to compile a program whose temporaries alone exceed the chip's
+  memory (RESOURCE_EXHAUSTED); the plan reports it as not fitting, with those temporaries and
+  its advice, instead of failing with a traceback."""
+  config = load_config()
+  config.mesh.data = config.mesh.fsdp = 1
+  config.model.update(hidden_size=1024, intermediate_size=8192, num_heads=8, num_kv_heads=8,
+                      head_dim=128, max_seq_len=640, dtype="bfloat16")
+  config.data.max_prompt_len, config.rloo.max_new_tokens = 64, 512
+  config.rloo.num_prompts = 256
+  device = _devices("tpu-v5e-1")
+  checked = algorithms.validate(config, devices=device, with_rewards=False)
+  algo = algorithms.ALGORITHMS["rloo"](experiment.build_abstract(checked.config,
+                                                                 devices=device))
+  report = memory.plan(algo, names=("update",), device_memory_gb=16)
+  refused = report["programs"]["update_gradients"]
+  assert not report["fits"] and refused["temp_gb"] > 16 and refused["argument_gb"] == 0, refused
+  assert any("microbatch" in a for a in report["advice"]), report["advice"]
+
+
 def _qwen_1p5b(target):
   """Qwen2.5-1.5B, one layer, 64 prompts x 4 x (256 + 256), FSDP over 8: the job whose gradient
   program the H100 compiler refused with its default Triton GEMM (platform.GPU_COMPILER_OPTIONS)."""

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from rloo_jax import engine, experiment, rollout, sampler, sampler_args, update
+from rloo_jax.memory import targets
 from rloo_jax.models import traced_mesh
 from rloo_jax.sharding import leading_ways, per_device_bytes
 
@@ -193,7 +194,11 @@ def reward_model_bytes(exp) -> int:
 
 def _compile_with(lowered, options=None):
   t0 = time.perf_counter()
-  compiled = lowered().compile(compiler_options=options)
+  lowered = lowered()
+  try:
+    compiled = lowered.compile(compiler_options=options)
+  except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses what exceeds the device
+    compiled = targets.refused(e)
   return compiled, time.perf_counter() - t0
 
 

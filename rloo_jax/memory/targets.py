@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import re
+import types
 
 import jax
 
@@ -134,3 +135,34 @@ def available(platform: str) -> bool:
     return importlib.util.find_spec(module) is not None
   except ModuleNotFoundError:
     return False
+
+
+# The TPU compiler's refusal of a program whose temporaries alone exceed the device's memory.
+_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED: .*?HLO temporaries \(([0-9.]+)([KMGT])\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+  """A program the TPU compiler refused (RESOURCE_EXHAUSTED): the temporaries its refusal
+  states stand for its memory (its arguments and outputs unknown, 0), so a plan reports it as
+  not fitting, with its advice, instead of failing."""
+  temp: int
+
+  def memory_analysis(self):
+    return types.SimpleNamespace(argument_size_in_bytes=0, output_size_in_bytes=0,
+                                 alias_size_in_bytes=0, temp_size_in_bytes=self.temp)
+
+  def cost_analysis(self):
+    return {}
+
+  def as_text(self):
+    return ""
+
+
+def refused(error: Exception) -> Refused:
+  """The `Refused` program of a compile `error`; the error itself raised again if it is not a
+  refusal for memory."""
+  m = _REFUSAL.search(str(error))
+  if not m:
+    raise error
+  return Refused(int(float(m.group(1)) * 1024 ** ("KMGT".index(m.group(2)) + 1)))
