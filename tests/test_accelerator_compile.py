@@ -86,7 +86,6 @@ def test_one_tpu_chip_reads_the_engines_pages_in_place_through_the_pallas_kernel
   """The paged engine on one TPU chip: under 'auto' its decode reads each stream's full pages
   where they lie (the Pallas paged kernel, `models.attention_paged`); under 'xla' it gathers
   them. The kernel's phase holds less than the gather's and never a copy of the page pool."""
-  device = _devices("tpu-v5e-1")
   compiled, real = [], programs_lib._compile_with  # pylint: disable=protected-access
   monkeypatch.setattr(programs_lib, "_compile_with", lambda lower, options=None: (
       lambda out: (compiled.append(out[0].as_text()), out)[1])(real(lower, options=options)))
@@ -100,10 +99,8 @@ def test_one_tpu_chip_reads_the_engines_pages_in_place_through_the_pallas_kernel
     config.data.max_prompt_len = 64
     config.rloo.update(num_prompts=16, max_new_tokens=1024, rollout_slots=32,
                        rollout_pages=192, rollout_page_size=64)
-    checked = algorithms.validate(config, devices=device, with_rewards=False)
-    algo = algorithms.ALGORITHMS["rloo"](experiment.build_abstract(checked.config,
-                                                                   devices=device))
-    phases[attention] = memory.plan(algo, names=("engine",), device_memory_gb=16)
+    phases[attention] = memory.plan(_algo(config, "tpu-v5e-1"), names=("engine",),
+                                    device_memory_gb=16)
     phases[attention]["hlo"] = next(t for t in compiled[::-1] if "jit_phase" in t[:100])
   pool_gb = 2 * 2 * 193 * 64 * 128 * 2 / memory.GIB  # K's pages: layers x heads x pages x G x D
   kernel, gather = (phases[a]["programs"]["engine"] for a in ("auto", "xla"))
@@ -123,11 +120,7 @@ def test_a_program_the_tpu_compiler_refuses_is_planned_as_not_fitting():
                       head_dim=128, max_seq_len=640, dtype="bfloat16")
   config.data.max_prompt_len, config.rloo.max_new_tokens = 64, 512
   config.rloo.num_prompts = 256
-  device = _devices("tpu-v5e-1")
-  checked = algorithms.validate(config, devices=device, with_rewards=False)
-  algo = algorithms.ALGORITHMS["rloo"](experiment.build_abstract(checked.config,
-                                                                 devices=device))
-  report = memory.plan(algo, names=("update",), device_memory_gb=16)
+  report = memory.plan(_algo(config, "tpu-v5e-1"), names=("update",), device_memory_gb=16)
   refused = report["programs"]["update_gradients"]
   assert not report["fits"] and refused["temp_gb"] > 16 and refused["argument_gb"] == 0, refused
   assert any("microbatch" in a for a in report["advice"]), report["advice"]

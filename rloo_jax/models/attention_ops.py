@@ -211,8 +211,8 @@ def _decode_mask(layout: SharedPrefixDecode, k: int, t: int, window):
 
 
 def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec, pallas: bool = False):
-  # The prefix is contracted against all K queries at once instead of being tiled per stream, so
-  # its memory traffic is paid once per row; both score blocks share one float32 softmax.
+  """The decode's attention (`SharedPrefixDecode`); paged streams (`cache.PagedStreams`) read
+  through the Pallas paged kernel where `pallas` and it applies, else gathered."""
   if len(k) == 3:  # paged: read in place by the Pallas kernel, or gathered
     if pallas and attention_paged.applies(spec):
       return attention_paged.decode(q_bkhgd, k, v, spec,
@@ -225,7 +225,9 @@ def _shared_prefix_decode(q_bkhgd, k, v, spec: AttentionSpec, pallas: bool = Fal
 
 def _prefix_and_streams(q_bkhgd, k, v, spec: AttentionSpec, lse: bool = False):
   """(o, with `lse` the log-sum-exp of the scores [B,K,Hkv,G], else None) of the decode queries
-  over a prefix and the streams' own slots."""
+  over a prefix and the streams' own slots. The prefix is contracted against all K queries at
+  once instead of being tiled per stream, so its memory traffic is paid once per row; both
+  score blocks share one float32 softmax."""
   (prefix_k_bhdp, k_bkhdt), (prefix_v_bhpd, v_bkhtd) = k, v
   f32 = jnp.float32
   # Scored in dot_general's own order (batch b, h first), then moved: XLA:CPU has no

@@ -164,14 +164,14 @@ def write_page(prefix, kv, l, k_bkhd, v_bkhd, slot_bk, pages_bm, num_layers: int
   slot_b = slot_bk[:, 0]
   page_b = jnp.take_along_axis(pages_bm, (slot_b // g)[:, None], axis=1)[:, 0]
 
-  def flush(pool, tail_bhgd):
+  def flush(pool, tail_bhgd):  # (the pools, layer l's, its pages' offset there)
     one, offset = layer_pages(pool, l, num_layers)
     one = one.at[:, offset + page_b].set(jnp.swapaxes(tail_bhgd, 0, 1).astype(one.dtype))
-    return pool[:l] + (one,) + pool[l + 1:] if isinstance(pool, tuple) else one
+    return (pool[:l] + (one,) + pool[l + 1:] if isinstance(pool, tuple) else one), one, offset
 
-  pool_k = flush(pool_k, jnp.swapaxes(tk[:, 0], -1, -2))  # [B, Hkv, D, G] -> [B, Hkv, G, D]
-  pool_v = flush(pool_v, tv[:, 0])
-  (one_k, offset), (one_v, _) = (layer_pages(x, l, num_layers) for x in (pool_k, pool_v))
+  # Keys [B, Hkv, D, G] -> [B, Hkv, G, D], the pages' layout.
+  pool_k, one_k, offset = flush(pool_k, jnp.swapaxes(tk[:, 0], -1, -2))
+  pool_v, one_v, _ = flush(pool_v, tv[:, 0])
   paged = PagedStreams(pages_bm + offset, kv_limit or pages_bm.shape[1] * g)
   return ((prefix[0], one_k, paged), (prefix[1], one_v, paged),
           ((tails_k, pool_k), (tails_v, pool_v)))
