@@ -2,20 +2,23 @@
 and paged (--paged_slots slots in --paged_memory of that KV memory), on completion
 lengths forced from a distribution (docs/PERFORMANCE.md, "Rollout engine": the forcing, the
 same-memory rule, the figures). `lognormal`: median T/4, sigma 1; `uniform`: 1..T; `full`: no
-end token. Useful tokens: every stream's up to its end; medians over --repeats after a compile.
+end token. Useful tokens: every stream's up to its end. The three run in turn each round (after a
+compile each), so a slow spell of the machine falls on all three: ratios are medians of each
+round's, tokens/s medians over --repeats rounds.
 
     python experiments/bench_rollout.py
 """
 import argparse
 import json
 import math
+import statistics
+import time
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
 
-import gpu_check  # experiments/, beside this file: its median_s
 from rloo_jax import engine as engine_lib
 from rloo_jax import engine_pool
 from rloo_jax import models, sampler, sampler_args, sampling
@@ -120,13 +123,22 @@ def main():
 
     pages = int(a.slots * t_cap * a.paged_memory) // a.page_size
     paged = lambda: engine("paged", a.paged_slots, pages)  # noqa: E731
-    seconds = {name: gpu_check.median_s(lambda _, f=f: f(), a.repeats)
-               for name, f in (("static", static), ("engine", engine), ("paged", paged))}
+    runs = {"static": static, "engine": engine, "paged": paged}
+    times = {name: [] for name in runs}
+    for r in range(a.repeats + 1):  # round 0 compiles
+      for name, f in runs.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(f())
+        if r:
+          times[name].append(time.perf_counter() - t0)
+    seconds = {name: statistics.median(t) for name, t in times.items()}
     useful = {"static": sum(int(np.sum(o.lengths_bk)) for o in outs["static"]),
               **{n: int(np.sum(outs[n].lengths_nk)) for n in ("engine", "paged")}}
     row = {f"{name}_tok_s": round(useful[name] / seconds[name], 1) for name in seconds}
-    row["ratio"] = round(row["engine_tok_s"] / row["static_tok_s"], 3)
-    row["paged_ratio"] = round(row["paged_tok_s"] / row["static_tok_s"], 3)
+    for name, key in (("engine", "ratio"), ("paged", "paged_ratio")):
+      row[key] = round(statistics.median(
+          useful[name] / e / (useful["static"] / s)
+          for e, s in zip(times[name], times["static"])), 3)
     row["paged_preempted"] = int(outs["paged"].preempted.max())
     mean_len = useful["engine"] / (a.groups * a.k)
     steps = {"static": sum(int(o.lengths_bk.max()) - 1 for o in outs["static"]),

@@ -248,8 +248,11 @@ def _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, 
     def one(st, prompts, lengths, keys_nk):
       return transition(_Programs(fns, params, prepared, prompts, lengths, keys_nk, eos_id, k=k,
                                   max_new_tokens=max_new_tokens, method=method), st)
-    with traced_mesh.vmapped_shards():
-      return _on_shards(jax.vmap(one)(state, *rows), batch_sharding)
+    # The shard axis over the batch axes: a per-device call inside (a Pallas kernel's
+    # `traced_mesh.per_shard`) gets its own shard.
+    axes = None if batch_sharding is None else batch_sharding.spec[0]
+    with traced_mesh.vmapped_shards(axes):
+      return _on_shards(jax.vmap(one, spmd_axis_name=axes)(state, *rows), batch_sharding)
 
   return apply
 

@@ -7,6 +7,10 @@ bfloat16 values; a decode step has no gradient."""
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -91,3 +95,61 @@ def test_a_paged_decode_through_the_kernel_equals_the_gathered_one(num_layers):
   change = np.abs(np.asarray(moved - gathered)).reshape(b, -1).max(axis=1)
   others = [i for i in range(1, b) if table[0, 0] not in table[i, :index[i, 0] // g + 1]]
   assert change[0] > 1e-2 and others and (change[others] == 0).all(), (change, others)
+
+
+def _mesh_worker() -> dict:
+  """Run as a script on 4 simulated devices: the paged engine on a (data 2, tensor 2) mesh, its
+  decode through the kernel (a call a device: its shard's streams, its kv head), against the
+  static sampler on one device."""
+  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from rloo_jax import models, sampler, sampling
+  from rloo_jax.models import traced_mesh
+  config = models.TransformerConfig.llama(
+      vocab_size=48, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+      intermediate_size=64, max_seq_len=64, dtype='bfloat16')
+  graphdef, params = models.create(config)
+  fns = models.model_fns(graphdef)
+  decode, read = attention_paged.decode, []
+  attention_paged.applies = lambda spec: traced_mesh.shards_vmapped() or not traced_mesh.get()
+  attention_paged.decode = lambda *a: (
+      read.append(traced_mesh.shards_vmapped()), decode(*a, interpret=True))[1]
+  lengths = np.array([7, 2, 12, 5], np.int32)
+  tokens = np.where(np.arange(12)[None] < lengths[:, None],
+                    np.random.RandomState(0).randint(2, 45, (4, 12)), 0).astype(np.int32)
+  args = dict(k=2, max_new_tokens=8, method=sampling.Temperature(1.0), eos_id=(45, 46, 47),
+              pad_id=0)
+  static = sampler.sample(fns, params, tokens, lengths, jax.random.key(3), **args)
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 2), ('data', 'fsdp', 'tensor'))
+  rows = NamedSharding(mesh, P(('data', 'fsdp')))
+  with traced_mesh.on_mesh(mesh):
+    ours = sampler.sample(fns, params, jax.device_put(tokens, rows),
+                          jax.device_put(lengths, rows), jax.random.key(3), slots=4, pages=8,
+                          page_size=2, batch_sharding=rows, **args)
+  static, ours = jax.tree.map(np.asarray, (static, ours))
+  return dict(read=read, same_tokens=bool((ours.tokens_bkt == static.tokens_bkt).all()),
+              same_lengths=bool((ours.lengths_bk == static.lengths_bk).all()),
+              full=int((static.lengths_bk == 8).sum()),
+              logprob_diff=float(np.abs(ours.logprobs_bkt - static.logprobs_bkt).max()))
+
+
+def test_over_a_mesh_each_device_reads_its_own_shards_pages_through_the_kernel():
+  """The rollout engine's shards over 'data' (its vmap's spmd_axis_name) and the kv heads over
+  'tensor': the kernel runs a call a device (`traced_mesh.per_shard`) on its own streams and
+  heads, and the engine draws the static sampler's tokens."""
+  # pylint: disable-next=import-outside-toplevel
+  from conftest import REPO, TESTS
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join([REPO, TESTS]),
+             XLA_FLAGS=os.environ.get('XLA_FLAGS', '')
+             + ' --xla_force_host_platform_device_count=4')
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r['read'] == [True], r  # traced once, inside the engine's vmap over its shards
+  assert r['same_tokens'] and r['same_lengths'] and r['full'] >= 2, r
+  assert r['logprob_diff'] < 4e-3, r
+
+
+if __name__ == '__main__':
+  print(json.dumps(_mesh_worker()))

@@ -25,13 +25,13 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # the shipped kernel's
 
 
 def applies(spec) -> bool:
-  """Whether the kernel reads a paged decode's pages (`attention_ops.AttentionSpec`): on one
-  TPU chip, without a sliding window (the kernel has none). XLA cannot partition a Pallas call:
-  over a mesh the engine's shards would need a call each (the vmap's spmd_axis_name), and its
-  pools' heads over 'tensor' one each; until then a mesh gathers the pages."""
+  """Whether the kernel reads a paged decode's pages (`attention_ops.AttentionSpec`): on TPU,
+  without a sliding window (the kernel has none), on one chip or inside the rollout engine's
+  vmap over its shards (`traced_mesh.vmapped_shards`), where each device calls it on its own
+  shard: XLA cannot partition a Pallas call."""
   mesh = traced_mesh.get()
   return (traced_mesh.platform() == 'tpu' and spec.window is None
-          and (mesh is None or mesh.size == 1))
+          and (mesh is None or mesh.size == 1 or traced_mesh.shards_vmapped()))
 
 
 def decode(q_bkhgd, k, v, spec, score_prefix, interpret: bool = False):
@@ -44,8 +44,11 @@ def decode(q_bkhgd, k, v, spec, score_prefix, interpret: bool = False):
                                                                         pool_v.dtype)
   o_t, lse_t = score_prefix(q_bkhgd, (prefix_k, none_k), (prefix_v, none_v), spec)
   q = (q_bkhgd[:, 0] * spec.scale).astype(q_bkhgd.dtype).reshape(b, h * g, d)
-  o_p, lse_p = attend(q, pool_k, pool_v, spec.layout.index[:, 0] + 1, paged.pages_bm,
-                      softcap=spec.softcap, interpret=interpret)
+  # A call a device: its shard's streams, its share of the heads over 'tensor'.
+  kernel = functools.partial(attend, softcap=spec.softcap, interpret=interpret)
+  o_p, lse_p = traced_mesh.per_shard(
+      kernel, (q, pool_k, pool_v, spec.layout.index[:, 0] + 1, paged.pages_bm),
+      (1, 0, 0, None, None), (1, 1))
   lse_p = lse_p.reshape(lse_t.shape)
   top = jnp.maximum(lse_t, lse_p)
   w_t, w_p = jnp.exp(lse_t - top), jnp.exp(lse_p - top)

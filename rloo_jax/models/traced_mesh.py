@@ -8,7 +8,8 @@
 - `per_shard(fn, args, heads)`: `fn` run per shard of it (`shard_map`): 'splash', whose Pallas
   call XLA cannot partition, and 'blockwise', whose loops then run to each device's own bounds.
 - `shards_vmapped()`: inside the rollout engine's vmap over its batch shards (`vmapped_shards`),
-  where 'splash' runs as 'blockwise'.
+  whose axis the vmap lays over the batch axes (its `spmd_axis_name`): there `per_shard` splits
+  only the heads, each device's shard of the vmapped axis coming in whole.
 
 Not `jax.set_mesh`: under a context mesh flax reads the parameters' logical axis names as mesh
 axes. Outside `on_mesh` the program is built for one device of the default backend.
@@ -24,7 +25,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 _MESH = contextvars.ContextVar('traced_mesh', default=None)
-_VMAPPED = contextvars.ContextVar('traced_mesh_shards_vmapped', default=False)
+_VMAPPED = contextvars.ContextVar('traced_mesh_shards_vmapped', default=None)
 BATCH_AXES = ('data', 'fsdp')
 
 
@@ -39,10 +40,11 @@ def on_mesh(mesh):
 
 
 @contextlib.contextmanager
-def vmapped_shards():
-  """Traced inside: code vmapped over the batch shards (the rollout engine's), where `per_shard`
-  cannot split rows (a shard's own are not the mesh's) and a Pallas call cannot run."""
-  token = _VMAPPED.set(True)
+def vmapped_shards(axes):
+  """Traced inside: code vmapped over the batch shards (the rollout engine's) by
+  `jax.vmap(..., spmd_axis_name=axes)`, `axes` the batch axes the shards lie over (None: one
+  shard). `per_shard` then leaves the rows (a shard's own, not the mesh's) to the vmap."""
+  token = _VMAPPED.set(axes)
   try:
     yield
   finally:
@@ -51,7 +53,7 @@ def vmapped_shards():
 
 def shards_vmapped() -> bool:
   mesh = _MESH.get()
-  return _VMAPPED.get() and mesh is not None and mesh.size > 1
+  return _VMAPPED.get() is not None and mesh is not None and mesh.size > 1
 
 
 def get():
@@ -72,22 +74,30 @@ def batch_ways() -> int:
 
 def per_shard(fn, args, heads, out_head):
   """fn(*args) per shard of the traced mesh: each array's axis 0 (rows) over the batch axes, its
-  axis heads[i] (None: none) over 'tensor' where that divides it, a scalar or None whole; the
-  output's rows and axis `out_head` alike. fn(*args) as it is without a mesh of several devices
-  or where neither the rows nor the heads split."""
+  axis heads[i] (None: none) over 'tensor' where that divides every such axis, a scalar or None
+  whole (an array whose heads are its axis 0 has no rows); the output's rows and axis
+  `out_head` alike (a tuple: one per output). fn(*args) as it is without a mesh of several
+  devices or where neither the rows nor the heads split, except under `vmapped_shards`: there fn
+  runs on each device's shard (a Pallas call must), the rows left to the vmap."""
   mesh = _MESH.get()
   if mesh is None or mesh.size == 1:
     return fn(*args)
+  vmapped = shards_vmapped()
   b = next(x.shape[0] for x in args if x is not None and x.ndim)
   rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
   rows = rows if rows and b % math.prod(mesh.shape[a] for a in rows) == 0 else None
+  rows = None if vmapped else rows  # the vmap lays its own axis over them
   tensor = mesh.shape['tensor'] if 'tensor' in mesh.axis_names else 1
-  if rows is None and not (tensor > 1 and args[0].shape[heads[0]] % tensor == 0):
+  # Every headed axis splits, or none: a query's heads split apart from its keys' would pair
+  # each device's queries with the wrong key heads.
+  split = tensor > 1 and all(args[i].shape[h] % tensor == 0 for i, h in enumerate(heads)
+                             if h is not None and args[i] is not None)
+  if rows is None and not split and not vmapped:
     return fn(*args)  # nothing splits: XLA's own partitioning, as without a mesh
 
-  def spec(ndim, head, size):
-    dims = [rows] + [None] * (ndim - 1)
-    if head is not None and tensor > 1 and size % tensor == 0:
+  def spec(ndim, head):
+    dims = [rows if head != 0 else None] + [None] * (ndim - 1)
+    if head is not None and split:
       dims[head] = 'tensor'
     return P(*dims)
 
@@ -99,10 +109,8 @@ def per_shard(fn, args, heads, out_head):
       full[i] = x
     return fn(*full)
 
-  in_specs = tuple(P() if args[i].ndim == 0 else
-                   spec(args[i].ndim, heads[i], args[i].shape[heads[i]] if heads[i] else 0)
-                   for i in given)
-  q = args[0]
-  out = spec(q.ndim, out_head, q.shape[out_head])
+  in_specs = tuple(P() if args[i].ndim == 0 else spec(args[i].ndim, heads[i]) for i in given)
+  out = (tuple(spec(h + 1, h) for h in out_head) if isinstance(out_head, tuple)
+         else spec(out_head + 1, out_head))
   return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out,
                        check_vma=False)(*(args[i] for i in given))
