@@ -86,15 +86,16 @@ def test_the_rollout_engine_compiles_and_fits(target):
                          ids=["one-chip", "data2-tensor2"])
 def test_tpu_chips_read_the_engines_pages_in_place_through_the_pallas_kernel(
     monkeypatch, target, data, tensor):
-  """The paged engine on TPU: under 'auto' its decode reads each stream's full pages where they
-  lie (the Pallas paged kernel, `models.attention_paged`); under 'xla' it gathers them. On a mesh
-  each chip calls the kernel on its own engine shard and its share of the kv heads. The kernel's
-  phase holds less than the gather's and never a copy of the page pool."""
+  """The paged engine on TPU: under 'auto' or 'splash' its decode reads each stream's full pages
+  where they lie (the Pallas paged kernel, `models.attention_paged`); under 'xla' it gathers
+  them. On a mesh each chip calls the kernels on its own engine shard and its share of the kv
+  heads, splash's prefill of an admitted prompt included. The kernel's phase holds less than the
+  gather's and never a copy of the page pool."""
   compiled, real = [], programs_lib._compile_with  # pylint: disable=protected-access
   monkeypatch.setattr(programs_lib, "_compile_with", lambda lower, options=None: (
       lambda out: (compiled.append(out[0].as_text()), out)[1])(real(lower, options=options)))
   phases = {}
-  for attention in ("xla", "auto"):
+  for route, attention in (("gather", "xla"), ("kernel", "auto" if data == 1 else "splash")):
     config = load_config()
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, 1, tensor
     config.model.update(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
@@ -103,23 +104,23 @@ def test_tpu_chips_read_the_engines_pages_in_place_through_the_pallas_kernel(
     config.data.max_prompt_len = 64
     config.rloo.update(num_prompts=16 * data, max_new_tokens=1024, rollout_slots=32 * data,
                        rollout_pages=192 * data, rollout_page_size=64)
-    phases[attention] = memory.plan(_algo(config, target), names=("engine",),
-                                    device_memory_gb=16)
-    phases[attention]["hlo"] = next(t for t in compiled[::-1] if "jit_phase" in t[:100])
+    phases[route] = memory.plan(_algo(config, target), names=("engine",), device_memory_gb=16)
+    phases[route]["hlo"] = next(t for t in compiled[::-1] if "jit_phase" in t[:100])
   # A chip's K pages: layers x its kv heads x pages x G x D, bfloat16.
   pool_gb = 2 * (2 // tensor) * 193 * 64 * 128 * 2 / memory.GIB
-  kernel, gather = (phases[a]["programs"]["engine"] for a in ("auto", "xla"))
-  assert "tpu_custom_call" in phases["auto"]["hlo"]
-  assert "tpu_custom_call" not in phases["xla"]["hlo"]
+  kernel, gather = (phases[a]["programs"]["engine"] for a in ("kernel", "gather"))
+  assert "tpu_custom_call" in phases["kernel"]["hlo"]
+  assert "tpu_custom_call" not in phases["gather"]["hlo"]
   if data == 1:
     assert kernel["temp_gb"] < pool_gb / 2 and kernel["temp_gb"] < gather["temp_gb"] / 2, (
         kernel, gather, pool_gb)
   else:  # the compiler reports no temporaries for either phase here (docs/SCALE.md)
     # No chip gathers another's streams or pages for its call, and it moves fewer bytes.
     collectives = [re.findall(r"= \S+ (all-\w+|collective-permute|reduce-scatter)\(",
-                              phases[a]["hlo"]) for a in ("auto", "xla")]
+                              phases[a]["hlo"]) for a in ("kernel", "gather")]
     assert sorted(collectives[0]) == sorted(collectives[1]), collectives
     assert "all-gather" not in collectives[0], collectives
+    assert "splash_mqa_fwd" in phases["kernel"]["hlo"]  # the admissions' prefill, per chip
     assert kernel["bytes_accessed"] < 0.9 * gather["bytes_accessed"], (kernel, gather)
 
 

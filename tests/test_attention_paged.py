@@ -98,19 +98,21 @@ def test_a_paged_decode_through_the_kernel_equals_the_gathered_one(num_layers):
 
 
 def _mesh_worker() -> dict:
-  """Run as a script on 4 simulated devices: the paged engine on a (data 2, tensor 2) mesh, its
-  decode through the kernel (a call a device: its shard's streams, its kv head), against the
+  """Run as a script on 4 simulated devices: the paged engine on a (data 2, tensor 2) mesh under
+  'splash', its decode through the paged kernel, both in Pallas' TPU interpreter, against the
   static sampler on one device."""
   # pylint: disable=import-outside-toplevel
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from rloo_jax import models, sampler, sampling
-  from rloo_jax.models import traced_mesh
+  from rloo_jax.models import attention_splash, traced_mesh
   config = models.TransformerConfig.llama(
       vocab_size=48, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-      intermediate_size=64, max_seq_len=64, dtype='bfloat16')
+      intermediate_size=64, max_seq_len=64, dtype='bfloat16', attention='splash')
   graphdef, params = models.create(config)
   fns = models.model_fns(graphdef)
-  decode, read = attention_paged.decode, []
+  decode, read, splash = attention_paged.decode, [], []
+  run = attention_splash._run  # pylint: disable=protected-access
+  attention_splash._run = lambda *a: (splash.append(traced_mesh.shards_vmapped()), run(*a))[1]
   attention_paged.applies = lambda spec: traced_mesh.shards_vmapped() or not traced_mesh.get()
   attention_paged.decode = lambda *a: (
       read.append(traced_mesh.shards_vmapped()), decode(*a, interpret=True))[1]
@@ -127,7 +129,7 @@ def _mesh_worker() -> dict:
                           jax.device_put(lengths, rows), jax.random.key(3), slots=4, pages=8,
                           page_size=2, batch_sharding=rows, **args)
   static, ours = jax.tree.map(np.asarray, (static, ours))
-  return dict(read=read, same_tokens=bool((ours.tokens_bkt == static.tokens_bkt).all()),
+  return dict(read=read, splash=splash, same_tokens=bool((ours.tokens_bkt == static.tokens_bkt).all()),
               same_lengths=bool((ours.lengths_bk == static.lengths_bk).all()),
               full=int((static.lengths_bk == 8).sum()),
               logprob_diff=float(np.abs(ours.logprobs_bkt - static.logprobs_bkt).max()))
@@ -135,8 +137,9 @@ def _mesh_worker() -> dict:
 
 def test_over_a_mesh_each_device_reads_its_own_shards_pages_through_the_kernel():
   """The rollout engine's shards over 'data' (its vmap's spmd_axis_name) and the kv heads over
-  'tensor': the kernel runs a call a device (`traced_mesh.per_shard`) on its own streams and
-  heads, and the engine draws the static sampler's tokens."""
+  'tensor': the paged kernel, and splash in an admission's prefill, run a call a device
+  (`traced_mesh.per_shard`) on its own streams and heads, and the engine draws the static
+  sampler's tokens."""
   # pylint: disable-next=import-outside-toplevel
   from conftest import REPO, TESTS
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join([REPO, TESTS]),
@@ -147,6 +150,7 @@ def test_over_a_mesh_each_device_reads_its_own_shards_pages_through_the_kernel()
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(proc.stdout.strip().splitlines()[-1])
   assert r['read'] == [True], r  # traced once, inside the engine's vmap over its shards
+  assert True in r['splash'], r  # an admission's prefill: splash, a call a device
   assert r['same_tokens'] and r['same_lengths'] and r['full'] >= 2, r
   assert r['logprob_diff'] < 4e-3, r
 

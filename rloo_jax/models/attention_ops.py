@@ -298,12 +298,8 @@ def _blockwise(q, k, v, spec: AttentionSpec):
 def _splash(q, k, v, spec: AttentionSpec):
   """'splash' (attention_splash): Pallas splash attention, TPU's flash kernel, for Causal rows
   without segments and PromptGroup rows; packed rows raise. SharedPrefixDecode runs the xla form,
-  its paged streams' pages read in place by the Pallas paged kernel (`attention_paged`). Under
-  the rollout engine's vmap over its shards (an admission's prefill), blockwise: XLA cannot
-  partition a Pallas call over the vmapped, sharded axis."""
+  its paged streams' pages read in place by the Pallas paged kernel (`attention_paged`)."""
   layout = spec.layout
-  if traced_mesh.shards_vmapped():
-    return _blockwise(q, k, v, spec)
   if isinstance(layout, Causal):
     return attention_splash.causal(q, k, v, spec, layout.mask_bt, layout.segment_bt)
   if isinstance(layout, PromptGroup):
