@@ -97,6 +97,40 @@ def _on_shards(tree, batch_sharding):
       batch_sharding.mesh, jax.sharding.PartitionSpec(batch_sharding.spec[0]))), tree)
 
 
+# A shard's cache fields -> their kv-heads axis with the layers stacked (a per-layer tuple's
+# arrays have no layers axis; the page pools' heads lead either way).
+_HEAD_AXES = dict(prefix_k_lbhdp=2, prefix_v_lbhpd=2, k_lbkhdt=3, v_lbkhtd=3, k_pages=0,
+                  v_pages=0)
+
+
+def _state_on_shards(st: EngineState, batch_sharding) -> EngineState:
+  """The state over the shards, its KV's heads over 'tensor' where that divides them: `start`'s
+  and every phase's alike, so a donated phase updates its input in place (left to the compiler,
+  a phase lays its KV out otherwise than `start` did and copies it, then compiles again)."""
+  st = _on_shards(st, batch_sharding)
+  mesh = None if batch_sharding is None else batch_sharding.mesh
+  tensor = 1 if mesh is None else dict(mesh.shape).get('tensor', 1)
+  if tensor == 1:
+    return st
+
+  def heads(x, axis):
+    if x.shape[axis] % tensor:
+      return x
+    spec = [batch_sharding.spec[0]] + [None] * (x.ndim - 1)
+    spec[axis] = 'tensor'
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*spec)))
+
+  fields = {}
+  for name, axis in _HEAD_AXES.items():
+    value = getattr(st.cache, name)
+    if isinstance(value, (tuple, list)):
+      fields[name] = tuple(heads(x, axis + (name in ('k_pages', 'v_pages'))) for x in value)
+    elif value is not None:
+      fields[name] = heads(value, axis + 1)
+  return st.replace(cache=st.cache.replace(**fields))
+
+
 def _uniforms(keys_nk, group_s, stream_s, step_s):
   """[S, 2]: step t of stream (g, j), as the static sampler draws it (`sampling.step_uniforms`)."""
   return jax.vmap(sampling.step_uniforms)(keys_nk[group_s, stream_s], step_s)
@@ -252,7 +286,7 @@ def _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, 
     # `traced_mesh.per_shard`) gets its own shard.
     axes = None if batch_sharding is None else batch_sharding.spec[0]
     with traced_mesh.vmapped_shards(axes):
-      return _on_shards(jax.vmap(one, spmd_axis_name=axes)(state, *rows), batch_sharding)
+      return _state_on_shards(jax.vmap(one, spmd_axis_name=axes)(state, *rows), batch_sharding)
 
   return apply
 
@@ -284,8 +318,8 @@ def start(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, 
       mask_nkt=jnp.zeros(shape_nkt, bool), lengths_nk=jnp.zeros((n // d, k), jnp.int32),
       free_p=jnp.ones((npages,), bool) if pages else None,
       age_s=zeros_s if pages else None, preempted=jnp.zeros((), jnp.int32) if pages else None)
-  state = _on_shards(jax.tree.map(lambda x: jnp.broadcast_to(x, (d,) + x.shape), one),
-                     batch_sharding)
+  state = _state_on_shards(jax.tree.map(lambda x: jnp.broadcast_to(x, (d,) + x.shape), one),
+                           batch_sharding)
   run_shards = _shard_runner(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, d,
                              k=k, max_new_tokens=max_new_tokens, method=method,
                              unstack_layers=unstack_layers, batch_sharding=batch_sharding)
