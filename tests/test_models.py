@@ -283,6 +283,26 @@ def test_partial_rotary_rotates_only_the_leading_dims():
   assert CONFIGS['llama'].rotary_dim == CONFIGS['llama'].head_dim
 
 
+def test_rotary_angles_are_computed_at_the_positions_without_a_table():
+  """cos / sin of position x inverse frequency at each position (clipped to the model's range),
+  equal to a [max_seq_len, D/2] table's rows; the program holds no such table (the TPU
+  compiler kept one whole in the decode loop: 2 x 32 MiB at 131,072 positions)."""
+  from rloo_jax.models import layers
+  max_len = 131072
+  positions = jnp.asarray([[0, 5, 4095, 131071], [-3, 131072, 200000, 77]], jnp.int32)
+  cos, sin = jax.jit(lambda p: layers._rotary(p, 64, 1e6, max_len))(positions)
+
+  @jax.jit
+  def rows(p):  # the table's, compiled alike (XLA folds inv_freq's constants its own way)
+    table = jnp.arange(max_len, dtype=jnp.float32)[:, None] * layers.inv_freq(64, 1e6)
+    return tuple(jnp.take(f(table), p, axis=0, mode='clip') for f in (jnp.cos, jnp.sin))
+
+  np.testing.assert_array_equal(cos[:, :, 0], rows(positions)[0])
+  np.testing.assert_array_equal(sin[:, :, 0], rows(positions)[1])
+  text = jax.jit(lambda p: layers._rotary(p, 64, 1e6, max_len)).lower(positions).as_text()
+  assert f"tensor<{max_len}x" not in text and f"x{max_len}x" not in text, text
+
+
 def test_gpt_neox_config():
   c = CONFIGS['gpt_neox']
   assert (c.family, c.parallel_residual, c.rotary_pct, c.tie_embeddings, c.qkv_bias,
