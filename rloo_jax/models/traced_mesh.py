@@ -5,8 +5,9 @@
   compile-only TPU topology or GPU target included; the host's default backend is not it).
 - `batch_ways()`: how many shards the batch axes split rows into ('data' x 'fsdp'), which the
   grouped forward shapes its rows by.
-- `per_shard(fn, args, heads)`: `fn` run per shard of it (`shard_map`): 'splash', whose Pallas
-  call XLA cannot partition, and 'blockwise', whose loops then run to each device's own bounds.
+- `per_shard(fn, args, heads)`: `fn` run per shard of it (`shard_map`): 'splash' and the paged
+  decode kernel, Pallas calls XLA cannot partition, and 'blockwise', whose loops then run to
+  each device's own bounds.
 - `shards_vmapped()`: inside the rollout engine's vmap over its batch shards (`vmapped_shards`),
   whose axis the vmap lays over the batch axes (its `spmd_axis_name`): there `per_shard` splits
   only the heads, each device's shard of the vmapped axis coming in whole.
