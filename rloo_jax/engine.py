@@ -107,15 +107,15 @@ def _state_on_shards(st: EngineState, batch_sharding) -> EngineState:
   """The state over the shards, its KV's heads over 'tensor' where that divides them: `start`'s
   and every phase's alike, so a donated phase updates its input in place (left to the compiler,
   a phase lays its KV out otherwise than `start` did and copies it, then compiles again)."""
-  st = _on_shards(st, batch_sharding)
   mesh = None if batch_sharding is None else batch_sharding.mesh
   tensor = 1 if mesh is None else dict(mesh.shape).get('tensor', 1)
   if tensor == 1:
-    return st
+    return _on_shards(st, batch_sharding)
 
   def heads(x, axis):
+    # One constraint a leaf: rows and heads at once (not whole heads first, then split).
     if x.shape[axis] % tensor:
-      return x
+      return _on_shards(x, batch_sharding)
     spec = [batch_sharding.spec[0]] + [None] * (x.ndim - 1)
     spec[axis] = 'tensor'
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
@@ -128,7 +128,9 @@ def _state_on_shards(st: EngineState, batch_sharding) -> EngineState:
       fields[name] = tuple(heads(x, axis + (name in ('k_pages', 'v_pages'))) for x in value)
     elif value is not None:
       fields[name] = heads(value, axis + 1)
-  return st.replace(cache=st.cache.replace(**fields))
+  rest = _on_shards(st.replace(cache=st.cache.replace(**{n: None for n in fields})),
+                    batch_sharding)
+  return rest.replace(cache=rest.cache.replace(**fields))
 
 
 def _uniforms(keys_nk, group_s, stream_s, step_s):

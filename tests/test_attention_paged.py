@@ -129,7 +129,8 @@ def _mesh_worker() -> dict:
                           jax.device_put(lengths, rows), jax.random.key(3), slots=4, pages=8,
                           page_size=2, batch_sharding=rows, **args)
   static, ours = jax.tree.map(np.asarray, (static, ours))
-  return dict(read=read, splash=splash, same_tokens=bool((ours.tokens_bkt == static.tokens_bkt).all()),
+  return dict(read=read, splash=splash,
+              same_tokens=bool((ours.tokens_bkt == static.tokens_bkt).all()),
               same_lengths=bool((ours.lengths_bk == static.lengths_bk).all()),
               full=int((static.lengths_bk == 8).sum()),
               logprob_diff=float(np.abs(ours.logprobs_bkt - static.logprobs_bkt).max()))
