@@ -123,7 +123,7 @@ class DynamicSampler:
     sample_idx = (idx[:, None] * self.k + np.arange(self.k)).reshape(-1)
     parts = {name: np.concatenate([kept.parts[name], new.parts[name]])[sample_idx]
              for name in kept.parts}
-    return Groups(self._take(kept.out, new.out, jnp.asarray(idx)),
+    return Groups(self._take(kept.out, new.out, jax.device_put(idx)),
                   *(host(a, b) for a, b in zip(kept[1:5], new[1:5])), parts,
                   host(kept.informative, new.informative))
 

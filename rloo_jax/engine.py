@@ -73,16 +73,20 @@ class EngineState:
 
   def output(self) -> sampling.SampleOutput:
     """The shards' outputs as one [N, k, T] batch (shard d's rows d*N/D.., as placed)."""
-    def rows(x):  # also of the abstract state (the plan's), its sharding kept on dim 0
-      shape = (x.shape[0] * x.shape[1],) + tuple(x.shape[2:])
-      if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
-      return x.reshape(shape)
+    out = sampling.SampleOutput(self.tokens_nkt, self.logprobs_nkt, self.policy_logprobs_nkt,
+                                self.mask_nkt, self.lengths_nk)
+    if isinstance(self.tokens_nkt, jax.ShapeDtypeStruct):  # the plan's abstract state
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(_rows(x), x.dtype,
+                                                         sharding=x.sharding), out)
+    return _as_rows(out)
 
-    return sampling.SampleOutput(
-        tokens_bkt=rows(self.tokens_nkt), logprobs_bkt=rows(self.logprobs_nkt),
-        policy_logprobs_bkt=rows(self.policy_logprobs_nkt), mask_bkt=rows(self.mask_nkt),
-        lengths_bk=rows(self.lengths_nk))
+
+_rows = lambda x: (x.shape[0] * x.shape[1],) + tuple(x.shape[2:])
+
+
+@jax.jit
+def _as_rows(out):  # one program: eager, each of the five reshapes would compile on its own
+  return jax.tree.map(lambda x: x.reshape(_rows(x)), out)
 
 
 def _split(x, d: int, batch_sharding):
@@ -162,14 +166,15 @@ def kv_limits(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
                                           if max_new_tokens >> i >= SMALLEST_KV_LIMIT}))
 
 
-def _need(st: EngineState):
-  """Stream slots the next decode step reads: the longest live stream's step (0: none live)."""
-  return jnp.max(jnp.where(st.group_s >= 0, st.step_s, 0))
+def _progress(st: EngineState):
+  """(whether any shard has a group to admit or a live stream, the stream slots the next decode
+  step reads: the longest live stream's step, 0 with none live)."""
+  left = jnp.any(st.next_group < st.tokens_nkt.shape[-3]) | jnp.any(st.group_s >= 0)
+  return left, jnp.max(jnp.where(st.group_s >= 0, st.step_s, 0))
 
 
-def _work_left(st: EngineState):
-  """Whether any shard has a group to admit or a live stream."""
-  return jnp.any(st.next_group < st.tokens_nkt.shape[-3]) | jnp.any(st.group_s >= 0)
+# What `run` reads between phases: one small program (eager, its six ops would each compile).
+_progress_jit = jax.jit(_progress)
 
 
 class _Programs:
@@ -344,8 +349,8 @@ def phase(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, state: E
                              batch_sharding=batch_sharding)
 
   def cond(st):
-    need = _need(st)
-    return _work_left(st) & (need <= kv_limit) & ((need > kv_floor) | (kv_floor == 0))
+    left, need = _progress(st)
+    return left & (need <= kv_limit) & ((need > kv_floor) | (kv_floor == 0))
 
   # Unpaged, with every group admitted by `start` (it had slots and prefix rows for all), no
   # step admits: the phase is the decode alone, as the static sampler's loop.
@@ -380,7 +385,7 @@ def run(fns, params, prompt_tokens_np, prompt_lengths_n, rng, eos_id, pad_id, *,
   limits = kv_limits(max_new_tokens, kv_buckets)
   period = None  # the ring's (`phase`): the last phase's limit
   while True:
-    left, need = jax.device_get((_work_left(state), _need(state)))
+    left, need = jax.device_get(_progress_jit(state))
     if not left:
       return state
     i = next(i for i, lim in enumerate(limits) if lim >= need)

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from rloo_jax import engine, sampler_args, sampling
@@ -286,7 +287,10 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
   k, max_new_tokens, eos_id, pad_id = sampler_args.validate(
       prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens, method=method,
       eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
-  eos_id, pad_id = jnp.asarray(eos_id, jnp.int32), jnp.int32(pad_id)
+  # Placed, not staged: jnp.asarray of host data compiles a program a shape.
+  tokens, lengths, eos_id = jax.device_put(
+      (prompt_tokens_bp, prompt_lengths_b, np.asarray(eos_id, np.int32)))
+  pad_id = np.int32(pad_id)
   if slots:
     if mode != 'shared':
       raise ValueError(f"the rollout engine (slots = {slots}) shares each prompt's prefill "
@@ -295,14 +299,13 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
     slots, prefix_rows = sampler_args.check_slots(slots, k, prefix_rows, ways=d,
                                                   rows=len(prompt_lengths_b))
     sampler_args.check_pages(pages, page_size, max_new_tokens, ways=d)
-    return engine.run(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b),
-                      rng, eos_id, pad_id, k=k, max_new_tokens=max_new_tokens, method=method,
-                      slots=slots, prefix_rows=prefix_rows, pages=pages,
-                      page_size=page_size if pages else 0, batch_sharding=batch_sharding,
+    return engine.run(fns, params, tokens, lengths, rng, eos_id, pad_id, k=k,
+                      max_new_tokens=max_new_tokens, method=method, slots=slots,
+                      prefix_rows=prefix_rows, pages=pages, page_size=page_size if pages else 0,
+                      batch_sharding=batch_sharding,
                       unstack_layers=bool(unstack_layers)).output()
-  state = start(fns, params, jnp.asarray(prompt_tokens_bp), jnp.asarray(prompt_lengths_b), rng,
-                eos_id, pad_id,
-                k=k, max_new_tokens=max_new_tokens, method=method, mode=mode,
+  state = start(fns, params, tokens, lengths, rng, eos_id, pad_id, k=k,
+                max_new_tokens=max_new_tokens, method=method, mode=mode,
                 batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))
   state = decode_loop(fns, params, state, eos_id, pad_id, method=method, mode=mode,
                       batch_sharding=batch_sharding, unstack_layers=bool(unstack_layers))

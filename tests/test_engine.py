@@ -4,6 +4,7 @@ static sampler draws, whatever slot a stream lands in and whatever its slot held
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 import jax
@@ -171,6 +172,23 @@ def _poison(monkeypatch, *fields):
     return cache.replace(**{f: jax.tree.map(fill, getattr(cache, f)) for f in fields})
 
   monkeypatch.setattr(engine_pool, 'empty_cache', poisoned)
+
+
+def test_a_rollout_compiles_the_engines_programs_and_no_eager_op(monkeypatch, caplog):
+  """Between phases `run` reads its progress through one small program and returns its rows
+  through one: no eager op compiles (on an accelerator each is a dispatch of its own)."""
+  fns, params = _tiny('qwen2')
+  monkeypatch.setattr(engine, 'SMALLEST_KV_LIMIT', 4)  # phases at 6 and 13 stream slots
+  tokens, lengths = _prompts()
+  rng = jax.random.key(3)
+  jax.clear_caches()  # every program the rollout needs is compiled below, none in memory
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    sampler.sample(fns, params, tokens, lengths, rng, k=3, max_new_tokens=13,
+                   method=sampling.Temperature(1.0), eos_id=STOPS, pad_id=PAD, slots=6)
+  names = sorted(re.findall(r'Compiling jit\((\w+)\)', caplog.text))
+  # Two phases, their rings re-laid from 6 to 13 slots and back as the longest stream ends.
+  assert names == ['_as_rows', '_progress', 'phase', 'phase', 'relayout', 'relayout', 'start'], (
+      names)
 
 
 def test_a_reused_slot_reads_nothing_of_its_previous_stream(monkeypatch):

@@ -15,7 +15,6 @@ import os
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -92,7 +91,7 @@ def _sharding_lookup(model, shardings) -> Callable:
 def _set(var, value, shard_of) -> None:
   """A small parameter made here (the same on every process), placed on its sharding."""
   value = np.asarray(value)
-  var.set_value(jnp.asarray(value) if shard_of is None else
+  var.set_value(jax.device_put(value) if shard_of is None else
                 jax.make_array_from_callback(value.shape, shard_of(var), lambda i: value[i]))
 
 

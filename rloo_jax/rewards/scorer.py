@@ -205,8 +205,8 @@ class RewardModelScorer:
     for start in range(0, len(rows), bs):
       idx = rows[start:start + bs]
       pad = np.concatenate([idx, np.full((bs - len(idx),), idx[0])])  # fixed shape: one compile
-      s = _score(fns, self.params, jnp.asarray(tokens[pad]), jnp.asarray(mask[pad]),
-                 jnp.asarray(last[pad].astype(np.int32)))
+      s = _score(fns, self.params, *jax.device_put(
+          (tokens[pad], mask[pad], last[pad].astype(np.int32))))
       out[idx] = np.asarray(s)[:len(idx)]
     return out
 
