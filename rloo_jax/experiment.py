@@ -28,7 +28,6 @@ from rloo_jax.models import config as model_config_lib
 from rloo_jax.models import hf, lora, presets, transformer
 from rloo_jax.optim import make_optimizer
 from rloo_jax.rewards import RewardReturnError, RewardSet, RewardTimeoutError, overlong
-from rloo_jax.adapters import reference_copy  # noqa: F401  (experiment.reference_copy: PPO's)
 
 
 @struct.dataclass
@@ -68,9 +67,9 @@ class Experiment:
   # The frozen base's model functions (with LoRA: the reference); `fns` without LoRA.
   base_fns: Optional[transformer.ModelFns] = None
 
-  @property
-  def tokenizer(self):
-    return self.task.tokenizer
+  tokenizer = property(lambda self: self.task.tokenizer)
+  # The rollout's sampler, pools and layer layout, of the config as it is now (not cached).
+  rollout = property(lambda self: sampler_args.rollout_of(self.config, self.layout))
 
   @property
   def updates_per_iteration(self) -> int:
@@ -372,7 +371,7 @@ def build_abstract(config, devices=None, num_layers: Optional[int] = None) -> Ex
 def _init_state(exp: Experiment, params) -> TrainState:
   spec = advantage.spec(exp.config.advantage.estimator)
   adv_state = spec.init_state() if spec.stateful else jnp.zeros((), jnp.float32)
-  ref_params = reference_copy(exp.config, params)
+  ref_params = adapters.reference_copy(exp.config, params)
   mcfg = exp.model_config
   if mcfg.lora_rank:  # the reference is the base itself; only the adapters train
     params = adapters.init_adapters(mcfg, exp.config.seed)

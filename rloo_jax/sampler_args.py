@@ -1,14 +1,17 @@
 """Argument checks of `rloo_jax.sampler.sample`, run on the host before anything is compiled, and
-the trainer's choice of its `unstack_layers` (config.rloo.decode_layers)."""
+the trainer's rollout on its layout (`Rollout`): its sampler, pools and layer layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from rloo_jax.sharding import leading_ways
 
 MODES = ('shared', 'unshared')
 
@@ -126,15 +129,20 @@ def layer_bytes_per_device(exp) -> float:
 
 
 def decode_unstacked(exp) -> bool:
-  """config.rloo.decode_layers resolved: whether the decode loop runs on per-layer copies of the
-  weights and KV buffers (`sampler.sample`'s unstack_layers). 'unstacked' under FSDP gathers every
-  layer once a rollout instead of at every token, for the whole model held gathered while
-  decoding (the memory plan names it when that fits). 'auto' is 'unstacked' on GPU meshes whose
-  weights are not FSDP-sharded (an H200 decoded 1.67x faster so: docs/PERFORMANCE.md), else
+  """`unstacked` of an Experiment (or what has its config and layout)."""
+  return unstacked(exp.config.rloo, exp.layout)
+
+
+def unstacked(rloo_config, layout) -> bool:
+  """config.rloo.decode_layers resolved on `layout`: whether the decode loop runs on per-layer
+  copies of the weights and KV buffers (`sampler.sample`'s unstack_layers). 'unstacked' under FSDP
+  gathers every layer once a rollout instead of at every token, for the whole model held gathered
+  while decoding (the memory plan names it when that fits). 'auto' is 'unstacked' on GPU meshes
+  whose weights are not FSDP-sharded (an H200 decoded 1.67x faster so: docs/PERFORMANCE.md), else
   'scanned' (no TPU measurement yet)."""
-  value = _decode_layers(exp.config.rloo)
+  value = _decode_layers(rloo_config)
   if value == 'auto':
-    return exp.layout.platform == 'gpu' and exp.layout.shape['fsdp'] == 1
+    return layout.platform == 'gpu' and layout.shape['fsdp'] == 1
   return value == 'unstacked'
 
 
@@ -303,3 +311,27 @@ def decode_options(exp) -> dict:
               prefix_rows=int(r.get('rollout_prefix_rows', 0) or 0),
               pages=int(r.get('rollout_pages', 0) or 0),
               page_size=int(r.get('rollout_page_size', 64)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """A run's rollout on its layout, derived in this one place (`rollout_of`, read as
+  `Experiment.rollout`) for the sampler calls, the memory plan and the run's log line."""
+  chunk: int        # prompts a sampler call (`chunk_prompts`)
+  slots: int        # the engine's stream slots over every shard (0: the static sampler)
+  prefix_rows: int  # its prompt rows (`engine_slots`)
+  pages: int        # its KV pages (config.rloo.rollout_pages; 0: a KV buffer a slot)
+  page_size: int    # slots a page (0 unpaged)
+  ways: int         # batch shards, an engine each
+  unstacked: bool   # the decode on per-layer weights (`decode_unstacked`)
+  line: str         # what the run logs before it starts (`describe`)
+
+
+def rollout_of(config, layout) -> Rollout:
+  """The rollout of `config` (an experiment config) on `layout` (a sharding.Layout)."""
+  r, ways = config.rloo, leading_ways(layout.batch_sharding)
+  slots, rows = engine_slots(r, ways)
+  pages = int(r.get('rollout_pages', 0) or 0)
+  return Rollout(chunk=chunk_prompts(r), slots=slots, prefix_rows=rows, pages=pages,
+                 page_size=int(r.get('rollout_page_size', 64)) if pages else 0, ways=ways,
+                 unstacked=unstacked(r, layout), line=describe(r, ways))

@@ -2,6 +2,7 @@
 algorithm only through it (no hasattr / getattr probing)."""
 import ast
 import inspect
+import types
 
 from rloo_jax import loop
 from rloo_jax.algorithms import ALGORITHMS, base
@@ -47,11 +48,16 @@ def test_a_run_is_validate_then_build_then_the_memory_preflight_then_the_loop(tm
   checked = algorithms.Checked("rloo", config, sharding.make_layout(config.mesh), None)
   monkeypatch.setattr(algorithms, "validate", step("validate", checked))
   monkeypatch.setattr(workdir_lib, "check_config", step("check_config"))
-  monkeypatch.setattr(algorithms, "build", step("build", "algo"))
+  # What run reads of the built algorithm before the preflight: its rollout's log line.
+  algo = types.SimpleNamespace(exp=types.SimpleNamespace(rollout=types.SimpleNamespace(
+      line="[rollout] the static sampler")))
+  monkeypatch.setattr(algorithms, "build", step("build", algo))
   monkeypatch.setattr(algorithms.memory, "check", step("preflight"))
   monkeypatch.setattr(algorithms.loop, "run", step("loop", {"done": True}))
-  assert algorithms.run({"algorithm": "rloo"}, str(tmp_path), log=lambda _: None) == {"done": True}
+  logged = []
+  assert algorithms.run({"algorithm": "rloo"}, str(tmp_path), log=logged.append) == {"done": True}
   assert steps == ["validate", "check_config", "build", "preflight", "loop"]
+  assert "[rollout] the static sampler" in logged
 
 
 def test_the_build_trusts_the_validated_config():

@@ -55,14 +55,20 @@ def test_an_engine_run_plans_the_engine_program_not_the_sampler(plans):
   assert "the engine's 8 stream slots + 4 prompt rows" in table
   # "engine" asked for by name compiles the same; a static run asked for it gets its own two.
   assert list(plan.plan(algo, names=("engine",))["programs"]) == ["engine"]
-  static = engine_algo(0, rollout_engine=False).exp.config
-  assert programs.program_names(static, ("update", "engine")) == ("update", "start", "decode")
+  static_exp = engine_algo(0, rollout_engine=False).exp
+  static = static_exp.config
+  assert programs.program_names(static_exp, ("update", "engine")) == ("update", "start", "decode")
   # By default (rollout_engine, unchunked) the engine takes the whole batch's 8 * k slots, with
   # a prompt row for each of the 8 prompts (not the default 2 * slots / k, 16: more than
   # there are prompts).
-  default = engine_algo(0).exp.config
-  assert programs.program_names(default, ("update", "start")) == ("update", "engine")
+  default_exp = engine_algo(0).exp
+  default = default_exp.config
+  assert programs.program_names(default_exp, ("update", "start")) == ("update", "engine")
   assert sampler_args.engine_slots(default.rloo) == (32, 8)
+  # The experiment's rollout, derived once for the plan, the sampler calls and the log line.
+  r = default_exp.rollout
+  assert (r.chunk, r.slots, r.prefix_rows, r.pages, r.ways, r.unstacked) == (8, 32, 8, 0, 1, False)
+  assert r.line == sampler_args.describe(default.rloo)
   # More slots than streams, all admitted at once: the engine holds the streams' 32 alone.
   more = engine_algo(64).exp.config.rloo
   assert sampler_args.engine_slots(more) == (32, 8)

@@ -18,14 +18,13 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple, Optional
 
-from rloo_jax import experiment, loop, memory, sampler_args, sharding
+from rloo_jax import experiment, loop, memory, sharding
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms import dpo, ppo
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.memory import budget
 from rloo_jax.models import attention_ops, traced_mesh
 from rloo_jax.rewards import RewardSet
-from rloo_jax.sharding import leading_ways
 
 
 ALGORITHMS = {"rloo": RLOO, "ppo": ppo.PPO, "dpo": dpo.DPO}
@@ -104,7 +103,7 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   workdir_lib.check_config(workdir, config, log=log)
   with workdir_lib.Lock(workdir, log=log), traced_mesh.on_mesh(checked.layout.mesh):
     algo = build(checked, workdir, log=log, **build_kw)
-    log(sampler_args.describe(checked.config.rloo, leading_ways(checked.layout.batch_sharding)))
+    log(algo.exp.rollout.line)
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.
     report = None

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rloo_jax import config_utils, loss, rollout
+from rloo_jax import adapters, config_utils, loss, rollout
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms import ppo_math
 from rloo_jax.algorithms.base import AlgorithmBase
@@ -198,7 +198,7 @@ class PPO(AlgorithmBase):
   def _init_state(self, params, value_params) -> PPOState:
     c = self.exp.config
     return PPOState(step=jnp.zeros((), jnp.int32), params=params,
-                    ref_params=experiment_lib.reference_copy(c, params),
+                    ref_params=adapters.reference_copy(c, params),
                     value_params=value_params,
                     opt_state=self.exp.tx.init(params),
                     value_opt_state=self.value_tx.init(value_params),

@@ -25,7 +25,6 @@ from rloo_jax.memory import programs as programs_lib
 from rloo_jax.memory import slots as slots_lib
 from rloo_jax.memory import speedups as speedups_lib
 from rloo_jax.models import attention_ops, lora
-from rloo_jax.sharding import leading_ways
 
 GIB = 2 ** 30
 DEFAULT_DEVICE_MEMORY_GB = 80.0
@@ -182,7 +181,7 @@ def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
     items += _attention_advice(algo, name, compiled.programs[name], over[name], accelerator)
   items += _state_advice(exp, compiled, max(over.values()))
   items += slots_lib.advice(algo, compiled, limit, over, accelerator)
-  if ("decode" in over or "engine" in over) and sampler_args.decode_unstacked(exp):
+  if ("decode" in over or "engine" in over) and exp.rollout.unstacked:
     # The layers whole on each device, at most as stored (an accelerator holds them in the
     # activation dtype, XLA:CPU in float32).
     layers = sampler_args.layer_bytes_per_device(exp) * exp.model_config.num_layers
@@ -263,11 +262,10 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
                         compile_s=p.compile_s, flops=p.flops, bytes_accessed=p.bytes_accessed)
                 for n, p in compiled.programs.items()},
       **programs_lib.microbatch(c),
-      rollout_chunk_prompts=sampler_args.chunk_prompts(c.rloo),
+      rollout_chunk_prompts=exp.rollout.chunk,
       # The rollout engine's stream slots and prompt rows (0, 0: the static sampler).
-      **dict(zip(("rollout_slots", "rollout_prefix_rows"), sampler_args.engine_slots(
-          c.rloo, leading_ways(exp.layout.batch_sharding)))),
-      rollout_pages=int(c.rloo.get("rollout_pages", 0) or 0),
+      rollout_slots=exp.rollout.slots, rollout_prefix_rows=exp.rollout.prefix_rows,
+      rollout_pages=exp.rollout.pages,
       # Model FLOPs: rollout + reference + the old policy's + update (num_epochs passes over
       # every row); the backward's recompute is reported apart, not included.
       flops_per_iteration=int(f["rollout"] + f["reference"] + f["recompute"] + f["update"]),

@@ -32,10 +32,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import engine, experiment, rollout, sampler, sampler_args, update
+from rloo_jax import engine, experiment, rollout, sampler, update
 from rloo_jax.memory import targets
 from rloo_jax.models import traced_mesh
-from rloo_jax.sharding import leading_ways, per_device_bytes
+from rloo_jax.sharding import per_device_bytes
 
 NAMES = ("update", "score", "start", "decode", "engine")
 # The rollout's programs: the static sampler's start and decode (config.rloo.rollout_slots = 0),
@@ -133,7 +133,7 @@ def inputs(exp) -> Inputs:
   m = c.train.num_minibatches
   minibatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]),
                                                           x.dtype), rows)
-  chunk = sampler_args.chunk_prompts(c.rloo)
+  chunk = exp.rollout.chunk
   return Inputs(state=experiment.abstract_state(exp), rows=_with(rows, rows_sh),
                 minibatch=_with(minibatch, rows_sh),
                 prompts=(_struct((chunk, p), jnp.int32, rows_sh),
@@ -235,13 +235,13 @@ class Compiled:
   reward_model_bytes: int = 0  # hf_reward_model: weights per device, resident throughout
 
 
-def program_names(config, names=NAMES) -> tuple:
-  """`names` with the rollout's programs (any of ROLLOUT) the run's own: the engine's one
-  (config.rloo.rollout_slots), or the static sampler's start and decode ("engine": both)."""
+def program_names(exp, names=NAMES) -> tuple:
+  """`names` with the rollout's programs (any of ROLLOUT) the experiment's own: the engine's one
+  (`exp.rollout.slots`), or the static sampler's start and decode ("engine": both)."""
   if not set(names) & set(ROLLOUT):
     return tuple(names)
   rest = tuple(n for n in names if n not in ROLLOUT)
-  if sampler_args.engine_slots(config.rloo)[0]:
+  if exp.rollout.slots:
     return rest + ("engine",)
   return rest + (tuple(n for n in names if n in ("start", "decode")) or ("start", "decode"))
 
@@ -258,7 +258,7 @@ def _compile_programs(algo, names, options) -> Compiled:
   exp = algo.exp
   _compile = functools.partial(_compile_with, options=options)
   c = exp.config
-  names = program_names(c, names)
+  names = program_names(exp, names)
   x = inputs(exp)
   state = x.state
   parts = {name: per_device_bytes(getattr(state, name))
@@ -271,12 +271,12 @@ def _compile_programs(algo, names, options) -> Compiled:
   policy_parts = ("params", "ref_params") if state.lora else ("params",)
   policy_bytes = sum(parts[p] for p in policy_parts)
   found = {}
-  rollout = _engine_rollout if sampler_args.engine_slots(c.rloo)[0] else _static_rollout
+  rollout = _engine_rollout if exp.rollout.slots else _static_rollout
   samp, kv_cache, sample_output = rollout(exp, x, names, _compile, found,
                                           persistent - policy_bytes)
   # The whole rollout's sample output (this chunk's, times the chunks) stays alive until the
   # iteration's metrics are taken.
-  sample_output *= c.rloo.num_prompts // sampler_args.chunk_prompts(c.rloo)
+  sample_output *= c.rloo.num_prompts // exp.rollout.chunk
   rows_bytes = per_device_bytes(x.rows)
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
   score_args = (state.ref_params, state.adv_state, x.rows,
@@ -316,7 +316,7 @@ def _static_rollout(exp, x, names, _compile, found, resident):
   state) among `names` into `found`; returns (sampling state, KV cache and sample output bytes
   per device)."""
   c, params, tok = exp.config, x.state.policy_params, x.token_id
-  static, unstack = _sampler_static(exp), sampler_args.decode_unstacked(exp)
+  static, unstack = _sampler_static(exp), exp.rollout.unstacked
   start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
                       unstack_layers=unstack)
   start_args = (params, *x.prompts, x.rng, x.stop_ids, tok)
@@ -343,16 +343,12 @@ def _engine_rollout(exp, x, names, _compile, found, resident):
   the full KV limit (the longest live stream at the cap), measured as "engine" (the larger
   peak of the two) when `names` asks for it; returns (its EngineState, KV cache bytes (stream
   buffers + prefix pool) and sample output per device)."""
-  c = exp.config
-  slots, prefix_rows = sampler_args.engine_slots(c.rloo, leading_ways(exp.layout.batch_sharding))
+  c, r = exp.config, exp.rollout
   t_cap = int(c.rloo.max_new_tokens)
   static = dict(k=int(c.rloo.k), max_new_tokens=t_cap, method=exp.method,
-                unstack_layers=sampler_args.decode_unstacked(exp),
-                batch_sharding=exp.layout.batch_sharding)
+                unstack_layers=r.unstacked, batch_sharding=exp.layout.batch_sharding)
   args = (x.state.policy_params, *x.prompts, x.rng, x.stop_ids)
-  pages = int(c.rloo.get("rollout_pages", 0) or 0)
-  pools = dict(slots=slots, prefix_rows=prefix_rows, pages=pages,
-               page_size=int(c.rloo.get("rollout_page_size", 64)) if pages else 0)
+  pools = dict(slots=r.slots, prefix_rows=r.prefix_rows, pages=r.pages, page_size=r.page_size)
   shapes = jax.eval_shape(functools.partial(engine.start, exp.fns, **static, **pools), *args,
                           x.token_id)
   if "engine" not in names:

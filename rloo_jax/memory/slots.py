@@ -12,9 +12,7 @@ cache's bytes per stream (its buffer and its share of its prompt's), and compile
 
 from __future__ import annotations
 
-from rloo_jax import sampler_args
 from rloo_jax.memory import programs as programs_lib
-from rloo_jax.sharding import leading_ways
 
 GIB = 2 ** 30
 _COMPILES = 3  # at most, for one suggestion
@@ -60,8 +58,7 @@ def advice(algo, compiled, limit: int, over: dict, accelerator: bool) -> list:
   when even an engine of no cache would not fit (what stays resident and the weights)."""
   exp = algo.exp
   c, k = exp.config, int(exp.config.rloo.k)
-  ways = leading_ways(exp.layout.batch_sharding)
-  slots, rows = sampler_args.engine_slots(c.rloo, ways)
+  ways, slots, rows = exp.rollout.ways, exp.rollout.slots, exp.rollout.prefix_rows
   cache, programs = compiled.kv_cache_bytes, compiled.programs
   rollout = [n for n in ("engine", "start", "decode") if n in over]
   if not rollout or not cache or c.rloo.sampler_mode != "shared":
@@ -75,7 +72,7 @@ def advice(algo, compiled, limit: int, over: dict, accelerator: bool) -> list:
   if slots:
     streams, known, hoisted = slots, {slots: programs["engine"].peak}, programs["engine"].hoisted
   else:
-    streams, known = sampler_args.chunk_prompts(c.rloo) * k, {}
+    streams, known = exp.rollout.chunk * k, {}
     hoisted = max(programs[n].hoisted for n in ("start", "decode") if n in programs)
   explicit_rows = int(c.rloo.get("rollout_prefix_rows", 0) or 0)
 
