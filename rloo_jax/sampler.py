@@ -287,9 +287,10 @@ def sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, *, k: int, max_
   k, max_new_tokens, eos_id, pad_id = sampler_args.validate(
       prompt_tokens_bp, prompt_lengths_b, k=k, max_new_tokens=max_new_tokens, method=method,
       eos_id=eos_id, pad_id=pad_id, mode=mode, max_seq_len=max_seq_len)
-  # Placed, not staged: jnp.asarray of host data compiles a program a shape.
-  tokens, lengths, eos_id = jax.device_put(
-      (prompt_tokens_bp, prompt_lengths_b, np.asarray(eos_id, np.int32)))
+  # Host data placed, not staged (jnp.asarray of it compiles a program a shape); a global array
+  # (a process's rows of it) stays as it is.
+  tokens, lengths, eos_id = (x if isinstance(x, jax.Array) else jax.device_put(x) for x in (
+      prompt_tokens_bp, prompt_lengths_b, np.asarray(eos_id, np.int32)))
   pad_id = np.int32(pad_id)
   if slots:
     if mode != 'shared':
