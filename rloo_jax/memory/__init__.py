@@ -230,7 +230,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
   advise=False: no `advice` for a job that does not fit (its microbatch advice compiles the
   update at other sizes): for a caller that only asks whether it fits."""
   exp = algo.exp
-  c, m = exp.config, exp.model_config
+  c, m, r = exp.config, exp.model_config, exp.rollout
   accelerator = accelerator and exp.layout.platform == "cpu"
   if accelerator:
     compiled = programs_lib.compile_programs(algo, names,
@@ -262,10 +262,9 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
                         compile_s=p.compile_s, flops=p.flops, bytes_accessed=p.bytes_accessed)
                 for n, p in compiled.programs.items()},
       **programs_lib.microbatch(c),
-      rollout_chunk_prompts=exp.rollout.chunk,
+      rollout_chunk_prompts=r.chunk,
       # The rollout engine's stream slots and prompt rows (0, 0: the static sampler).
-      rollout_slots=exp.rollout.slots, rollout_prefix_rows=exp.rollout.prefix_rows,
-      rollout_pages=exp.rollout.pages,
+      rollout_slots=r.slots, rollout_prefix_rows=r.prefix_rows, rollout_pages=r.pages,
       # Model FLOPs: rollout + reference + the old policy's + update (num_epochs passes over
       # every row); the backward's recompute is reported apart, not included.
       flops_per_iteration=int(f["rollout"] + f["reference"] + f["recompute"] + f["update"]),

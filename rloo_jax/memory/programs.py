@@ -271,12 +271,13 @@ def _compile_programs(algo, names, options) -> Compiled:
   policy_parts = ("params", "ref_params") if state.lora else ("params",)
   policy_bytes = sum(parts[p] for p in policy_parts)
   found = {}
-  rollout = _engine_rollout if exp.rollout.slots else _static_rollout
+  r = exp.rollout
+  rollout = _engine_rollout if r.slots else _static_rollout
   samp, kv_cache, sample_output = rollout(exp, x, names, _compile, found,
                                           persistent - policy_bytes)
   # The whole rollout's sample output (this chunk's, times the chunks) stays alive until the
   # iteration's metrics are taken.
-  sample_output *= c.rloo.num_prompts // exp.rollout.chunk
+  sample_output *= c.rloo.num_prompts // r.chunk
   rows_bytes = per_device_bytes(x.rows)
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
   score_args = (state.ref_params, state.adv_state, x.rows,

@@ -58,7 +58,8 @@ def advice(algo, compiled, limit: int, over: dict, accelerator: bool) -> list:
   when even an engine of no cache would not fit (what stays resident and the weights)."""
   exp = algo.exp
   c, k = exp.config, int(exp.config.rloo.k)
-  ways, slots, rows = exp.rollout.ways, exp.rollout.slots, exp.rollout.prefix_rows
+  r = exp.rollout
+  ways, slots, rows = r.ways, r.slots, r.prefix_rows
   cache, programs = compiled.kv_cache_bytes, compiled.programs
   rollout = [n for n in ("engine", "start", "decode") if n in over]
   if not rollout or not cache or c.rloo.sampler_mode != "shared":
@@ -72,7 +73,7 @@ def advice(algo, compiled, limit: int, over: dict, accelerator: bool) -> list:
   if slots:
     streams, known, hoisted = slots, {slots: programs["engine"].peak}, programs["engine"].hoisted
   else:
-    streams, known = exp.rollout.chunk * k, {}
+    streams, known = r.chunk * k, {}
     hoisted = max(programs[n].hoisted for n in ("start", "decode") if n in programs)
   explicit_rows = int(c.rloo.get("rollout_prefix_rows", 0) or 0)
 
