@@ -2,8 +2,8 @@ r"""The seed's hardware claims about RLOO vs PPO, measured side by side in one r
 arithmetic policy and one rollout batch (docs/RESULTS.md "RLOO vs PPO", rendered by
 make_results.py from the JSON line this prints and writes to --out): `memory` (state and each
 compiled program's XLA memory_analysis, on each algorithm's own rows), `speed` (median seconds
-per iteration, interleaved), `variance` (trace of the RLOO gradient estimate's covariance at k = 2
-and 4) and `prefix` (rollout seconds, the prompt's KV cache shared by its k streams vs tiled).
+per iteration, interleaved), and `variance` (trace of the RLOO gradient estimate's covariance at
+k = 2 and 4). The prompt's KV cache shared by its k streams: experiments/bench_sampler.py.
 
     python experiments/bench_rloo_vs_ppo.py --sft=/work/runs/table1_arithmetic/_shared
     # without --sft the policy is random (its rewards are all 0: the variance part is skipped)
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import advantage, algorithms, config_utils, loop, loss, policy_init, rollout, sampler
+from rloo_jax import advantage, algorithms, config_utils, loop, loss, policy_init, rollout
 from rloo_jax.models import transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,25 +131,6 @@ def gradient_variance(exp, params, batch, repeats: int, ks=(2, 4)):
               repeats=repeats, prompts=int(batch["prompt_tokens"].shape[0]))
 
 
-def prefix_sharing(exp, params, batch, repeats: int):
-  c = exp.config
-  times = {"shared": [], "unshared": []}
-  for i in range(repeats + 1):
-    for mode in ("shared", "unshared"):
-      t0 = time.perf_counter()
-      o = sampler.sample(exp.fns, params, batch["prompt_tokens"], batch["prompt_lengths"],
-                         jax.random.PRNGKey(i), k=c.rloo.k, max_new_tokens=c.rloo.max_new_tokens,
-                         method=exp.method, eos_id=exp.tokenizer.eos_id,
-                         pad_id=exp.tokenizer.pad_id, mode=mode,
-                         max_seq_len=exp.model_config.max_seq_len)
-      jax.block_until_ready(o.tokens_bkt)
-      if i:
-        times[mode].append(time.perf_counter() - t0)
-  s, u = statistics.median(times["shared"]), statistics.median(times["unshared"])
-  return dict(shared_s=s, unshared_s=u, saved_fraction=round(1 - s / u, 3),
-              prompt_len=c.data.max_prompt_len, new_tokens=c.rloo.max_new_tokens, k=c.rloo.k)
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--sft", default="", help="a workdir holding sft/<steps> (else random init)")
@@ -180,8 +161,6 @@ def main():
   out["memory"] = measure_memory(rloo, ppo, n, p, t)
   data = loop.prompt_batches(exp, seed=0)
   out["speed"] = time_iterations(rloo, ppo, params, data, args.iterations)
-  batch = next(data)
-  out["prefix"] = prefix_sharing(exp, params, batch, repeats=5)
   if args.sft:
     small = {k: v[:8] for k, v in next(data).items()}
     out["variance"] = gradient_variance(exp, params, small, args.repeats)

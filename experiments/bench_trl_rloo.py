@@ -1,7 +1,7 @@
 r"""TRL's RLOOTrainer on the same workload as experiments/bench_step.py, for a side-by-side figure
 (docs/PERFORMANCE.md "Against TRL and Tunix"), in its own virtual environment (TRL needs torch):
 
-    bash experiments/setup_trl_venv.sh
+    bash experiments/setup_peer_venvs.sh trl
     .venv-trl/bin/python experiments/bench_trl_rloo.py --hidden 64 --layers 2
 One JSON line: the median seconds per training step, each step including its generation.
 """

@@ -1,7 +1,7 @@
 r"""Tunix's GRPOLearner with advantage_estimator='rloo' on experiments/bench_step.py's workload
 (docs/PERFORMANCE.md "Against TRL and Tunix"), in its own virtual environment:
 
-    bash experiments/setup_tunix_venv.sh
+    bash experiments/setup_peer_venvs.sh tunix
     .venv-tunix/bin/python experiments/bench_tunix_rloo.py --hidden 64 --layers 2
 
 No end token (eos -1: fixed-length completions); Adam as bench_step's. GRPOConfig skips

@@ -4,7 +4,7 @@ of the same work, the order rotating; a size's figure is the median of its round
 sizes, huge pages, memory limit: docs/PERFORMANCE.md "Against TRL and Tunix"). A missing peer is
 skipped, a failed one reported and not rerun. One JSON line per size, then a summary.
 
-    bash experiments/setup_trl_venv.sh && bash experiments/setup_tunix_venv.sh
+    bash experiments/setup_peer_venvs.sh
     python experiments/compare_peers.py --sizes a,b --rounds 3
 """
 import argparse
@@ -92,7 +92,7 @@ def compare_size(name, size, pythons, rounds, mem_limit_gb, omp_wait_policy, mal
   if omp_wait_policy:
     envs["trl"]["OMP_WAIT_POLICY"] = omp_wait_policy
   status = {side: {"skipped": f"no interpreter at {pythons[side]}; set it up with "
-                              f"experiments/setup_{side}_venv.sh"}
+                              f"experiments/setup_peer_venvs.sh {side}"}
             for side in SIDES[1:] if not os.path.exists(pythons[side])}  # side -> why not run
   load_before = load()
   per_round, last = [], {}

@@ -276,7 +276,7 @@ def bench_section(path: str) -> list[str]:
     return ["Not run (no benchmark JSON given)."]
   with open(path) as f:
     b = json.load(f)
-  mem, sp, pr = b["memory"], b["speed"], b["prefix"]
+  mem, sp = b["memory"], b["speed"]
   r, p = mem["rloo"], mem["ppo"]
   ratio, with_rm = mem["rloo_over_ppo_peak_estimate_bytes"], mem[
       "rloo_over_ppo_peak_with_reward_model_bytes"]
@@ -313,10 +313,6 @@ def bench_section(path: str) -> list[str]:
                  f"estimate ({'holds' if red > 0.4 else 'does NOT hold'}); per sample "
                  f"(variance x k) the ratio is {v['k4_over_k2_per_sample']} "
                  f"({v['repeats']} rollouts of {v['prompts']} prompts per k, SFT policy).")
-  lines.append(f"- Prefix sharing: rollout {pr['shared_s']:.3f} s shared vs "
-               f"{pr['unshared_s']:.3f} s unshared, {pr['saved_fraction']:.0%} saved (prompt "
-               f"{pr['prompt_len']} tokens, {pr['new_tokens']} new, k={pr['k']}). Prompts this "
-               "short leave little to share; experiments/bench_sampler.py measures long prompts.")
   return lines
 
 

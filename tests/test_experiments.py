@@ -139,7 +139,7 @@ def test_compare_peers_rounds_ratios_and_peer_failures(tmp_path):
   assert failed["out_of_memory"] is True and failed["returncode"] == 1
   assert "RESOURCE_EXHAUSTED" in failed["output_tail"] and failed["mem_limit_gb"] == 20.0
   assert "no interpreter at" in size["tunix_status"]["skipped"]
-  assert "setup_tunix_venv.sh" in size["tunix_status"]["skipped"]
+  assert "setup_peer_venvs.sh tunix" in size["tunix_status"]["skipped"]
   assert size["median_tunix_step_s"] is None and size["median_vs_tunix"] is None
   assert size["versions"]["trl"] == "fake" and len(size["load_before"]) == 3
   # The summary line repeats each size's medians and says what became of each peer.
