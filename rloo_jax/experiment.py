@@ -69,7 +69,7 @@ class Experiment:
 
   tokenizer = property(lambda self: self.task.tokenizer)
   # The rollout's sampler, pools and layer layout, of the config as it is now (not cached).
-  rollout = property(lambda self: sampler_args.rollout_of(self.config, self.layout))
+  rollout_shape = property(lambda self: sampler_args.rollout_shape(self.config, self.layout))
 
   @property
   def updates_per_iteration(self) -> int:

@@ -1,5 +1,5 @@
 """Argument checks of `rloo_jax.sampler.sample`, run on the host before anything is compiled, and
-the trainer's rollout on its layout (`Rollout`): its sampler, pools and layer layout."""
+the trainer's rollout on its layout (`RolloutShape`): its sampler, pools and layer layout."""
 
 from __future__ import annotations
 
@@ -314,9 +314,9 @@ def decode_options(exp) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rollout:
-  """A run's rollout on its layout, derived in this one place (`rollout_of`, read as
-  `Experiment.rollout`) for the sampler calls, the memory plan and the run's log line."""
+class RolloutShape:
+  """A run's rollout on its layout, derived in this one place (`rollout_shape`, read as
+  `Experiment.rollout_shape`) for the sampler calls, the memory plan and the run's log line."""
   chunk: int        # prompts a sampler call (`chunk_prompts`)
   slots: int        # the engine's stream slots over every shard (0: the static sampler)
   prefix_rows: int  # its prompt rows (`engine_slots`)
@@ -327,11 +327,11 @@ class Rollout:
   line: str         # what the run logs before it starts (`describe`)
 
 
-def rollout_of(config, layout) -> Rollout:
+def rollout_shape(config, layout) -> RolloutShape:
   """The rollout of `config` (an experiment config) on `layout` (a sharding.Layout)."""
   r, ways = config.rloo, leading_ways(layout.batch_sharding)
   slots, rows = engine_slots(r, ways)
   pages = int(r.get('rollout_pages', 0) or 0)
-  return Rollout(chunk=chunk_prompts(r), slots=slots, prefix_rows=rows, pages=pages,
+  return RolloutShape(chunk=chunk_prompts(r), slots=slots, prefix_rows=rows, pages=pages,
                  page_size=int(r.get('rollout_page_size', 64)) if pages else 0, ways=ways,
                  unstacked=unstacked(r, layout), line=describe(r, ways))

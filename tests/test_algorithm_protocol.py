@@ -49,7 +49,7 @@ def test_a_run_is_validate_then_build_then_the_memory_preflight_then_the_loop(tm
   monkeypatch.setattr(algorithms, "validate", step("validate", checked))
   monkeypatch.setattr(workdir_lib, "check_config", step("check_config"))
   # What run reads of the built algorithm before the preflight: its rollout's log line.
-  algo = types.SimpleNamespace(exp=types.SimpleNamespace(rollout=types.SimpleNamespace(
+  algo = types.SimpleNamespace(exp=types.SimpleNamespace(rollout_shape=types.SimpleNamespace(
       line="[rollout] the static sampler")))
   monkeypatch.setattr(algorithms, "build", step("build", algo))
   monkeypatch.setattr(algorithms.memory, "check", step("preflight"))

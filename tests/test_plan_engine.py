@@ -66,7 +66,7 @@ def test_an_engine_run_plans_the_engine_program_not_the_sampler(plans):
   assert programs.program_names(default_exp, ("update", "start")) == ("update", "engine")
   assert sampler_args.engine_slots(default.rloo) == (32, 8)
   # The experiment's rollout, derived once for the plan, the sampler calls and the log line.
-  r = default_exp.rollout
+  r = default_exp.rollout_shape
   assert (r.chunk, r.slots, r.prefix_rows, r.pages, r.ways, r.unstacked) == (8, 32, 8, 0, 1, False)
   assert r.line == sampler_args.describe(default.rloo)
   # More slots than streams, all admitted at once: the engine holds the streams' 32 alone.

@@ -103,7 +103,7 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   workdir_lib.check_config(workdir, config, log=log)
   with workdir_lib.Lock(workdir, log=log), traced_mesh.on_mesh(checked.layout.mesh):
     algo = build(checked, workdir, log=log, **build_kw)
-    log(algo.exp.rollout.line)
+    log(algo.exp.rollout_shape.line)
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.
     report = None

@@ -181,7 +181,7 @@ def advice(algo, compiled, limit: int, accelerator: bool = False) -> list[str]:
     items += _attention_advice(algo, name, compiled.programs[name], over[name], accelerator)
   items += _state_advice(exp, compiled, max(over.values()))
   items += slots_lib.advice(algo, compiled, limit, over, accelerator)
-  if ("decode" in over or "engine" in over) and exp.rollout.unstacked:
+  if ("decode" in over or "engine" in over) and exp.rollout_shape.unstacked:
     # The layers whole on each device, at most as stored (an accelerator holds them in the
     # activation dtype, XLA:CPU in float32).
     layers = sampler_args.layer_bytes_per_device(exp) * exp.model_config.num_layers
@@ -230,7 +230,7 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
   advise=False: no `advice` for a job that does not fit (its microbatch advice compiles the
   update at other sizes): for a caller that only asks whether it fits."""
   exp = algo.exp
-  c, m, r = exp.config, exp.model_config, exp.rollout
+  c, m, r = exp.config, exp.model_config, exp.rollout_shape
   accelerator = accelerator and exp.layout.platform == "cpu"
   if accelerator:
     compiled = programs_lib.compile_programs(algo, names,

@@ -133,7 +133,7 @@ def inputs(exp) -> Inputs:
   m = c.train.num_minibatches
   minibatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]),
                                                           x.dtype), rows)
-  chunk = exp.rollout.chunk
+  chunk = exp.rollout_shape.chunk
   return Inputs(state=experiment.abstract_state(exp), rows=_with(rows, rows_sh),
                 minibatch=_with(minibatch, rows_sh),
                 prompts=(_struct((chunk, p), jnp.int32, rows_sh),
@@ -237,11 +237,11 @@ class Compiled:
 
 def program_names(exp, names=NAMES) -> tuple:
   """`names` with the rollout's programs (any of ROLLOUT) the experiment's own: the engine's one
-  (`exp.rollout.slots`), or the static sampler's start and decode ("engine": both)."""
+  (`exp.rollout_shape.slots`), or the static sampler's start and decode ("engine": both)."""
   if not set(names) & set(ROLLOUT):
     return tuple(names)
   rest = tuple(n for n in names if n not in ROLLOUT)
-  if exp.rollout.slots:
+  if exp.rollout_shape.slots:
     return rest + ("engine",)
   return rest + (tuple(n for n in names if n in ("start", "decode")) or ("start", "decode"))
 
@@ -271,10 +271,14 @@ def _compile_programs(algo, names, options) -> Compiled:
   policy_parts = ("params", "ref_params") if state.lora else ("params",)
   policy_bytes = sum(parts[p] for p in policy_parts)
   found = {}
-  r = exp.rollout
-  rollout = _engine_rollout if r.slots else _static_rollout
-  samp, kv_cache, sample_output = rollout(exp, x, names, _compile, found,
-                                          persistent - policy_bytes)
+  r = exp.rollout_shape
+  # Beside the rollout's programs: the state but the policy's weights, which they take.
+  if r.slots:
+    samp, kv_cache, sample_output = _engine_rollout(exp, x, names, _compile, found,
+                                                    persistent - policy_bytes)
+  else:
+    samp, kv_cache, sample_output = _static_rollout(exp, x, names, _compile, found,
+                                                    persistent - policy_bytes)
   # The whole rollout's sample output (this chunk's, times the chunks) stays alive until the
   # iteration's metrics are taken.
   sample_output *= c.rloo.num_prompts // r.chunk
@@ -317,7 +321,7 @@ def _static_rollout(exp, x, names, _compile, found, resident):
   state) among `names` into `found`; returns (sampling state, KV cache and sample output bytes
   per device)."""
   c, params, tok = exp.config, x.state.policy_params, x.token_id
-  static, unstack = _sampler_static(exp), exp.rollout.unstacked
+  static, unstack = _sampler_static(exp), exp.rollout_shape.unstacked
   start_static = dict(static, k=int(c.rloo.k), max_new_tokens=int(c.rloo.max_new_tokens),
                       unstack_layers=unstack)
   start_args = (params, *x.prompts, x.rng, x.stop_ids, tok)
@@ -344,7 +348,7 @@ def _engine_rollout(exp, x, names, _compile, found, resident):
   the full KV limit (the longest live stream at the cap), measured as "engine" (the larger
   peak of the two) when `names` asks for it; returns (its EngineState, KV cache bytes (stream
   buffers + prefix pool) and sample output per device)."""
-  c, r = exp.config, exp.rollout
+  c, r = exp.config, exp.rollout_shape
   t_cap = int(c.rloo.max_new_tokens)
   static = dict(k=int(c.rloo.k), max_new_tokens=t_cap, method=exp.method,
                 unstack_layers=r.unstacked, batch_sharding=exp.layout.batch_sharding)

@@ -58,7 +58,7 @@ def advice(algo, compiled, limit: int, over: dict, accelerator: bool) -> list:
   when even an engine of no cache would not fit (what stays resident and the weights)."""
   exp = algo.exp
   c, k = exp.config, int(exp.config.rloo.k)
-  r = exp.rollout
+  r = exp.rollout_shape
   ways, slots, rows = r.ways, r.slots, r.prefix_rows
   cache, programs = compiled.kv_cache_bytes, compiled.programs
   rollout = [n for n in ("engine", "start", "decode") if n in over]

@@ -131,12 +131,12 @@ def _decode_layers(algo, limit: int, accelerator: bool) -> list:
   exp, c, m = algo.exp, algo.exp.config, algo.exp.model_config
   fsdp = exp.layout.shape["fsdp"]
   # Only FSDP re-gathers a layer at every token; LoRA would hold its frozen base twice.
-  if fsdp == 1 or exp.rollout.unstacked or m.lora_rank:
+  if fsdp == 1 or exp.rollout_shape.unstacked or m.lora_rank:
     return []
   config = c.copy_and_resolve_references()
   config.rloo.decode_layers = "unstacked"
   # The decode loop's program: the static sampler's decode, or the rollout engine's one.
-  name = "engine" if exp.rollout.slots else "decode"
+  name = "engine" if exp.rollout_shape.slots else "decode"
   peak = programs_lib.compile_at(algo, config, ("start", "decode"),
                                  accelerator=accelerator)[name].peak
   if peak > HEADROOM * limit:
