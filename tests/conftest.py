@@ -81,8 +81,8 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  """Each test file's compiled programs released after it (the disk cache keeps them): three
-  suite runs in a row, each xdist worker that had run most of the files segfaulted inside XLA's
-  executable (de)serialization, which the same tests alone never did."""
+  """Each test file's compiled programs released after it (the disk cache keeps them): kept,
+  a worker's executables' memory mappings near Linux's vm.max_map_count by the suite's end, where
+  XLA segfaults mapping one more, and the suite runs no faster."""
   yield
   jax.clear_caches()
