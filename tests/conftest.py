@@ -8,6 +8,7 @@ again by a child process: compile time dominates this suite on a 2-core CPU.
 (pytest puts this directory on sys.path; subprocesses get it through PYTHONPATH or by running a
 script from here).
 """
+import gc
 import os
 import socket
 import subprocess
@@ -25,6 +26,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
+
+# Tracing makes millions of short-lived objects: at Python's default thresholds a collection
+# runs every 700 allocations and the older generations' walk every live jaxpr again and again.
+gc.set_threshold(100_000, 50, 1000)
 
 import jax  # noqa: E402  (after the environment above)
 import pytest  # noqa: E402
@@ -86,3 +91,4 @@ def _release_compiled_programs():
   XLA segfaults mapping one more, and the suite runs no faster."""
   yield
   jax.clear_caches()
+  gc.collect()  # the file's garbage cycles, which the thresholds above leave for later
