@@ -242,9 +242,9 @@ def without_reference(state):
   """The state as a checkpoint holds it: a scalar in place of the frozen reference."""
   if not _stores_reference(state):
     return state
-  # Placed as the step is (a global array, which a multi-process save needs).
-  sharding = state.step.sharding
-  placeholder = (jax.ShapeDtypeStruct((), jnp.int8, sharding=sharding)
+  # Placed as the step is (a global array, which a multi-process save needs); zeros_like keeps
+  # its sharding and is one cached program, where a new jit each save traced and lowered anew.
+  placeholder = (jax.ShapeDtypeStruct((), jnp.int8, sharding=state.step.sharding)
                  if isinstance(state.step, jax.ShapeDtypeStruct)
-                 else jax.jit(lambda: jnp.zeros((), jnp.int8), out_shardings=sharding)())
+                 else jnp.zeros_like(state.step, dtype=jnp.int8))
   return state.replace(ref_params=placeholder)

@@ -385,10 +385,14 @@ def model_fns(graphdef, gather=None) -> ModelFns:
 
 def create(config: TransformerConfig, seed: int = 0):
   """(graphdef, params) of a freshly initialised model; params is an nnx.State of Params."""
-  graphdef = abstract(config)[0]
-  # One compiled init instead of one eager dispatch (and compile) per tensor shape.
-  params = jax.jit(lambda: nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))[1])()
-  return graphdef, params
+  return abstract(config)[0], _init(config, seed)
+
+
+# One compiled init instead of one eager dispatch (and compile) per tensor shape, traced once
+# per config and seed (the config is a frozen, hashable dataclass).
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init(config: TransformerConfig, seed: int):
+  return nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))[1]
 
 
 def abstract(config: TransformerConfig):
