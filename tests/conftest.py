@@ -36,6 +36,8 @@ import pytest  # noqa: E402
 
 from rloo_jax import config_utils  # noqa: E402  (after the environment above: it imports jax)
 
+gc.freeze()  # the modules imported so far live as long as the worker: no collection walks them
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 
