@@ -105,29 +105,9 @@ def _divisor_check(name: str, value: int, total: int, what: str, zero: str) -> N
                      f"--config.{name} to one of {divisors} (or 0: {zero})")
 
 
-def _model_checks(config) -> Optional[transformer.TransformerConfig]:
-  """config.model's preset, remat and ref_dtype; returns the preset's architecture (or None)."""
-  m = config.model
-  preset = m.get("preset", "")
-  if preset and m.init_from:
-    raise ValueError(f"config.model.preset={preset!r} and config.model.init_from="
-                     f"{m.init_from!r} both set the architecture; set one of "
-                     f"config.model.preset / config.model.init_from (the other to '')")
-  _check_choice("config.model.remat", m.get("remat", "none"), model_config_lib.REMAT_POLICIES)
-  presets.run_options(m)  # remat_names and attention: one-line errors before any compile
-  _check_choice("config.model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES)
-  adapters.check_config(config)
-  # Raises naming the closest preset, or the model family a preset needs and this build lacks.
-  return presets.get(preset, what="config.model.preset") if preset else None
-
-
-def _batch_checks(config) -> None:
-  """Microbatches, log-prob chunks, trimming and rollout chunks (after the minibatch checks)."""
+def _batch_divisors(config) -> None:
+  """The microbatch and the rollout chunk must divide what they split."""
   r, t = config.rloo, config.train
-  _check_at_least(config, 0, "train.microbatch_size", "rloo.trim_bucket",
-                  "rloo.rollout_chunk_prompts")
-  _check_at_least(config, 1, "train.logprob_chunk_size")
-  packing.check_config(config)
   if t.shared_prefix:
     units, what = r.num_prompts // t.num_minibatches, (
         "the minibatch's groups (config.rloo.num_prompts / config.train.num_minibatches, "
@@ -143,25 +123,31 @@ def _batch_checks(config) -> None:
 
 
 def validate_config(config) -> None:
-  """The config's own consistency; raises ValueError naming the setting and a fix."""
-  r, t = config.rloo, config.train
-  # Before the checks below divide or compare by them.
+  """The config's own consistency; raises ValueError naming the setting and a fix. First the
+  numbers and choices read here (so no check after them divides by zero), then each section's
+  owner checks its own settings, then what spans sections (the context, temperature 0)."""
+  r, t, m = config.rloo, config.train, config.model
   _check_at_least(config, 1, "rloo.k", "rloo.num_prompts", "rloo.max_new_tokens",
-                  "train.num_minibatches")
-  est = advantage.spec(config.advantage.estimator)  # raises naming the registry
-  if r.k < est.min_k:
-    raise ValueError(f"config.rloo.k = {r.k}, but estimator {est.name!r} needs k >= {est.min_k} "
-                     f"(a leave-one-out baseline needs another sample); set config.rloo.k >= "
-                     f"{est.min_k}")
-  _check_choice("config.loss.type", config.loss.type, loss.LOSS_TYPES)
-  _check_choice("config.loss.aggregation", config.loss.aggregation, loss.AGGREGATIONS)
-  _check_choice("config.loss.ratio_level", config.loss.ratio_level, loss.RATIO_LEVELS)
-  offpolicy.check_config(config)
-  _check_choice("config.kl.estimator", config.kl.estimator, loss.KL_ESTIMATORS)
-  _check_choice("config.kl.reduction", config.kl.reduction, ("sum", "mean"))
-  _check_choice("config.rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask"))
-  sampler_args.validate_decode_layout(r)
-  _check_choice("config.rloo.sampler_mode", r.sampler_mode, sampler_args.MODES)
+                  "train.num_minibatches", "train.logprob_chunk_size", "train.num_epochs",
+                  "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+                  "train.eval_batch_size", "train.eval_prompts", "train.max_nonfinite_steps",
+                  "train.max_unscorable_iterations", "sft.batch_size")
+  _check_at_least(config, 0, "train.microbatch_size", "rloo.trim_bucket",
+                  "rloo.rollout_chunk_prompts", "train.num_iterations", "train.eval_every",
+                  "train.eval_samples", "rewards.overlong_buffer", "kl.beta", "sft.steps",
+                  "optim.learning_rate", "optim.warmup_steps", "optim.max_grad_norm",
+                  "loss.clip_eps")
+  for name, value, choices in (
+      ("loss.type", config.loss.type, loss.LOSS_TYPES),
+      ("loss.aggregation", config.loss.aggregation, loss.AGGREGATIONS),
+      ("loss.ratio_level", config.loss.ratio_level, loss.RATIO_LEVELS),
+      ("kl.estimator", config.kl.estimator, loss.KL_ESTIMATORS),
+      ("kl.reduction", config.kl.reduction, ("sum", "mean")),
+      ("rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask")),
+      ("rloo.sampler_mode", r.sampler_mode, sampler_args.MODES),
+      ("model.remat", m.get("remat", "none"), model_config_lib.REMAT_POLICIES),
+      ("model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES)):
+    _check_choice(f"config.{name}", value, choices)
   n = r.num_prompts * r.k
   if n % t.num_minibatches:
     raise ValueError(f"the rollout batch (config.rloo.num_prompts * config.rloo.k = {n}) is not "
@@ -173,35 +159,25 @@ def validate_config(config) -> None:
                      f"config.train.num_minibatches = {t.num_minibatches}; choose "
                      f"num_minibatches dividing {r.num_prompts}, or set "
                      f"config.train.shared_prefix=False to minibatch single samples")
-  _batch_checks(config)
-  arch = _model_checks(config)
-  _check_at_least(config, 1, "train.num_epochs", "train.log_every",
-                  "train.checkpoint_every", "train.keep_checkpoints", "train.eval_batch_size",
-                  "train.eval_prompts", "train.max_nonfinite_steps",
-                  "train.max_unscorable_iterations", "sft.batch_size")
-  _check_at_least(config, 0, "train.num_iterations", "train.eval_every", "train.eval_samples",
-                  "rewards.overlong_buffer", "kl.beta",
-                  "sft.steps", "optim.learning_rate", "optim.warmup_steps",
-                  "optim.max_grad_norm", "loss.clip_eps")
-  overlong.check_config(config)
+  _batch_divisors(config)
+  preset, init = m.get("preset", ""), m.init_from
+  if preset and init:
+    raise ValueError(f"config.model.preset={preset!r} and config.model.init_from={init!r} both "
+                     f"set the architecture; set one of config.model.preset / "
+                     f"config.model.init_from (the other to '')")
+  # Each section's owner, from the higher layers down.
   dynamic_sampling.check_config(config)
+  packing.check_config(config)
+  overlong.check_config(config)
+  offpolicy.check_config(config)
+  sampler_args.validate_decode_layout(r)
+  adapters.check_config(config)
   need = sequence_length(config)
-  if arch is not None and need > arch.max_seq_len:
-    raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "
-                     f"config.rloo.max_new_tokens ({r.max_new_tokens}) = {need} exceeds the "
-                     f"context of config.model.preset={config.model.preset!r}, "
-                     f"{arch.max_seq_len} tokens; shorten one")
-  if arch is None and need > config.model.max_seq_len and not config.model.init_from:
-    raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "
-                     f"config.rloo.max_new_tokens ({r.max_new_tokens}) = {need} exceeds the "
-                     f"model context config.model.max_seq_len = {config.model.max_seq_len}; "
-                     f"shorten one or raise the context")
+  est = advantage.spec(config.advantage.estimator)  # raises naming the registry
+  presets.run_options(m)  # remat_names and attention: one-line errors before any compile
+  # Raises naming the closest preset, or the model family a preset needs and this build lacks.
+  arch = presets.get(preset, what="config.model.preset") if preset else None
   sampling.from_config(r)  # raises on bad temperature / top_k / top_p, naming the key
-  if r.temperature == 0 and r.k >= 2 and est.compares_samples:
-    raise ValueError(f"config.rloo.temperature = 0 samples the same completion k = {r.k} times, "
-                     f"so estimator {est.name!r}, which compares a prompt's samples, has nothing "
-                     "to compare (zero advantage: no learning); set --config.rloo.temperature=1.0")
-  init = config.model.init_from
   # A hub id is fetched (or found in the hub cache) here, before anything is built; a local
   # directory passes through. Raises FileNotFoundError naming config.model.init_from.
   local = hf.resolve_path(init, what="config.model.init_from") if init else ""
@@ -212,7 +188,7 @@ def validate_config(config) -> None:
                             "model.safetensors, as save_pretrained writes it) or hub id")
   if init:  # the checkpoint's own architecture: a causal LM, long enough for the run
     with open(os.path.join(local, "config.json")) as f:
-      ckpt = hf.config_from_hf(json.load(f), dtype=config.model.dtype)
+      ckpt = hf.config_from_hf(json.load(f), dtype=m.dtype)
     if ckpt.head != "lm":
       raise ValueError(f"config.model.init_from={init!r} is a sequence-classification "
                        "checkpoint (no LM head); the policy needs a causal LM checkpoint")
@@ -221,6 +197,24 @@ def validate_config(config) -> None:
                        f"exceeds the context of config.model.init_from={init!r}, "
                        f"{ckpt.max_seq_len} tokens; shorten one")
   chat.check(config, local)
+  if r.k < est.min_k:
+    raise ValueError(f"config.rloo.k = {r.k}, but estimator {est.name!r} needs k >= {est.min_k} "
+                     f"(a leave-one-out baseline needs another sample); set config.rloo.k >= "
+                     f"{est.min_k}")
+  if arch is not None and need > arch.max_seq_len:
+    raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "
+                     f"config.rloo.max_new_tokens ({r.max_new_tokens}) = {need} exceeds the "
+                     f"context of config.model.preset={preset!r}, "
+                     f"{arch.max_seq_len} tokens; shorten one")
+  if arch is None and need > m.max_seq_len and not init:
+    raise ValueError(f"config.data.max_prompt_len ({config.data.max_prompt_len}) + "
+                     f"config.rloo.max_new_tokens ({r.max_new_tokens}) = {need} exceeds the "
+                     f"model context config.model.max_seq_len = {m.max_seq_len}; "
+                     f"shorten one or raise the context")
+  if r.temperature == 0 and r.k >= 2 and est.compares_samples:
+    raise ValueError(f"config.rloo.temperature = 0 samples the same completion k = {r.k} times, "
+                     f"so estimator {est.name!r}, which compares a prompt's samples, has nothing "
+                     "to compare (zero advantage: no learning); set --config.rloo.temperature=1.0")
 
 
 def validate_layout(config, layout: sharding_lib.Layout) -> None:
