@@ -302,6 +302,10 @@ def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
               mcfg: transformer.TransformerConfig, rewards, eval_rewards) -> Experiment:
   """The Experiment of a resolved architecture: optimizer, loss, model functions (with FSDP's
   ParamGather) and the train state's shardings. What `build` and `build_abstract` share."""
+  # max_len: fixed_length's constant normaliser stays max_new_tokens whatever length the
+  # rollout's completions are trimmed to.
+  spec = loss.LossSpec.from_config(config.loss, max_len=config.rloo.max_new_tokens)
+  method = sampling.from_config(config.rloo)
   graphdef, abstract_params = transformer.abstract(mcfg)
   t = config.train
   tx = make_optimizer(config.optim, t.num_iterations * t.num_epochs * t.num_minibatches)
@@ -310,12 +314,8 @@ def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
   fns = transformer.model_fns(graphdef, gather)
   base_fns = (transformer.model_fns(transformer.abstract(lora.base_config(mcfg))[0], gather)
               if mcfg.lora_rank else fns)
-  exp = Experiment(config, workdir, task, mcfg, graphdef, fns, tx,
-                   # max_len: fixed_length's constant normaliser stays max_new_tokens
-                   # whatever length the rollout's completions are trimmed to.
-                   loss.LossSpec.from_config(config.loss, max_len=config.rloo.max_new_tokens),
-                   rewards, eval_rewards or rewards,
-                   sampling.from_config(config.rloo), layout, base_fns=base_fns)
+  exp = Experiment(config, workdir, task, mcfg, graphdef, fns, tx, spec, rewards,
+                   eval_rewards or rewards, method, layout, base_fns=base_fns)
   # Explicit shardings: params / reference / optimizer moments by the logical rules, scalars
   # replicated.
   exp.state_shardings = layout.tree_shardings(_abstract_state(exp))
