@@ -333,5 +333,5 @@ def rollout_shape(config, layout) -> RolloutShape:
   slots, rows = engine_slots(r, ways)
   pages = int(r.get('rollout_pages', 0) or 0)
   return RolloutShape(chunk=chunk_prompts(r), slots=slots, prefix_rows=rows, pages=pages,
-                 page_size=int(r.get('rollout_page_size', 64)) if pages else 0, ways=ways,
-                 unstacked=unstacked(r, layout), line=describe(r, ways))
+                      page_size=int(r.get('rollout_page_size', 64)) if pages else 0, ways=ways,
+                      unstacked=unstacked(r, layout), line=describe(r, ways))

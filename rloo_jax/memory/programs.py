@@ -272,13 +272,11 @@ def _compile_programs(algo, names, options) -> Compiled:
   policy_bytes = sum(parts[p] for p in policy_parts)
   found = {}
   r = exp.rollout_shape
+  # Named apart from the `rollout` module it would otherwise shadow.
+  rollout_programs = _engine_rollout if r.slots else _static_rollout
   # Beside the rollout's programs: the state but the policy's weights, which they take.
-  if r.slots:
-    samp, kv_cache, sample_output = _engine_rollout(exp, x, names, _compile, found,
-                                                    persistent - policy_bytes)
-  else:
-    samp, kv_cache, sample_output = _static_rollout(exp, x, names, _compile, found,
-                                                    persistent - policy_bytes)
+  samp, kv_cache, sample_output = rollout_programs(exp, x, names, _compile, found,
+                                                   persistent - policy_bytes)
   # The whole rollout's sample output (this chunk's, times the chunks) stays alive until the
   # iteration's metrics are taken.
   sample_output *= c.rloo.num_prompts // r.chunk
