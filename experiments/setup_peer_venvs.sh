@@ -20,6 +20,7 @@ sides=("$@")
 for side in "${sides[@]}"; do
   [[ -v "PINS[$side]" ]] || { echo "setup_peer_venvs.sh: $side is not trl or tunix" >&2; exit 2; }
   python3 -m venv "$ROOT/.venv-$side"
-  "$ROOT/.venv-$side/bin/pip" install -q ${PINS[$side]}
+  read -ra pins <<< "${PINS[$side]//$'\n'/ }"  # split into words, no glob ('jax[cpu]')
+  "$ROOT/.venv-$side/bin/pip" install -q "${pins[@]}"
   "$ROOT/.venv-$side/bin/python" -c "${CHECK[$side]}"
 done
