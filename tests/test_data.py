@@ -76,6 +76,21 @@ def test_arithmetic_builder(arith, tmp_path):
   assert [data.load_split(other, "train")[i] for i in range(5)] != rows[:5]
 
 
+def test_preparing_a_dataset_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
+  """tfds looks a new dataset's info up in its GCS bucket (disabled offline) through a temp dir it
+  never removes: one leaked directory per run before `builder._LocalInfo`."""
+  import tempfile
+  temp = tmp_path / "temp"
+  temp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
+  prepared = arithmetic.prepare(tmp_path / "data", min_digits=1, max_digits=1, num_train=20,
+                                num_test=5, seed=0)
+  arithmetic.prepare(tmp_path / "data", min_digits=1, max_digits=1, num_train=20, num_test=5,
+                     seed=0)  # the cached one, read back
+  assert len(data.load_split(prepared, "train")) == 20
+  assert sorted(p.name for p in temp.iterdir()) == []
+
+
 def test_arithmetic_too_many_problems(tmp_path):
   with pytest.raises(ValueError, match="only 55 exist with 1..1 digits"):
     arithmetic.prepare(tmp_path, min_digits=1, max_digits=1, num_train=60, num_test=0)

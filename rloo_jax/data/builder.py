@@ -46,6 +46,14 @@ def _quiet_custom_config_warning():
     logger.removeFilter(f)
 
 
+class _LocalInfo(tfds.core.DatasetInfo):
+  """The info of a dataset generated here, which is never in tfds's GCS bucket: its lookup there
+  (on every builder of a dataset not yet prepared) made a temp dir it never removed."""
+
+  def initialize_from_bucket(self) -> None:
+    pass
+
+
 class TextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Base class: subclasses set TEXT_FIELDS / INT_FIELDS and implement `make_config` and
   `_split_examples`."""
@@ -87,7 +95,7 @@ class TextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def _info(self) -> tfds.core.DatasetInfo:
     features = {f: tfds.features.Text() for f in self.TEXT_FIELDS}
     features.update({f: tfds.features.Tensor(shape=(), dtype=np.int64) for f in self.INT_FIELDS})
-    return tfds.core.DatasetInfo(
+    return _LocalInfo(
         builder=self,
         description=self.DESCRIPTION,
         features=tfds.features.FeaturesDict(features),
