@@ -17,8 +17,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _execute(name, tmp_path, monkeypatch, **env):
   """Runs notebooks/<name> in a kernel started in tmp_path; (all printed text, seconds)."""
+  # TMPDIR: the workdirs the notebooks make (tempfile.mkdtemp, kept for a Colab user to read)
+  # go under tmp_path, which pytest removes, not into /tmp at every run.
   for key, value in dict(env, RLOO_JAX_DIR=REPO,  # the kernel runs away from the checkout
-                         JAX_PLATFORMS="cpu", MPLBACKEND="Agg").items():
+                         JAX_PLATFORMS="cpu", MPLBACKEND="Agg", TMPDIR=str(tmp_path)).items():
     monkeypatch.setenv(key, value)
   nb = nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4)
   client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
