@@ -286,16 +286,15 @@ def model_config(config, vocab_size: Callable[[], int]) -> transformer.Transform
   else config.model's (a preset's, or sized by the task tokenizer's `vocab_size()`); the
   config decides how to run it (dtype, remat) either way."""
   m = config.model
-  if not m.init_from:
+  if m.init_from:
+    local = hf.resolve_path(m.init_from, what="config.model.init_from")
+    with open(os.path.join(local, "config.json")) as f:
+      mcfg = hf.config_from_hf(json.load(f), dtype=m.dtype).replace(**presets.run_options(m))
+  else:
     mcfg = presets.from_experiment_config(m, vocab_size())
-    if m.get("preset", ""):
-      config_utils.warn_overridden(m, mcfg)
-    return adapters.model_config(config, mcfg)
-  local = hf.resolve_path(m.init_from, what="config.model.init_from")
-  with open(os.path.join(local, "config.json")) as f:
-    mcfg = hf.config_from_hf(json.load(f), dtype=m.dtype)
-  config_utils.warn_overridden(m, mcfg)
-  return adapters.model_config(config, mcfg.replace(**presets.run_options(m)))
+  if m.init_from or m.get("preset", ""):  # the architecture comes from there, not config.model
+    config_utils.warn_overridden(m, mcfg)
+  return adapters.model_config(config, mcfg)
 
 
 def _assemble(config, workdir: str, task, layout: sharding_lib.Layout,
