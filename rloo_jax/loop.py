@@ -14,6 +14,7 @@ starts (`rloo_jax.memory.check`, the step before `loop.run` in `algorithms.run`)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -172,10 +173,10 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     writer = MetricWriter(workdir, resume_step=start if restored is not None else None,
                           final_step=total, wandb_project=wandb_project,
                           wandb_config=workdir_lib.flat_config(c) if wandb_project else None)
+    evaluate = functools.partial(_evaluate, evaluator, algo, writer)
     if before is None:
-      before = evaluator(*algo.eval_params(state))
+      before = evaluate(state)
       log(f"[eval] initial policy: {json.dumps(before)}")
-      writer.write(0, before, prefix="eval/")
 
     bar = _progress(total, start, t.progress_bar, algo.name)
     metrics: dict[str, Any] = {}
@@ -197,7 +198,7 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
         elif step % t.log_every == 0:
           log(algo.log_line(step, metrics))
         if eval_every and step % eval_every == 0 and step != total:
-          writer.write(step, evaluator(*algo.eval_params(state)), prefix="eval/")
+          evaluate(state)
         stop = preemption.requested()
         if step % t.checkpoint_every == 0 or step == total or stop:
           _save(ckpt, step, algo, state, {"data": data.get_state(), "before": before},
@@ -215,8 +216,7 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     if preempted:
       return dict(preempted=True, iterations=int(state.step), state=state,
                   last_metrics=metrics)
-    after = evaluator(*algo.eval_params(state))
-    writer.write(int(state.step), after, prefix="eval/")
+    after = evaluate(state)
   finally:
     # An exception inside the loop still waits for the save in flight (no temp directory is
     # left behind) and flushes the metrics written so far.
@@ -235,6 +235,13 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
   log(f"\n[{algo.name}] wrote {workdir}: summary.json, metrics.jsonl (train/ and eval/ rows), "
       f"tensorboard/, checkpoints/ (newest: {int(state.step)}), {workdir_lib.CONFIG_FILE}")
   return dict(summary, state=state, last_metrics=metrics, preempted=False)
+
+
+def _evaluate(evaluator, algo, writer: MetricWriter, state) -> dict:
+  """The held-out evaluation of `state`'s policy, written as eval/ rows at its step."""
+  result = evaluator(*algo.eval_params(state))
+  writer.write(int(state.step), result, prefix="eval/")
+  return result
 
 
 def _save(ckpt: Checkpointer, step: int, algo, state, meta: dict, *, ckpt_wait: bool) -> None:

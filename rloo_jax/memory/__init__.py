@@ -232,12 +232,10 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
   exp = algo.exp
   c, m, r = exp.config, exp.model_config, exp.rollout_shape
   accelerator = accelerator and exp.layout.platform == "cpu"
+  compiled = programs_lib.compile_programs(
+      algo, names, options=programs_lib.ACCELERATOR_OPTIONS if accelerator else None)
   if accelerator:
-    compiled = programs_lib.compile_programs(algo, names,
-                                             options=programs_lib.ACCELERATOR_OPTIONS)
     compiled.programs = _with_hoists(algo, names, compiled)
-  else:
-    compiled = programs_lib.compile_programs(algo, names)
   limit = int(device_memory_gb * GIB)
   peak = max(p.peak for p in compiled.programs.values())
   shape = dict(num_prompts=c.rloo.num_prompts, prompt_len=c.data.max_prompt_len, k=c.rloo.k,
