@@ -13,9 +13,13 @@ from rloo_jax.models import hf, lora, transformer
 def create_params(exp, seed: int = 0):
   """A freshly initialised policy, created directly sharded (never whole on one device). With
   LoRA it is the base (no adapters): the starting policy is the same either way."""
-  mcfg = lora.base_config(exp.model_config)
-  return jax.jit(lambda: nnx.split(transformer.Transformer(mcfg, rngs=nnx.Rngs(seed)))[1],
-                 out_shardings=exp.state_shardings.ref_params)()
+  return jax.jit(_init, static_argnums=(0, 1), out_shardings=exp.state_shardings.ref_params)(
+      lora.base_config(exp.model_config), seed)
+
+
+def _init(mcfg, seed: int):
+  # Module-level, so a second experiment of the same model and shardings reuses the trace.
+  return nnx.split(transformer.Transformer(mcfg, rngs=nnx.Rngs(seed)))[1]
 
 
 def initial_params(exp, *, log=print):
