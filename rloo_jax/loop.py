@@ -1,11 +1,11 @@
 """The one outer loop every algorithm runs (RLOO and its estimators, PPO, DPO, the RLHF
 pipeline's RL stage): the training prompts, the starting policy, resume, iterations, metrics,
 the evaluation cadence, checkpoints, the progress bar, the summary, and every guard that keeps
-work from being lost (docs/RELIABILITY.md). Side effects live here and only here; an algorithm brings its state, its
-batches and one iteration through the protocol `rloo_jax.algorithms.base.Algorithm`, every
-member of which the loop calls (exp, name, label, num_iterations, eval_every, abstract_state,
-init_state, resume_state, checkpoint_state, prepare, batches, iteration, eval_params, log_line,
-summary_extra).
+work from being lost (docs/RELIABILITY.md). Side effects live here and only here; an
+algorithm brings its state, its batches and one iteration through the protocol
+`rloo_jax.algorithms.base.Algorithm`, every member of which the loop calls (exp, name, label,
+num_iterations, eval_every, abstract_state, init_state, resume_state, checkpoint_state, prepare,
+batches, iteration, eval_params, log_line, summary_extra).
 
 The config reaching the loop was validated once, before anything was built
 (`rloo_jax.algorithms.validate`), and an accelerator job's memory was planned before the loop

@@ -162,7 +162,8 @@ def test_drop_and_count_or_error():
   assert (it.num_records, it.num_kept, it.num_dropped) == (3, 2, 1)
   b = next(it)
   assert list(b["prompt"]) == ["1+1=", "2+2="] and list(b["answer"]) == ["", "4"]
-  with pytest.raises(ValueError, match=r"exceed config.data.max_prompt_len=6: record 1 \(9 tokens\)"):
+  with pytest.raises(ValueError,
+                     match=r"exceed config.data.max_prompt_len=6: record 1 \(9 tokens\)"):
     data.prompt_batches(src, tok, global_batch_size=2, max_prompt_len=6, overlong="error")
   with pytest.raises(ValueError, match="record 0 of .*'x'"):
     data.prompt_batches([{"prompt": "1x"}], tok, global_batch_size=1, max_prompt_len=6)

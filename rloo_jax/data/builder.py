@@ -213,7 +213,8 @@ def load_split(builder_or_dir, split: str) -> TextSource:
   `TextSource` for `split`."""
   builder = _as_builder(builder_or_dir)
   if split not in builder.info.splits:
-    raise KeyError(f"split {split!r} not in {builder.name}; available: {sorted(builder.info.splits)}")
+    raise KeyError(f"split {split!r} not in {builder.name}; available: "
+                   f"{sorted(builder.info.splits)}")
   return TextSource(builder.as_data_source(split=split), name=f"{builder.name}:{split}")
 
 
@@ -241,8 +242,9 @@ def builder_config(cls: type, **options) -> tfds.core.BuilderConfig:
     raise TypeError(f"{cls.__name__}: unknown option(s) {sorted(unknown)}; known: {sorted(fields)}")
   cfg = cls(name="tmp", **options)
   named = {f: getattr(cfg, f) for f in sorted(fields) if not f.startswith("_")}
+  excluded = getattr(cfg, "NAME_EXCLUDES", ())
   return dataclasses.replace(cfg, name=config_name(**{k: v for k, v in named.items()
-                                                      if k not in getattr(cfg, "NAME_EXCLUDES", ())}))
+                                                      if k not in excluded}))
 
 
 # Helpers for builders that parse downloaded files (TL;DR, HH).
