@@ -125,7 +125,8 @@ def _batch_divisors(config) -> None:
 def validate_config(config) -> None:
   """The config's own consistency; raises ValueError naming the setting and a fix. First the
   numbers and choices read here (so no check after them divides by zero), then each section's
-  owner checks its own settings, then what spans sections (the context, temperature 0)."""
+  owner checks its own settings, then what spans sections (the context, temperature 0), and
+  last what needs config.model.init_from's files (a hub id is fetched there)."""
   r, t, m = config.rloo, config.train, config.model
   _check_at_least(config, 1, "rloo.k", "rloo.num_prompts", "rloo.max_new_tokens",
                   "train.num_minibatches", "train.logprob_chunk_size", "train.num_epochs",
@@ -178,25 +179,6 @@ def validate_config(config) -> None:
   # Raises naming the closest preset, or the model family a preset needs and this build lacks.
   arch = presets.get(preset, what="config.model.preset") if preset else None
   sampling.from_config(r)  # raises on bad temperature / top_k / top_p, naming the key
-  # A hub id is fetched (or found in the hub cache) here, before anything is built; a local
-  # directory passes through. Raises FileNotFoundError naming config.model.init_from.
-  local = hf.resolve_path(init, what="config.model.init_from") if init else ""
-  if init and not os.path.isfile(os.path.join(local, "config.json")):
-    raise FileNotFoundError(f"config.model.init_from={init!r} has no config.json"
-                            f"{'' if local == init else f' (in {local})'}; point it at a "
-                            "Hugging Face checkpoint directory (config.json + "
-                            "model.safetensors, as save_pretrained writes it) or hub id")
-  if init:  # the checkpoint's own architecture: a causal LM, long enough for the run
-    with open(os.path.join(local, "config.json")) as f:
-      ckpt = hf.config_from_hf(json.load(f), dtype=m.dtype)
-    if ckpt.head != "lm":
-      raise ValueError(f"config.model.init_from={init!r} is a sequence-classification "
-                       "checkpoint (no LM head); the policy needs a causal LM checkpoint")
-    if need > ckpt.max_seq_len:
-      raise ValueError(f"config.data.max_prompt_len + config.rloo.max_new_tokens = {need} "
-                       f"exceeds the context of config.model.init_from={init!r}, "
-                       f"{ckpt.max_seq_len} tokens; shorten one")
-  chat.check(config, local)
   if r.k < est.min_k:
     raise ValueError(f"config.rloo.k = {r.k}, but estimator {est.name!r} needs k >= {est.min_k} "
                      f"(a leave-one-out baseline needs another sample); set config.rloo.k >= "
@@ -215,6 +197,25 @@ def validate_config(config) -> None:
     raise ValueError(f"config.rloo.temperature = 0 samples the same completion k = {r.k} times, "
                      f"so estimator {est.name!r}, which compares a prompt's samples, has nothing "
                      "to compare (zero advantage: no learning); set --config.rloo.temperature=1.0")
+  # Last, what reads files: a hub id is fetched (or found in the hub cache) here, before anything
+  # is built; a local directory passes through. Raises FileNotFoundError naming it.
+  local = hf.resolve_path(init, what="config.model.init_from") if init else ""
+  if init and not os.path.isfile(os.path.join(local, "config.json")):
+    raise FileNotFoundError(f"config.model.init_from={init!r} has no config.json"
+                            f"{'' if local == init else f' (in {local})'}; point it at a "
+                            "Hugging Face checkpoint directory (config.json + "
+                            "model.safetensors, as save_pretrained writes it) or hub id")
+  if init:  # the checkpoint's own architecture: a causal LM, long enough for the run
+    with open(os.path.join(local, "config.json")) as f:
+      ckpt = hf.config_from_hf(json.load(f), dtype=m.dtype)
+    if ckpt.head != "lm":
+      raise ValueError(f"config.model.init_from={init!r} is a sequence-classification "
+                       "checkpoint (no LM head); the policy needs a causal LM checkpoint")
+    if need > ckpt.max_seq_len:
+      raise ValueError(f"config.data.max_prompt_len + config.rloo.max_new_tokens = {need} "
+                       f"exceeds the context of config.model.init_from={init!r}, "
+                       f"{ckpt.max_seq_len} tokens; shorten one")
+  chat.check(config, local)
 
 
 def validate_layout(config, layout: sharding_lib.Layout) -> None:
