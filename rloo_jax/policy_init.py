@@ -3,7 +3,6 @@ own small model trained from scratch by the SFT stage (`rloo_jax.sft`, cached in
 
 from __future__ import annotations
 
-from flax import nnx
 import jax
 
 from rloo_jax import sft
@@ -13,13 +12,10 @@ from rloo_jax.models import hf, lora, transformer
 def create_params(exp, seed: int = 0):
   """A freshly initialised policy, created directly sharded (never whole on one device). With
   LoRA it is the base (no adapters): the starting policy is the same either way."""
-  return jax.jit(_init, static_argnums=(0, 1), out_shardings=exp.state_shardings.ref_params)(
-      lora.base_config(exp.model_config), seed)
-
-
-def _init(mcfg, seed: int):
-  # Module-level, so a second experiment of the same model and shardings reuses the trace.
-  return nnx.split(transformer.Transformer(mcfg, rngs=nnx.Rngs(seed)))[1]
+  # The module-level init: a second experiment of the same model and shardings reuses its trace.
+  init = jax.jit(transformer.init_params, static_argnums=(0, 1),
+                 out_shardings=exp.state_shardings.ref_params)
+  return init(lora.base_config(exp.model_config), seed)
 
 
 def initial_params(exp, *, log=print):

@@ -388,11 +388,11 @@ def create(config: TransformerConfig, seed: int = 0):
   return abstract(config)[0], _init(config, seed)
 
 
-# One compiled init instead of one eager dispatch (and compile) per tensor shape, traced once
-# per config and seed (the config is a frozen, hashable dataclass).
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init(config: TransformerConfig, seed: int):
+def init_params(config: TransformerConfig, seed: int = 0):
+  """A fresh model's params; jitted with config and seed static, one trace for each (hashable)."""
   return nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))[1]
+
+_init = jax.jit(init_params, static_argnums=(0, 1))  # one program, not one dispatch a tensor
 
 
 def abstract(config: TransformerConfig):
