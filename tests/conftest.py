@@ -5,15 +5,22 @@ resume, sharding and notebook tests start), so a program compiled once in a run 
 again by a child process: compile time dominates this suite on a 2-core CPU.
 
 `load_config` is a plain function, imported by the tests as `from conftest import load_config`
-(pytest puts this directory on sys.path; subprocesses get it through PYTHONPATH or by running a
-script from here).
+(pytest puts this directory on sys.path; subprocesses get it through the PYTHONPATH set below).
 """
 import gc
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+# This checkout's rloo_jax, here and in every subprocess the tests start (scripts in experiments/,
+# `python -m rloo_jax.train`), whichever checkout `pip install -e` last pointed at.
+sys.path.insert(0, REPO)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [REPO, TESTS] + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "rloo_jax_test_xla_cache"))
@@ -37,9 +44,6 @@ import pytest  # noqa: E402
 from rloo_jax import config_utils  # noqa: E402  (after the environment above: it imports jax)
 
 gc.freeze()  # the modules imported so far live as long as the worker: no collection walks them
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(TESTS)
 
 
 def load_config(arg="smoke", name="arithmetic"):
