@@ -141,10 +141,7 @@ def test_over_a_mesh_each_device_reads_its_own_shards_pages_through_the_kernel()
   'tensor': the paged kernel, and splash in an admission's prefill, run a call a device
   (`traced_mesh.per_shard`) on its own streams and heads, and the engine draws the static
   sampler's tokens."""
-  # pylint: disable-next=import-outside-toplevel
-  from conftest import REPO, TESTS
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join([REPO, TESTS]),
-             XLA_FLAGS=os.environ.get('XLA_FLAGS', '')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=os.environ.get('XLA_FLAGS', '')
              + ' --xla_force_host_platform_device_count=4')
   proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
                         capture_output=True, text=True, timeout=600)

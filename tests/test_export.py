@@ -233,9 +233,7 @@ def trained_workdir(tmp_path_factory):
 
 
 def _cli(*args):
-  # The repo first on the path: the editable install may point at another checkout.
-  env = {**os.environ, 'PYTHONPATH': REPO + os.pathsep + os.environ.get('PYTHONPATH', '')}
-  return subprocess.run([sys.executable, '-m', 'rloo_jax.export', *args], cwd=REPO, env=env,
+  return subprocess.run([sys.executable, '-m', 'rloo_jax.export', *args], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
 
 
@@ -328,8 +326,8 @@ jax.tree.map(np.testing.assert_array_equal, hf.load_checkpoint(sys.argv[2])[1], 
 
 def test_export_of_a_device_sharded_state(tmp_path):
   """Leaves split over 4 (CPU) devices are gathered tensor by tensor into the same files."""
-  env = {**os.environ, 'PYTHONPATH': REPO + os.pathsep + os.environ.get('PYTHONPATH', ''),
-         'XLA_FLAGS': '--xla_force_host_platform_device_count=4', 'JAX_PLATFORMS': 'cpu'}
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+         'JAX_PLATFORMS': 'cpu'}
   r = subprocess.run([sys.executable, '-c', SHARDED, os.path.join(FIXTURES, 'qwen2'),
                       str(tmp_path / 'hf')], env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]

@@ -293,9 +293,7 @@ def test_reward_model_directory_exports_to_the_same_scores(tmp_path):
 
 
 def _env(**extra):
-  # This checkout first (the package is installed editable from another one), and tests/.
-  return dict(os.environ, JAX_PLATFORMS='cpu', **extra, PYTHONPATH=os.pathsep.join(
-      [os.path.dirname(TESTS), TESTS] + [p for p in [os.environ.get('PYTHONPATH', '')] if p]))
+  return dict(os.environ, JAX_PLATFORMS='cpu', **extra)
 
 
 def test_weights_are_sharded_and_scores_match_one_device(tmp_path):

@@ -84,8 +84,7 @@ def _blocks(array) -> set:
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
   out = tmp_path_factory.mktemp('multiprocess_load')
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join(
-      [REPO, TESTS] + [p for p in [os.environ.get('PYTHONPATH', '')] if p]))
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
   port = free_port()
   runs = run_processes([[sys.executable, os.path.abspath(__file__), str(i), str(port),
                          str(out / f'{i}.json')] for i in range(2)], env=env, cwd=REPO,

@@ -143,8 +143,7 @@ def _policy_init(hf, np, nnx, reads, whole):
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
   out = str(tmp_path_factory.mktemp('sharded_load') / 'result.json')
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join(
-      [REPO, TESTS] + [p for p in [os.environ.get('PYTHONPATH', '')] if p]))
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
   env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
                       ' --xla_force_host_platform_device_count=8').strip()
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), out], env=env, cwd=REPO,

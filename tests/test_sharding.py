@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, TESTS, free_port, load_config, run_processes
+from conftest import REPO, free_port, load_config, run_processes
 
 MESHES = [(8, 1, 1), (2, 4, 1), (1, 2, 4), (2, 2, 2)]
 # Metrics that must agree across meshes (timings and throughputs excluded).
@@ -187,10 +187,9 @@ def mesh_worker(workdir: str) -> dict:
 
 
 def _env(devices=None):
-  # The repo (the mp config's reward is tests.test_sharding:length_reward) and tests/ (that
-  # module's `from conftest import load_config`).
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
-      [REPO, TESTS] + [p for p in [os.environ.get("PYTHONPATH", "")] if p]))
+  # conftest's PYTHONPATH holds the repo (the mp config's reward is
+  # tests.test_sharding:length_reward) and tests/ (that module's `from conftest import ...`).
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   if devices:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={devices}").strip()
