@@ -16,9 +16,10 @@ loss terms l[b, t] and the completion mask m[b, t]:
 
 Gradient accumulation: every reduction divides by a count of the batch it sees, so a microbatch's
 loss is not a share of its minibatch's. `normalizer(spec, minibatch_mask)` computes those counts
-once over the whole minibatch (`loss.normalizer`); passing it as `normalizer=` to each microbatch's loss makes the
-loss and every metric that microbatch's contribution, so their sums over microbatches (and the
-sums of the gradients) are exactly the minibatch's, up to float rounding.
+once over the whole minibatch (`loss.normalizer`); passing it as `normalizer=` to each
+microbatch's loss makes the loss and every metric that microbatch's contribution, so their
+sums over microbatches (and the sums of the gradients) are exactly the minibatch's, up to float
+rounding.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Pure, jit-compiled cohort sampler: k completions per prompt with a KV cache shared by the k streams.
+"""Pure, jit-compiled cohort sampler: k completions per prompt with a KV cache shared by the k
+streams.
 
     out = sample(fns, params, prompt_tokens_bp, prompt_lengths_b, rng, k=4, max_new_tokens=64,
                  method=sampling.TopP(0.9), eos_id=eos, pad_id=pad)

@@ -110,7 +110,8 @@ class TopP:
     sorted_desc = -jnp.sort(-logits, axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # A token is kept when the mass of strictly more likely tokens is below p; the top one always is.
+    # A token is kept when the mass of strictly more likely tokens is below p; the top one
+    # always is.
     kept = mass_before < self.p
     threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits >= threshold, logits, _NEG_INF)

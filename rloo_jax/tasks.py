@@ -68,7 +68,8 @@ def _arithmetic(config, data_dir: str) -> Task:
 def _jsonl(config, data_dir: str) -> Task:
   """Your own prompts (docs/YOUR_TASK.md). With config.model.init_from, the checkpoint's
   tokenizer; without, a byte-level tokenizer (any UTF-8 text, no vocabulary to build or ship)
-  and the same pipeline as arithmetic: SFT from scratch on the training records' answers, then RL."""
+  and the same pipeline as arithmetic: SFT from scratch on the training records' answers, then
+  RL."""
   del data_dir
   d = config.data
   for key in ("jsonl_train", "jsonl_test"):

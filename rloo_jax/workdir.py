@@ -37,7 +37,8 @@ RESUMABLE_KEYS = (
     "sft.log_every", "sft.checkpoint_every",
     # How the same computation is laid out in memory (gradient accumulation, log-prob chunks,
     # recomputation, rollout chunks) or checked: a run that ran out of memory resumes with less.
-    "train.microbatch_size", "train.microbatch_tokens", "train.logprob_chunk_size", "train.fused_head_grad",
+    "train.microbatch_size", "train.microbatch_tokens", "train.logprob_chunk_size",
+    "train.fused_head_grad",
     "train.check_memory", "train.compilation_cache_dir", "model.remat", "model.remat_names",
     "model.attention",
     "rloo.rollout_chunk_prompts", "rloo.rollout_engine",

@@ -1,6 +1,7 @@
 """DPO: offline preference optimisation against a frozen reference (Rafailov et al., 2023).
 
-    loss = -log sigmoid(beta * [(log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))])
+    loss = -log sigmoid(beta * [(log pi(y_w|x) - log pi_ref(y_w|x))
+                                - (log pi(y_l|x) - log pi_ref(y_l|x))])
 
 with sequence log-probabilities summed over the completion and its eos. The reference is the SFT
 policy, frozen; its log-probabilities are computed once per pair set (they never change).

@@ -1,4 +1,5 @@
-"""PPO with a learned critic: the baseline RLOO is measured against (the paper's "four-model" setup).
+"""PPO with a learned critic: the baseline RLOO is measured against (the paper's "four-model"
+setup).
 
 Four models take part in one iteration: the policy (trained), the critic (a separate value model of
 the policy's size with a scalar head, trained), the frozen reference (the SFT policy) and the reward

@@ -48,11 +48,13 @@ def _check_space(min_digits: int, max_digits: int, count: int) -> int:
   space = num_distinct_problems(min_digits, max_digits)
   if count > space:
     raise ValueError(f"asked for {count} distinct problems but only {space} exist with "
-                     f"{min_digits}..{max_digits} digits; lower num_train/num_test or widen the range")
+                     f"{min_digits}..{max_digits} digits; lower num_train/num_test or widen "
+                     "the range")
   return space
 
 
-def generate_problems(min_digits: int, max_digits: int, count: int, seed: int) -> list[tuple[int, int]]:
+def generate_problems(min_digits: int, max_digits: int, count: int,
+                      seed: int) -> list[tuple[int, int]]:
   """`count` distinct problems, deterministic in `seed`.
 
   The number of digits of each operand is uniform over the range and the value uniform within it,
@@ -66,7 +68,8 @@ def generate_problems(min_digits: int, max_digits: int, count: int, seed: int) -
   if count > space // 2:
     # Rejection sampling would crawl near saturation; the space is small here, so enumerate it.
     values = np.concatenate([np.arange(lo, hi) for lo, hi in ranges])
-    pairs = [(int(values[i]), int(values[j])) for i in range(len(values)) for j in range(i, len(values))]
+    pairs = [(int(values[i]), int(values[j]))
+             for i in range(len(values)) for j in range(i, len(values))]
     order = rng.permutation(len(pairs))[:count]
     return [pairs[i] if rng.random() < 0.5 else pairs[i][::-1] for i in order]
   seen: set[tuple[int, int]] = set()
@@ -123,5 +126,6 @@ class Arithmetic(builder_lib.TextBuilder):
 
 
 def prepare(data_dir: str | os.PathLike, **options) -> Arithmetic:
-  """Prepares (or reuses) the arithmetic dataset under `data_dir`; options are ArithmeticConfig's."""
+  """Prepares (or reuses) the arithmetic dataset under `data_dir`; options are
+  ArithmeticConfig's."""
   return builder_lib.prepare(Arithmetic, data_dir, **options)

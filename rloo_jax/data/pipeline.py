@@ -293,7 +293,8 @@ def sft_batches(source, tokenizer, *, global_batch_size: int, max_seq_len: int, 
   def answer_of(record):
     a = record.get(answer_field, "")
     if not a:
-      raise ValueError(f"no {answer_field!r} to fine-tune on (prompt {record.get('prompt', '')[:60]!r})")
+      raise ValueError(f"no {answer_field!r} to fine-tune on "
+                       f"(prompt {record.get('prompt', '')[:60]!r})")
     return a
 
   def length(record):

@@ -1,7 +1,8 @@
 """Reddit TL;DR (Stiennon et al. 2020, as used by the RLOO paper): SFT prompts and preferences.
 
 Two builders, both array_record:
-  TldrPrompts      the filtered posts with reference summaries, `tldr_3_filtered/{train,valid,test}.jsonl`
+  TldrPrompts      the filtered posts with reference summaries,
+                   `tldr_3_filtered/{train,valid,test}.jsonl`
                    (fields id, subreddit, title, post, summary) -> splits train / validation / test,
                    features prompt, answer (the reference summary), id.
   TldrComparisons  the human comparisons, `dataset/comparisons/batch*.json` (one JSON object per

@@ -201,7 +201,8 @@ class ByteTokenizer(_FixedVocab):
       if i in (PAD_ID, BOS_ID):
         continue
       if not NUM_SPECIAL <= i < self.vocab_size:
-        raise ValueError(f"ByteTokenizer: id {i} is outside the vocabulary (size {self.vocab_size})")
+        raise ValueError(f"ByteTokenizer: id {i} is outside the vocabulary "
+                         f"(size {self.vocab_size})")
       out.append(i - NUM_SPECIAL)
     # Sampled byte sequences can cut a multi-byte character; show it rather than fail a rollout.
     return out.decode("utf-8", errors="replace")

@@ -170,7 +170,8 @@ def reward_model_bytes(exp) -> int:
   is sized by its config.json; with no path yet (a preset plan) or a hub id not in this
   machine's cache, as the policy's own architecture with a scalar head: the paper's setting,
   whose reward models are the size of the policy."""
-  from rloo_jax.models import hf, hf_hub, lora, transformer  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from rloo_jax.models import hf, hf_hub, lora, transformer
   from rloo_jax.rewards import registry  # pylint: disable=import-outside-toplevel
   total = 0
   for spec in exp.config.rewards.fns:

@@ -1,4 +1,5 @@
-"""Transformer model (Llama / Qwen2 / GPT-2 / GPT-NeoX), scalar head, presets, Hugging Face import."""
+"""The decoder-only transformer (Llama, Mistral, Qwen2/3, GPT-2, GPT-NeoX, Gemma 2/3), its scalar
+head, presets, and Hugging Face import and export."""
 
 from rloo_jax.models.transformer import (
     DecodeCache,

@@ -12,7 +12,8 @@ from rloo_jax.models.layers import _cast, _dense, _param, _project, _rope, apply
 
 
 class Attention(nnx.Module):
-  """Projections only; the attention pattern (full, prefill, cached decode) is chosen by the caller."""
+  """Projections only; the attention pattern (full, prefill, cached decode) is chosen by the
+  caller."""
 
   def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
     c = config

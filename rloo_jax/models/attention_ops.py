@@ -62,7 +62,8 @@ class PromptGroup:
 class SharedPrefixDecode:
   """One query per stream, K streams per prompt row, attending to the row's prompt (one prefix
   cache that its K streams share, masked by `prefix_mask_bp` [B,P]) and to the stream's own
-  slots 0..`index` (an int, or [B,K] per stream). q [B,K,Hkv,G,D]; k = (prefix_k [B,Hkv,D,P], stream_k [B,K,Hkv,D,T]),
+  slots 0..`index` (an int, or [B,K] per stream). q [B,K,Hkv,G,D];
+  k = (prefix_k [B,Hkv,D,P], stream_k [B,K,Hkv,D,T]);
   v = (prefix_v [B,Hkv,P,D], stream_v [B,K,Hkv,T,D]). `positions_bk` (the queries') and
   `prefix_positions_bp` are read only by a sliding window; stream slot j sits index - j
   positions before its query. `column` (the engine's ring): every stream wrote this step's

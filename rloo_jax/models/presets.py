@@ -177,7 +177,8 @@ def from_experiment_config(model_cfg, vocab_size: int) -> config_lib.Transformer
           f"config.model.preset='' to size the model from config.model")
     return cfg
   if m.family not in _FAMILY_CONSTRUCTORS:
-    raise ValueError(f'unknown config.model.family {m.family!r}; choose one of {sorted(_FAMILY_CONSTRUCTORS)}')
+    raise ValueError(f'unknown config.model.family {m.family!r}; choose one of '
+                     f'{sorted(_FAMILY_CONSTRUCTORS)}')
   return _FAMILY_CONSTRUCTORS[m.family](
       vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,

@@ -14,7 +14,8 @@ import numpy as np
 _calls = [0]
 
 
-def standard_normal(prompts: Sequence[str], completions: Sequence[str], **fields: Any) -> np.ndarray:
+def standard_normal(prompts: Sequence[str], completions: Sequence[str],
+                    **fields: Any) -> np.ndarray:
   del fields
   _calls[0] += 1
   digest = hashlib.sha256(f"{_calls[0]}|{len(completions)}|{prompts[:1]}".encode()).digest()

@@ -67,7 +67,8 @@ def encode_sft(prompts, completions, tokenizer, seq_len: int, add_bos: bool):
     except ValueError as e:
       logging.warning("reward model cannot score sample %d: %s", i, e)
       continue
-    tokens[i], mask[i], last[i], ok[i] = b["tokens"][0], b["token_mask"][0], b["lengths"][0] - 1, True
+    tokens[i], mask[i] = b["tokens"][0], b["token_mask"][0]
+    last[i], ok[i] = b["lengths"][0] - 1, True
   return tokens, mask, last, ok
 
 

@@ -75,7 +75,14 @@ def format_table(s: Mapping[str, Any]) -> str:
   def sec(key):
     return f"{t[key]:.0f} s" if key in t else "-"
 
-  ev = rm["eval"]
+  ev, last = rm["eval"], s["history"][-1] if s["history"] else None
+  pairs = (f"{p['train']} train / {p['eval']} held-out; {p['no_distinct_samples']} prompts "
+           "without 2 distinct samples")
+  accuracy = (f"held-out pair accuracy {ev['accuracy']:.3f} (labels vs gold: "
+              f"{ev.get('label_gold_agreement', float('nan')):.3f}), gold order "
+              f"{ev.get('gold_agreement', float('nan')):.3f}")
+  rloo = (f"final rollout KL {last['kl']:.3f}, proxy {last['proxy_reward']:+.3f}, gold "
+          f"{last['gold_reward']:.3f}" if last else "no iterations")
   lines = [
       f"\nRLHF pipeline on {s['task']} (seed {s['seed']}): SFT {s['sft_steps']} steps -> "
       f"{p['train']} + {p['eval']} preference pairs -> reward model {s['rm_steps']} steps -> "
@@ -85,14 +92,9 @@ def format_table(s: Mapping[str, Any]) -> str:
       f"|{'-' * 15}|{'-' * 68}|{'-' * 9}|",
       f"| {'SFT':<13} | {'held-out greedy gold reward %.3f' % s['sft']['gold_reward']:<66} | "
       f"{sec('sft_s'):>7} |",
-      f"| {'pairs':<13} | {'%d train / %d held-out; %d prompts without 2 distinct samples' % (p['train'], p['eval'], p['no_distinct_samples']):<66} | "
-      f"{sec('pairs_s'):>7} |",
-      f"| {'reward model':<13} | "
-      f"{'held-out pair accuracy %.3f (labels vs gold: %.3f), gold order %.3f' % (ev['accuracy'], ev.get('label_gold_agreement', float('nan')), ev.get('gold_agreement', float('nan'))):<66} | "
-      f"{sec('rm_s'):>7} |",
-      f"| {'RLOO':<13} | "
-      f"{'final rollout KL %.3f, proxy %+.3f, gold %.3f' % (s['history'][-1]['kl'], s['history'][-1]['proxy_reward'], s['history'][-1]['gold_reward']) if s['history'] else 'no iterations':<66} | "
-      f"{sec('rloo_s'):>7} |",
+      f"| {'pairs':<13} | {pairs:<66} | {sec('pairs_s'):>7} |",
+      f"| {'reward model':<13} | {accuracy:<66} | {sec('rm_s'):>7} |",
+      f"| {'RLOO':<13} | {rloo:<66} | {sec('rloo_s'):>7} |",
       "",
       f"held-out evaluation, greedy completions on {s['eval_prompts']} prompts (gold reward of the "
       "ideal summary: 1.1 on summarize)",
