@@ -29,7 +29,7 @@ def initial_params(exp, *, log=print):
     return params
   return sft.train(config, exp.workdir, exp.base_fns or exp.fns,
                    create_params(exp, seed=config.seed), exp.task,
-                   log=log, shard_batch=exp.layout.shard_batch)
+                   log=log, layout=exp.layout)
 
 
 def is_cached(config, workdir: str) -> bool:

@@ -51,19 +51,21 @@ def sft_step(state: SftState, batch, *, fns, tx):
   return SftState(state.step + 1, params, opt_state), dict(metrics, loss=value, **guard)
 
 
-def train(config, workdir: str, fns, params, task, *, log=print, shard_batch=None):
+def train(config, workdir: str, fns, params, task, *, log=print, layout=None):
   """Runs, resumes or restores the SFT stage; returns the fine-tuned params.
 
   The stage checkpoints every `config.sft.checkpoint_every` steps into its cache directory, so
   a killed run resumes there; an unreadable checkpoint falls back to the previous one (or to a
-  fresh start) as the RL checkpoints do. `shard_batch` (e.g. `sharding.Layout.shard_batch`)
-  turns this process's rows into the global, batch-sharded array; without it batches are
-  passed as host arrays (one process only).
+  fresh start) as the RL checkpoints do. `layout` (the run's `sharding.Layout`) splits this
+  process's rows into the global, batch-sharded array and puts the step counters on its mesh;
+  without it batches are passed as host arrays (one process only).
   """
   c = config.sft
   directory = cache_dir(config, workdir)
   tx = make_optimizer(_sft_optim(c), c.steps)
   state = SftState(jnp.zeros((), jnp.int32), params, tx.init(params))
+  if layout is not None:
+    state = layout.replicate_unplaced(state)  # the counters: one compile of the step, not two
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
       state)
@@ -92,8 +94,8 @@ def train(config, workdir: str, fns, params, task, *, log=print, shard_batch=Non
     for i in range(int(state.step), c.steps):
       batch = next(batches)
       batch = {k: batch[k] for k in ("tokens", "token_mask", "loss_mask")}
-      if shard_batch is not None:
-        batch = {k: shard_batch(v) for k, v in batch.items()}
+      if layout is not None:
+        batch = {k: layout.shard_batch(v) for k, v in batch.items()}
       state, metrics = step_fn(state, batch)
       if (i + 1) % c.log_every == 0 or i + 1 == c.steps or (i + 1) % every == 0:
         m = jax.device_get(metrics)

@@ -197,6 +197,13 @@ class Layout:
       return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
     return jax.tree.map(one, tree, shardings)
 
+  def replicate_unplaced(self, tree: Any) -> Any:
+    """Leaves not on a mesh (a step or optimizer counter made eagerly, on one device) replicated
+    onto this one, where a jitted step returns them: else the step compiles again, for its own
+    outputs. Leaves already placed stay as they are, uncopied."""
+    return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
+                        else self.put(x, self.replicated), tree)
+
   # -------------------------------------------------------------------------- batches
 
   def shard_batch(self, x) -> jax.Array:

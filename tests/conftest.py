@@ -51,6 +51,18 @@ def load_config(arg="smoke", name="arithmetic"):
   return config_utils.load_config_file(os.path.join(REPO, "configs", f"{name}.py"), arg)
 
 
+def count_traces(monkeypatch, module, name: str) -> list:
+  """A list that grows by one each time `module.<name>` runs in Python: for a function a
+  program jits, once per trace, so its length is how many times the program was compiled."""
+  calls, real = [], getattr(module, name)
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+  monkeypatch.setattr(module, name, counted)
+  return calls
+
+
 def free_port() -> int:
   """A free TCP port on 127.0.0.1: the jax.distributed coordinator of a multi-process test."""
   with socket.socket() as s:

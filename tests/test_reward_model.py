@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import load_config
+from conftest import count_traces, load_config
 from rloo_jax import rewards
 from rloo_jax.data import summarize
 from rloo_jax.metrics import read_jsonl
@@ -247,11 +247,17 @@ def test_make_pairs_labels_and_skips_identical_samples():
   assert {p["prompt"] for p in train} == {prompts[0]} and {p["prompt"] for p in held_out} == {"other"}
 
 
-def test_rlhf_pipeline_smoke(tmp_path):
+def test_rlhf_pipeline_smoke(tmp_path, monkeypatch):
   """SFT -> pairs -> RM -> RLOO -> evaluation at a tiny size, then a rerun reuses every stage."""
+  from rloo_jax import sft  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / "rlhf")
   config = load_config(name="summarize")
+  sft_traces = count_traces(monkeypatch, sft, "sft_step")
+  rm_traces = count_traces(monkeypatch, rm, "train_step")
   summary = pipeline.run(config, workdir, log=quiet)
+  # The SFT and reward-model steps compile once each: their counters start on the mesh the
+  # steps return them on (started on one device, each step compiled again at step 2).
+  assert len(sft_traces) == 1 and len(rm_traces) == 1, (sft_traces, rm_traces)
   for name in ("rlhf_table.md", "rlhf_summary.json", "gold_vs_proxy.png", "reward_vs_kl.png",
                "timings.json", "pairs/pairs.json", "rloo/metrics.jsonl"):
     assert os.path.exists(os.path.join(workdir, name)), name

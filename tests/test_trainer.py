@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config
+from conftest import REPO, count_traces, load_config
 from rloo_jax import algorithms, experiment, loop, models, rollout, sampling
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.checkpoint import Checkpointer
@@ -406,7 +406,8 @@ def length_reward(prompts, completions, **fields):
 
 
 @pytest.mark.parametrize("name", ["ppo", "dpo"])
-def test_ppo_and_dpo_run_through_the_same_loop(smoke_run, tmp_path, name):
+def test_ppo_and_dpo_run_through_the_same_loop(smoke_run, tmp_path, monkeypatch, name):
+  from rloo_jax.algorithms import dpo, ppo  # pylint: disable=import-outside-toplevel
   smoke_dir, _, rloo_summary = smoke_run
   workdir = str(tmp_path / name)
   os.makedirs(workdir)
@@ -423,8 +424,10 @@ def test_ppo_and_dpo_run_through_the_same_loop(smoke_run, tmp_path, name):
       config.dpo = dict(steps=2, num_pair_prompts=8, samples_per_prompt=4, batch_size=2,
                         sample_batch_size=8)
   logs = []
+  traces = count_traces(monkeypatch, {"ppo": ppo, "dpo": dpo}[name], "train_step")
   summary = algorithms.run(config, workdir, log=logs.append)
   assert any("restored the cached SFT policy" in str(l) for l in logs)
+  assert len(traces) == 1, traces  # both iterations run one compiled step
   on_disk = json.load(open(os.path.join(workdir, "summary.json")))
   for s in (summary, on_disk):
     assert s["algorithm"] == name and s["iterations"] == 2 and s["initial_policy"] == "SFT"

@@ -271,13 +271,17 @@ class DPO(AlgorithmBase):
   def eval_every(self) -> int:
     return int(self.exp.config.dpo.eval_every)
 
-  def init_state(self, params) -> DPOState:
+  def _init_state(self, params) -> DPOState:
     return DPOState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, params),
                     jax.tree.map(jnp.copy, params), self.tx.init(params))
 
+  def init_state(self, params) -> DPOState:
+    # The counters on the params' mesh: one compile of the step, not two.
+    return self.exp.layout.replicate_unplaced(self._init_state(params))
+
   def abstract_state(self) -> DPOState:
     _, params = transformer.abstract(self.exp.model_config)
-    return jax.eval_shape(self.init_state, params)
+    return jax.eval_shape(self._init_state, params)
 
   def prepare(self, state: DPOState) -> None:
     """The pairs (cached in the workdir) and their frozen reference log-probs."""

@@ -185,11 +185,12 @@ def evaluate_pairs(scorer: RewardModelScorer, pairs: Sequence[Mapping[str, Any]]
 def train(policy_config: transformer.TransformerConfig, policy_params, tokenizer,
           train_pairs: Sequence[Mapping[str, Any]], *, seq_len: int, options: TrainOptions,
           eval_pairs: Sequence[Mapping[str, Any]] = (), add_bos: bool = True,
-          score_batch_size: int = 64, log: Callable[[str], None] = print):
+          score_batch_size: int = 64, log: Callable[[str], None] = print, layout=None):
   """Trains a reward model from the policy; returns `(scorer, history)`.
 
   `seq_len` is the longest `[bos] prompt completion eos` to train on and score (pairs longer than
-  it are dropped and counted). `history` holds one dict per logged step.
+  it are dropped and counted). `history` holds one dict per logged step. `layout` (the policy's
+  `sharding.Layout`) puts the step counters on the policy's mesh.
   """
   _check_pairs(train_pairs, "training")
   if eval_pairs:
@@ -207,6 +208,8 @@ def train(policy_config: transformer.TransformerConfig, policy_params, tokenizer
       weight_decay=options.weight_decay, b1=0.9, b2=0.99, max_grad_norm=options.max_grad_norm)),
       options.steps)
   state = RMState(jnp.zeros((), jnp.int32), params, tx.init(params))
+  if layout is not None:
+    state = layout.replicate_unplaced(state)  # the counters: one compile of the step, not two
   step_fn = jax.jit(functools.partial(train_step, fns=fns, tx=tx), donate_argnums=0)
 
   def make(records):

@@ -113,7 +113,7 @@ def build_reward_model(config, exp, sft_params, pairs: dict, workdir: str, *,
   scorer, history = reward_model.train(
       exp.model_config, sft_params, exp.tokenizer, pairs["train"],
       seq_len=sequence_length(config, with_eos=True), options=options, eval_pairs=pairs["eval"],
-      score_batch_size=r.score_batch_size, log=log)
+      score_batch_size=r.score_batch_size, log=log, layout=exp.layout)
   # Whitening statistics from every SFT sample (not only the paired ones): the starting policy's
   # rewards are then ~N(0, 1), so beta and the clip range mean the same thing for any RM.
   prompts = [s["prompt"] for s in pairs["sft_samples"] for _ in s["completions"]]
