@@ -19,8 +19,8 @@ REPO = os.path.dirname(TESTS)
 # This checkout's rloo_jax, here and in every subprocess the tests start (scripts in experiments/,
 # `python -m rloo_jax.train`), whichever checkout `pip install -e` last pointed at.
 sys.path.insert(0, REPO)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [REPO, TESTS] + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
+os.environ["PYTHONPATH"] = os.pathsep.join([REPO, TESTS] + [
+    p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p not in ("", REPO, TESTS)])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "rloo_jax_test_xla_cache"))
