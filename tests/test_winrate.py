@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, TESTS, load_config
+from conftest import load_config
 import rloo_jax
 from rloo_jax import algorithms, judges, sampling, winrate
 from rloo_jax.evaluation import Evaluator
@@ -218,9 +218,8 @@ def _by_hand(result):
 
 
 def test_command_end_to_end(trained):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]))
   proc = subprocess.run([sys.executable, "-m", "rloo_jax.winrate", f"--workdir={trained}",
-                         f"--judge=reward:{SPREAD}"], capture_output=True, text=True, env=env,
+                         f"--judge=reward:{SPREAD}"], capture_output=True, text=True,
                         timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -245,7 +244,7 @@ def test_command_end_to_end(trained):
   # Errors carry their fix and no traceback.
   proc = subprocess.run([sys.executable, "-m", "rloo_jax.winrate", f"--workdir={trained}",
                          "--judge=reward_model:/nowhere"], capture_output=True, text=True,
-                        env=env, timeout=600, check=False)
+                        timeout=600, check=False)
   assert proc.returncode == 1 and "use 'reward:reward_model:/nowhere'" in proc.stderr
   assert "Traceback" not in proc.stderr
 
