@@ -75,7 +75,8 @@ def format_table(s: Mapping[str, Any]) -> str:
   def sec(key):
     return f"{t[key]:.0f} s" if key in t else "-"
 
-  ev, last = rm["eval"], s["history"][-1] if s["history"] else None
+  ev = rm["eval"]
+  last = s["history"][-1] if s["history"] else None
   pairs = (f"{p['train']} train / {p['eval']} held-out; {p['no_distinct_samples']} prompts "
            "without 2 distinct samples")
   accuracy = (f"held-out pair accuracy {ev['accuracy']:.3f} (labels vs gold: "
