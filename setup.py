@@ -22,6 +22,9 @@ setup(
         "array_record>=0.7",
         "grain>=0.2.10",
         "numpy>=1.26",
+        # jax's bfloat16 / float8 numpy types. 0.7.0's cast registration doubles the time
+        # `import jax` takes, paid by every command and subprocess; 0.6.0 has every dtype jax uses.
+        "ml_dtypes>=0.5,!=0.7.0",
         "absl-py",
         "tokenizers>=0.20",
         # config.data.chat_template: instruct models' Jinja chat templates (rloo_jax.data.chat).
