@@ -22,8 +22,9 @@ setup(
         "array_record>=0.7",
         "grain>=0.2.10",
         "numpy>=1.26",
-        # jax's bfloat16 / float8 numpy types. 0.7.0's cast registration doubles the time
-        # `import jax` takes, paid by every command and subprocess; 0.6.0 has every dtype jax uses.
+        # bfloat16 / float8 numpy types (safetensors read and written by rloo_jax.models, and
+        # jax's). 0.7.0's cast registration doubles the time `import jax` takes, paid by every
+        # command and subprocess; 0.6.0 has every dtype jax and these modules use.
         "ml_dtypes>=0.5,!=0.7.0",
         "absl-py",
         "tokenizers>=0.20",
