@@ -337,8 +337,9 @@ def check_batch(name: str, size: int, layout: Layout) -> None:
 def initialize_distributed(coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
                            process_id: Optional[int] = None,
-                           num_cpu_devices: Optional[int] = None) -> None:
-  """Starts jax.distributed when a multi-process run is asked for; call before any jax work.
+                           num_cpu_devices: Optional[int] = None) -> bool:
+  """Starts jax.distributed when a multi-process run is asked for, and returns whether it did;
+  call before any jax work.
 
   Arguments default to the env vars JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
   JAX_PROCESS_ID. With none of them set this does nothing (a single-process run), except that
@@ -353,7 +354,7 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   if num_cpu_devices:
     jax.config.update("jax_num_cpu_devices", int(num_cpu_devices))
   if coordinator_address is None and num_processes is None:
-    return
+    return False
   if coordinator_address is None or num_processes is None or process_id is None:
     raise ValueError("a multi-process run needs --coordinator_address, --num_processes and "
                      "--process_id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
@@ -361,6 +362,7 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                      f"{coordinator_address!r}, {num_processes!r}, {process_id!r}")
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=int(num_processes), process_id=int(process_id))
+  return True
 
 
 # ----------------------------------------------------------------------------------------------

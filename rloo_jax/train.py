@@ -52,9 +52,12 @@ def main(argv):
     # Orbax logs every file it writes at INFO; --verbosity=0 brings that back.
     logging.set_verbosity(logging.WARNING)
   # Before any other jax call: the device set is fixed once the backend starts.
-  sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                                  _CPU_DEVICES.value)
-  cli.setup_compilation_cache(_CONFIG.value)
+  multi = sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                          _PROCESS_ID.value, _CPU_DEVICES.value)
+  cache = cli.setup_compilation_cache(_CONFIG.value)
+  line = cli.unshared_cache_line(cache) if multi and cache else None
+  if line:
+    print(line, flush=True)
   try:
     result = algorithms.run(_CONFIG.value, _WORKDIR.value)
   except USER_ERRORS as e:

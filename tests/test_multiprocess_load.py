@@ -63,11 +63,17 @@ def _worker(process_id: int, port: int, out_path: str):
   # What this process's devices hold, each distinct block once (a replica is copied, not read).
   blocks = sum(math.prod(b - a for a, b in block) for _, v in nnx.to_flat_state(got)
                for block in _blocks(v.get_value()))
+  # The compilation cache: a directory of each process's own (a host's disk), then a shared one.
+  from rloo_jax import cli
+  root = os.path.dirname(out_path)
+  cache_lines = [cli.unshared_cache_line(os.path.join(root, f'own_cache_{process_id}')),
+                 cli.unshared_cache_line(os.path.join(root, 'shared_cache'))]
   with open(out_path, 'w') as f:
     owners = [[d.process_index for d in row.reshape(-1)] for row in np.moveaxis(
         layout.mesh.devices, layout.mesh.axis_names.index('fsdp'), 0)]
     json.dump(dict(local=len(jax.local_devices()), num_devices=jax.device_count(), owners=owners,
                    mismatch=mismatch, not_global=not_global, whole=whole, held=held,
+                   cache_lines=cache_lines, shared_cache=os.path.join(root, 'shared_cache'),
                    distinct_block_elements=blocks,
                    read_elements={k: int(m.sum()) for k, m in reads.items()},
                    sizes={k: int(m.size) for k, m in reads.items()},
@@ -99,6 +105,18 @@ def test_each_process_holds_its_devices_blocks_equal_to_the_host_load(results):
     assert r['local'] == 4 and r['num_devices'] == 8
     assert r['owners'] == [[0] * 4, [1] * 4]  # fsdp index i: process i's devices
     assert r['mismatch'] == [] and r['not_global'] == []
+
+
+def test_process_0_says_when_another_process_cannot_read_the_compilation_cache(results):
+  """JAX writes the cache from process 0 only: with each process's own directory, process 1
+  compiles every start. Process 0 says so in one line naming the fix; a shared one is silent."""
+  own, shared = results[0]['cache_lines']
+  assert own.startswith('[compile] 1 of 2 processes (1) cannot read the compilation cache ')
+  assert own.endswith('own_cache_0 (JAX writes it from process 0 only), so they compile every '
+                      'program at every start; set --config.train.compilation_cache_dir (or env '
+                      'JAX_COMPILATION_CACHE_DIR) to a directory every host reads')
+  assert shared is None and results[1]['cache_lines'] == [None, None]  # process 1 prints nothing
+  assert os.listdir(results[0]['shared_cache']) == []  # the marker is gone
 
 
 def test_each_process_reads_only_its_devices_slices(results):

@@ -301,14 +301,22 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
   with open(config_path, "w") as f:
     f.write(_MP_CONFIG.format(path=os.path.join(REPO, "configs", "arithmetic.py")))
   train = [sys.executable, "-m", "rloo_jax.train"]
+  # Process 1's compilation cache is a directory of its own, as each host's disk would be: it
+  # compiles either way (XLA:CPU's cache keys differ between processes), and process 0 says so.
+  env = _env()
+  cache = {0: env.pop("JAX_COMPILATION_CACHE_DIR"), 1: str(tmp_path / "process_1_cache")}
   runs = run_processes(
       [train + _mp_flags(mp_dir, config_path) + [
           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
-          "--num_cpu_devices=4"] for i in range(2)]
-      + [train + _mp_flags(sp_dir, config_path) + ["--num_cpu_devices=8"]],
-      env=_env(), cwd=REPO, timeout=900)
+          "--num_cpu_devices=4", f"--config.train.compilation_cache_dir={cache[i]}"]
+       for i in range(2)]
+      + [train + _mp_flags(sp_dir, config_path) + [
+          "--num_cpu_devices=8", f"--config.train.compilation_cache_dir={cache[0]}"]],
+      env=env, cwd=REPO, timeout=900)
   for returncode, log in runs:
     assert returncode == 0, log[-5000:]
+  said = "[compile] 1 of 2 processes (1) cannot read the compilation cache " + cache[0]
+  assert said in runs[0][1] and "[compile]" not in runs[1][1] + runs[2][1], runs[0][1][-3000:]
 
   import jax
   from rloo_jax import experiment
