@@ -91,35 +91,15 @@ def unshared_cache_line(path: str):
   """Multi-process: the line process 0 prints when another process cannot read the compilation
   cache `path` (each host's own disk), else None. JAX writes the cache from process 0 only, so
   such a process compiles every program at every start, a preempted job's restart included.
-  Checked by a file process 0 writes there and the others look for; every process calls this."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from etils import epath  # pylint: disable=import-outside-toplevel
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
-  def attempt(fn):  # a failure here is a process that does not see the file, never a hang
-    try:
-      return fn()
-    except Exception:  # pylint: disable=broad-except
-      return False
-
-  token = np.int32(int.from_bytes(os.urandom(4), "little") >> 1)
-  marker = lambda t: epath.Path(path) / f".rloo_jax_shared_{t}"
-  if jax.process_index() == 0:
-    attempt(lambda: epath.Path(path).mkdir(parents=True, exist_ok=True)
-            or marker(int(token)).write_text(""))
-  token = int(multihost_utils.broadcast_one_to_all(token))  # process 0's, after its write
-  seen = multihost_utils.process_allgather(np.bool_(attempt(marker(token).exists)))
-  if jax.process_index() != 0:
+  Every process calls this (`workdir.blind_processes`)."""
+  blind = workdir_lib.blind_processes(path)
+  if not blind or jax.process_index() != 0:
     return None
-  attempt(lambda: marker(token).unlink(missing_ok=True))  # every process has looked (gather)
-  blind = [i for i, s in enumerate(np.asarray(seen).reshape(-1)) if not s]
-  if not blind:
-    return None
-  ids = ", ".join(map(str, blind))
-  return (f"[compile] {len(blind)} of {jax.process_count()} processes ({ids}) cannot read the "
-          f"compilation cache {path} (JAX writes it from process 0 only), so they compile every "
-          f"program at every start; set --config.train.compilation_cache_dir (or env "
-          f"JAX_COMPILATION_CACHE_DIR) to a directory every host reads")
+  return (f"[compile] {len(blind)} of {jax.process_count()} processes "
+          f"({', '.join(map(str, blind))}) cannot read the compilation cache {path} (JAX writes "
+          f"it from process 0 only), so they compile every program at every start; set "
+          f"--config.train.compilation_cache_dir (or env JAX_COMPILATION_CACHE_DIR) to a "
+          f"directory every host reads")
 
 
 def error_line(prog: str, e: BaseException) -> str:

@@ -120,6 +120,46 @@ def check_config(workdir: str, config, *, log: Callable[[str], None] = print) ->
     os.replace(tmp, path)
 
 
+def blind_processes(path: str) -> list:
+  """The processes that cannot see a file process 0 writes in directory `path` (another host's
+  own disk where one shared directory was meant); [] in a single process. Every process of a
+  multi-process run calls this, and all get the same answer."""
+  if jax.process_count() == 1:
+    return []
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  def attempt(fn):  # a failure here is a process that does not see the file, never a hang
+    try:
+      return fn()
+    except Exception:  # pylint: disable=broad-except
+      return False
+
+  marker = lambda t: epath.Path(path) / f".rloo_jax_shared_{t}"
+  token = np.int32(int.from_bytes(os.urandom(4), "little") >> 1)
+  if jax.process_index() == 0:
+    attempt(lambda: epath.Path(path).mkdir(parents=True, exist_ok=True)
+            or marker(int(token)).write_text(""))
+  token = int(multihost_utils.broadcast_one_to_all(token))  # process 0's, after its write
+  seen = np.asarray(multihost_utils.process_allgather(np.bool_(attempt(marker(token).exists))))
+  if jax.process_index() == 0:
+    attempt(lambda: marker(token).unlink(missing_ok=True))  # every process has looked (gather)
+  return [i for i, s in enumerate(seen.reshape(-1)) if not s]
+
+
+def check_shared(workdir: str) -> None:
+  """Multi-process: one workdir for all processes, or a ValueError on every process before
+  anything is written (process 0 alone prepares the data, writes the metrics and commits each
+  Orbax checkpoint that every process writes its shards into)."""
+  blind = blind_processes(workdir)
+  if blind:
+    raise ValueError(f"--workdir {workdir} is not one directory for all processes: "
+                     f"{len(blind)} of {jax.process_count()} ({', '.join(map(str, blind))}) "
+                     f"cannot see a file process 0 wrote there; give every process the same "
+                     f"--workdir on a filesystem all hosts mount")
+
+
 def closest_key(name: str, keys) -> str | None:
   """The known key most like `name` (for an unknown-key error), or None."""
   match = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.5)

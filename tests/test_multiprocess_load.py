@@ -2,6 +2,9 @@
 each, one mesh over all 8): each process reads from the files only the slices its own devices
 hold, and what they hold equals the host load.
 
+The same two processes check the directories every process must share: a workdir of each
+process's own is refused, a compilation cache of each one's own is said in a line.
+
 Both processes run this file as a script (the device count and jax.distributed must be set before
 jax starts); each writes what it read and what it checked as JSON, and the test compares them.
 """
@@ -68,12 +71,24 @@ def _worker(process_id: int, port: int, out_path: str):
   root = os.path.dirname(out_path)
   cache_lines = [cli.unshared_cache_line(os.path.join(root, f'own_cache_{process_id}')),
                  cli.unshared_cache_line(os.path.join(root, 'shared_cache'))]
+  # A workdir of each process's own: refused on every process before anything is written.
+  from conftest import load_config
+  from rloo_jax import algorithms
+  own_workdir = os.path.join(root, f'own_workdir_{process_id}')
+  config = load_config()
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2  # test_sharding's two processes
+  try:
+    algorithms.run(config, own_workdir, log=lambda *a: None)
+    workdir_error = None
+  except ValueError as e:
+    workdir_error = str(e)
   with open(out_path, 'w') as f:
     owners = [[d.process_index for d in row.reshape(-1)] for row in np.moveaxis(
         layout.mesh.devices, layout.mesh.axis_names.index('fsdp'), 0)]
     json.dump(dict(local=len(jax.local_devices()), num_devices=jax.device_count(), owners=owners,
                    mismatch=mismatch, not_global=not_global, whole=whole, held=held,
                    cache_lines=cache_lines, shared_cache=os.path.join(root, 'shared_cache'),
+                   workdir_error=workdir_error, own_workdir=sorted(os.listdir(own_workdir)),
                    distinct_block_elements=blocks,
                    read_elements={k: int(m.sum()) for k, m in reads.items()},
                    sizes={k: int(m.size) for k, m in reads.items()},
@@ -117,6 +132,17 @@ def test_process_0_says_when_another_process_cannot_read_the_compilation_cache(r
                       'JAX_COMPILATION_CACHE_DIR) to a directory every host reads')
   assert shared is None and results[1]['cache_lines'] == [None, None]  # process 1 prints nothing
   assert os.listdir(results[0]['shared_cache']) == []  # the marker is gone
+
+
+def test_a_workdir_that_is_not_one_directory_for_all_processes_is_refused_before_any_write(
+    results):
+  for r in results:  # every process raises (none waits on a collective the other left)
+    assert r['workdir_error'].startswith('--workdir ')
+    assert r['workdir_error'].endswith(' is not one directory for all processes: 1 of 2 (1) '
+                                       'cannot see a file process 0 wrote there; give every '
+                                       'process the same --workdir on a filesystem all hosts '
+                                       'mount'), r['workdir_error']
+    assert r['own_workdir'] == []  # no config, lock, data or marker left
 
 
 def test_each_process_reads_only_its_devices_slices(results):

@@ -100,6 +100,7 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   checked = validate(config, devices=devices, rewards=rewards)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  workdir_lib.check_shared(workdir)  # multi-process: every process sees what process 0 writes
   workdir_lib.check_config(workdir, config, log=log)
   with workdir_lib.Lock(workdir, log=log), traced_mesh.on_mesh(checked.layout.mesh):
     algo = build(checked, workdir, log=log, **build_kw)
