@@ -148,6 +148,45 @@ def blind_processes(path: str) -> list:
   return [i for i, s in enumerate(seen.reshape(-1)) if not s]
 
 
+# Where each host finds its own files: these may differ between the processes of one run.
+PER_HOST_KEYS = ("train.compilation_cache_dir", "model.init_from", "data.source_dir",
+                 "data.jsonl_train", "data.jsonl_test")
+
+
+def check_same_config(config) -> None:
+  """Multi-process: every process started with the same config (PER_HOST_KEYS aside), or a
+  ValueError on every process naming the sections that differ: a process on another config
+  runs other programs, and the rest wait on collectives it never joins."""
+  if jax.process_count() == 1:
+    return
+  import hashlib  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  tree = json.loads(json.dumps(config.to_dict(), default=_portable_name))
+  flat = {k: v for k, v in traverse_util.flatten_dict(tree, sep=".").items()
+          if k not in PER_HOST_KEYS}
+  sections = sorted(base_config().keys())  # the same list on every process
+  digest = lambda kv: int(hashlib.sha256(json.dumps(sorted(kv), default=str).encode())
+                          .hexdigest()[:8], 16) >> 1
+  hashes = np.array([digest([(k, v) for k, v in flat.items() if k.split(".")[0] == s])
+                     for s in sections] + [digest(flat.items())], np.int32)
+  got = np.asarray(multihost_utils.process_allgather(hashes)).reshape(jax.process_count(), -1)
+  if (got == got[0]).all():
+    return
+  differ = [f"config.{s}" for j, s in enumerate(sections) if (got[:, j] != got[0, j]).any()]
+  others = [str(i) for i in range(1, len(got)) if (got[i] != got[0]).any()]
+  raise ValueError(f"the processes started with different configs: {', '.join(differ) or 'a key'}"
+                   f" of process(es) {', '.join(others)} differ from process 0's; start every "
+                   f"process with the same --config and overrides")
+
+
+def _portable_name(obj) -> str:
+  """A config value JSON cannot hold, by a name the same in every process (a callable's repr
+  holds its address)."""
+  kind = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+  return f"{getattr(kind, '__module__', '')}:{getattr(kind, '__qualname__', repr(kind))}"
+
+
 def check_shared(workdir: str) -> None:
   """Multi-process: one workdir for all processes, or a ValueError on every process before
   anything is written (process 0 alone prepares the data, writes the metrics and commits each

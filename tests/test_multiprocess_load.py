@@ -82,6 +82,19 @@ def _worker(process_id: int, port: int, out_path: str):
     workdir_error = None
   except ValueError as e:
     workdir_error = str(e)
+  # Process 1 on another config: refused on both, naming the sections. A reward function and a
+  # per-host path (its checkpoint's copy on each host) are no difference.
+  from rloo_jax import workdir as workdir_lib
+  config.rewards.fns = [_worker]
+  config.train.compilation_cache_dir = f'/cache/of/host/{process_id}'
+  workdir_lib.check_same_config(config)
+  config.rloo.k += process_id
+  config.train.log_every += process_id
+  try:
+    workdir_lib.check_same_config(config)
+    config_error = None
+  except ValueError as e:
+    config_error = str(e)
   with open(out_path, 'w') as f:
     owners = [[d.process_index for d in row.reshape(-1)] for row in np.moveaxis(
         layout.mesh.devices, layout.mesh.axis_names.index('fsdp'), 0)]
@@ -89,6 +102,7 @@ def _worker(process_id: int, port: int, out_path: str):
                    mismatch=mismatch, not_global=not_global, whole=whole, held=held,
                    cache_lines=cache_lines, shared_cache=os.path.join(root, 'shared_cache'),
                    workdir_error=workdir_error, own_workdir=sorted(os.listdir(own_workdir)),
+                   config_error=config_error,
                    distinct_block_elements=blocks,
                    read_elements={k: int(m.sum()) for k, m in reads.items()},
                    sizes={k: int(m.size) for k, m in reads.items()},
@@ -143,6 +157,13 @@ def test_a_workdir_that_is_not_one_directory_for_all_processes_is_refused_before
                                        'process the same --workdir on a filesystem all hosts '
                                        'mount'), r['workdir_error']
     assert r['own_workdir'] == []  # no config, lock, data or marker left
+
+
+def test_processes_started_with_different_configs_are_refused_naming_the_sections(results):
+  for r in results:  # the same line on both: neither is left waiting on the other
+    assert r['config_error'] == ("the processes started with different configs: config.rloo, "
+                                 "config.train of process(es) 1 differ from process 0's; start "
+                                 "every process with the same --config and overrides")
 
 
 def test_each_process_reads_only_its_devices_slices(results):

@@ -97,6 +97,7 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   validate -> (the workdir's config compared, the workdir locked) -> build -> memory preflight
   -> loop. Nothing is built, read or written before the config passed every check and matched
   the one the workdir was started with."""
+  workdir_lib.check_same_config(config)  # multi-process: before a process's own checks stop it
   checked = validate(config, devices=devices, rewards=rewards)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
