@@ -154,9 +154,9 @@ PER_HOST_KEYS = ("train.compilation_cache_dir", "model.init_from", "data.source_
 
 
 def check_same_config(config) -> None:
-  """Multi-process: every process started with the same config (PER_HOST_KEYS aside), or a
-  ValueError on every process naming the sections that differ: a process on another config
-  runs other programs, and the rest wait on collectives it never joins."""
+  """Multi-process: every process started with the same config (PER_HOST_KEYS aside) and
+  library versions, or a ValueError on every process naming what differs: a process on another
+  config runs other programs, and the rest wait on collectives it never joins."""
   if jax.process_count() == 1:
     return
   import hashlib  # pylint: disable=import-outside-toplevel
@@ -168,16 +168,18 @@ def check_same_config(config) -> None:
   sections = sorted(base_config().keys())  # the same list on every process
   digest = lambda kv: int(hashlib.sha256(json.dumps(sorted(kv), default=str).encode())
                           .hexdigest()[:8], 16) >> 1
-  hashes = np.array([digest([(k, v) for k, v in flat.items() if k.split(".")[0] == s])
-                     for s in sections] + [digest(flat.items())], np.int32)
-  got = np.asarray(multihost_utils.process_allgather(hashes)).reshape(jax.process_count(), -1)
+  labels = [f"config.{s}" for s in sections] + ["the library versions"]
+  columns = [digest([(k, v) for k, v in flat.items() if k.split(".")[0] == s]) for s in sections]
+  columns += [digest(versions().items()), digest(flat.items())]  # the last: every key
+  got = np.asarray(multihost_utils.process_allgather(np.array(columns, np.int32)))
+  got = got.reshape(jax.process_count(), -1)
   if (got == got[0]).all():
     return
-  differ = [f"config.{s}" for j, s in enumerate(sections) if (got[:, j] != got[0, j]).any()]
+  differ = [l for j, l in enumerate(labels) if (got[:, j] != got[0, j]).any()] or ["a config key"]
   others = [str(i) for i in range(1, len(got)) if (got[i] != got[0]).any()]
-  raise ValueError(f"the processes started with different configs: {', '.join(differ) or 'a key'}"
-                   f" of process(es) {', '.join(others)} differ from process 0's; start every "
-                   f"process with the same --config and overrides")
+  raise ValueError(f"the processes did not start alike: {', '.join(differ)} of process(es) "
+                   f"{', '.join(others)} differ from process 0's; start every process with the "
+                   f"same --config, overrides and library versions")
 
 
 def _portable_name(obj) -> str:

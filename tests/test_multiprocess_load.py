@@ -95,6 +95,15 @@ def _worker(process_id: int, port: int, out_path: str):
     config_error = None
   except ValueError as e:
     config_error = str(e)
+  real = workdir_lib.versions  # process 1 on another jax (the same config again)
+  workdir_lib.versions = lambda: dict(real(), jax='0.0.1') if process_id else real()
+  config.rloo.k -= process_id
+  config.train.log_every -= process_id
+  try:
+    workdir_lib.check_same_config(config)
+    versions_error = None
+  except ValueError as e:
+    versions_error = str(e)
   with open(out_path, 'w') as f:
     owners = [[d.process_index for d in row.reshape(-1)] for row in np.moveaxis(
         layout.mesh.devices, layout.mesh.axis_names.index('fsdp'), 0)]
@@ -102,7 +111,7 @@ def _worker(process_id: int, port: int, out_path: str):
                    mismatch=mismatch, not_global=not_global, whole=whole, held=held,
                    cache_lines=cache_lines, shared_cache=os.path.join(root, 'shared_cache'),
                    workdir_error=workdir_error, own_workdir=sorted(os.listdir(own_workdir)),
-                   config_error=config_error,
+                   config_error=config_error, versions_error=versions_error,
                    distinct_block_elements=blocks,
                    read_elements={k: int(m.sum()) for k, m in reads.items()},
                    sizes={k: int(m.size) for k, m in reads.items()},
@@ -161,9 +170,15 @@ def test_a_workdir_that_is_not_one_directory_for_all_processes_is_refused_before
 
 def test_processes_started_with_different_configs_are_refused_naming_the_sections(results):
   for r in results:  # the same line on both: neither is left waiting on the other
-    assert r['config_error'] == ("the processes started with different configs: config.rloo, "
-                                 "config.train of process(es) 1 differ from process 0's; start "
-                                 "every process with the same --config and overrides")
+    assert r['config_error'] == ("the processes did not start alike: config.rloo, config.train "
+                                 "of process(es) 1 differ from process 0's; start every process "
+                                 "with the same --config, overrides and library versions")
+
+
+def test_processes_on_other_library_versions_are_refused(results):
+  for r in results:
+    assert r['versions_error'].startswith("the processes did not start alike: the library "
+                                          "versions of process(es) 1 differ"), r['versions_error']
 
 
 def test_each_process_reads_only_its_devices_slices(results):
