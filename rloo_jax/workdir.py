@@ -88,7 +88,9 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 def check_config(workdir: str, config, *, log: Callable[[str], None] = print) -> None:
   """Saves the config and versions at the first start; on a restart, raises
-  ConfigMismatchError naming every differing key unless they may change on resume."""
+  ConfigMismatchError naming every differing key unless they may change on resume. Over several
+  processes, first that the workdir is one directory for all (`check_shared`)."""
+  check_shared(workdir)
   path = os.path.join(workdir, CONFIG_FILE)
   current = flat_config(config)
   if os.path.exists(path):

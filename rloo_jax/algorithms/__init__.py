@@ -60,12 +60,14 @@ def validate(config, *, devices=None, rewards: Optional[RewardSet] = None,
              with_rewards: bool = True) -> Checked:
   """Every check on the config, in one place, run once before anything is built, read or
   written (the algorithm and its section, the config's own consistency, the mesh, the reward
-  names): a config that cannot train must not become the one a workdir was started with. Each
-  failure is one error (a ValueError; FileNotFoundError for a missing checkpoint) naming the
-  setting and its fix. Later stages trust the result.
+  names; over several processes, that all started alike): a config that cannot train must not
+  become the one a workdir was started with. Each failure is one error (a ValueError;
+  FileNotFoundError for a missing checkpoint) naming the setting and its fix. Later stages
+  trust the result.
 
   `rewards`: the reward set the caller trains on instead of config.rewards. with_rewards=False:
   config.rewards is left unresolved (the memory plan needs no rewards)."""
+  workdir_lib.check_same_config(config)  # multi-process: before one process's own checks stop it
   name, config = resolve(config)
   experiment.validate_config(config)
   layout = sharding.make_layout(config.mesh, devices)
@@ -97,11 +99,9 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   validate -> (the workdir's config compared, the workdir locked) -> build -> memory preflight
   -> loop. Nothing is built, read or written before the config passed every check and matched
   the one the workdir was started with."""
-  workdir_lib.check_same_config(config)  # multi-process: before a process's own checks stop it
   checked = validate(config, devices=devices, rewards=rewards)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  workdir_lib.check_shared(workdir)  # multi-process: every process sees what process 0 writes
   workdir_lib.check_config(workdir, config, log=log)
   with workdir_lib.Lock(workdir, log=log), traced_mesh.on_mesh(checked.layout.mesh):
     algo = build(checked, workdir, log=log, **build_kw)
