@@ -74,10 +74,23 @@ def compilation_cache_dir(config) -> str:
   return os.path.join(base, "rloo_jax", "xla")
 
 
-def setup_compilation_cache(config) -> str:
+def setup_compilation_cache(config, log=print) -> str:
   """Turns on JAX's persistent compilation cache before the first compile, so a second start of
-  the same job loads its programs instead of compiling them. Returns the directory ('' = off)."""
+  the same job loads its programs instead of compiling them. Returns the directory ('' = off:
+  also when a local directory cannot be written, said in one line)."""
   path = compilation_cache_dir(config)
+  if path and "://" not in path:  # a local directory (a URL is etils.epath's, as in JAX)
+    try:
+      os.makedirs(path, exist_ok=True)
+      reason = "" if os.access(path, os.W_OK) else "not writable"
+    except OSError as e:
+      reason = f"{type(e).__name__}: {e.strerror}"
+    if reason:
+      log(f"[compile] cannot write the compilation cache {path} ({reason}): nothing is kept "
+          f"between starts; set --config.train.compilation_cache_dir (or env "
+          f"JAX_COMPILATION_CACHE_DIR) to a writable directory, or '' for none")
+      jax.config.update("jax_enable_compilation_cache", False)  # env's directory included
+      return ""
   if path:
     jax.config.update("jax_compilation_cache_dir", path)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:

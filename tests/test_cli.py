@@ -113,3 +113,23 @@ def test_the_compilation_cache_is_on_by_default_under_the_user_cache(monkeypatch
   assert cli.compilation_cache_dir(config) == ""
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/from/env")
   assert cli.compilation_cache_dir(config) == "/from/env"
+
+
+def test_a_cache_directory_that_cannot_be_written_is_said_and_turned_off(monkeypatch, tmp_path):
+  import jax  # pylint: disable=import-outside-toplevel
+  from rloo_jax import cli  # pylint: disable=import-outside-toplevel
+  (tmp_path / "a_file").write_text("")
+  bad = str(tmp_path / "a_file" / "xla")  # under a file: no directory can be made there
+  config = ml_collections.ConfigDict({"train": {"compilation_cache_dir": bad}})
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
+  updates, lines = [], []
+  assert cli.setup_compilation_cache(config, log=lines.append) == ""
+  assert lines == [f"[compile] cannot write the compilation cache {bad} (NotADirectoryError: Not "
+                   f"a directory): nothing is kept between starts; set "
+                   f"--config.train.compilation_cache_dir (or env JAX_COMPILATION_CACHE_DIR) to "
+                   f"a writable directory, or '' for none"]
+  assert updates == [("jax_enable_compilation_cache", False)]
+  config.train.compilation_cache_dir = str(tmp_path / "fine")  # made, and set
+  assert cli.setup_compilation_cache(config, log=lines.append) == str(tmp_path / "fine")
+  assert len(lines) == 1 and ("jax_compilation_cache_dir", str(tmp_path / "fine")) in updates
