@@ -156,9 +156,9 @@ PER_HOST_KEYS = ("train.compilation_cache_dir", "model.init_from", "data.source_
 
 
 def check_same_config(config) -> None:
-  """Multi-process: every process started with the same config (PER_HOST_KEYS aside) and
-  library versions, or a ValueError on every process naming what differs: a process on another
-  config runs other programs, and the rest wait on collectives it never joins."""
+  """Multi-process: every process started with the same config (PER_HOST_KEYS aside), library
+  versions and rloo_jax code, or a ValueError on every process naming what differs: a process
+  on another config runs other programs, and the rest wait on collectives it never joins."""
   if jax.process_count() == 1:
     return
   import hashlib  # pylint: disable=import-outside-toplevel
@@ -170,9 +170,10 @@ def check_same_config(config) -> None:
   sections = sorted(base_config().keys())  # the same list on every process
   digest = lambda kv: int(hashlib.sha256(json.dumps(sorted(kv), default=str).encode())
                           .hexdigest()[:8], 16) >> 1
-  labels = [f"config.{s}" for s in sections] + ["the library versions"]
+  labels = [f"config.{s}" for s in sections] + ["the library versions", "rloo_jax's code"]
   columns = [digest([(k, v) for k, v in flat.items() if k.split(".")[0] == s]) for s in sections]
-  columns += [digest(versions().items()), digest(flat.items())]  # the last: every key
+  columns += [digest(versions().items()), digest([("code", code_digest())]),
+              digest(flat.items())]  # the last: every key
   got = np.asarray(multihost_utils.process_allgather(np.array(columns, np.int32)))
   got = got.reshape(jax.process_count(), -1)
   if (got == got[0]).all():
@@ -181,7 +182,22 @@ def check_same_config(config) -> None:
   others = [str(i) for i in range(1, len(got)) if (got[i] != got[0]).any()]
   raise ValueError(f"the processes did not start alike: {', '.join(differ)} of process(es) "
                    f"{', '.join(others)} differ from process 0's; start every process with the "
-                   f"same --config, overrides and library versions")
+                   f"same --config, overrides, library versions and code")
+
+
+def code_digest() -> str:
+  """rloo_jax's own Python files, hashed: a host on a stale checkout differs here even where the
+  version string does not."""
+  import hashlib  # pylint: disable=import-outside-toplevel
+  root, h = os.path.dirname(os.path.abspath(__file__)), hashlib.sha256()
+  for folder, subfolders, files in os.walk(root):
+    subfolders.sort()
+    for name in sorted(f for f in files if f.endswith(".py")):
+      path = os.path.join(folder, name)
+      h.update(os.path.relpath(path, root).encode())
+      with open(path, "rb") as f:
+        h.update(f.read())
+  return h.hexdigest()
 
 
 def _portable_name(obj) -> str:

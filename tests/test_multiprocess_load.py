@@ -104,6 +104,14 @@ def _worker(process_id: int, port: int, out_path: str):
     versions_error = None
   except ValueError as e:
     versions_error = str(e)
+  workdir_lib.versions = real  # process 1 on a stale checkout of the same version
+  code = workdir_lib.code_digest
+  workdir_lib.code_digest = lambda: code() + ('stale' if process_id else '')
+  try:
+    workdir_lib.check_same_config(config)
+    code_error = None
+  except ValueError as e:
+    code_error = str(e)
   with open(out_path, 'w') as f:
     owners = [[d.process_index for d in row.reshape(-1)] for row in np.moveaxis(
         layout.mesh.devices, layout.mesh.axis_names.index('fsdp'), 0)]
@@ -112,6 +120,7 @@ def _worker(process_id: int, port: int, out_path: str):
                    cache_lines=cache_lines, shared_cache=os.path.join(root, 'shared_cache'),
                    workdir_error=workdir_error, own_workdir=sorted(os.listdir(own_workdir)),
                    config_error=config_error, versions_error=versions_error,
+                   code_error=code_error,
                    distinct_block_elements=blocks,
                    read_elements={k: int(m.sum()) for k, m in reads.items()},
                    sizes={k: int(m.size) for k, m in reads.items()},
@@ -172,13 +181,15 @@ def test_processes_started_with_different_configs_are_refused_naming_the_section
   for r in results:  # the same line on both: neither is left waiting on the other
     assert r['config_error'] == ("the processes did not start alike: config.rloo, config.train "
                                  "of process(es) 1 differ from process 0's; start every process "
-                                 "with the same --config, overrides and library versions")
+                                 "with the same --config, overrides, library versions and code")
 
 
-def test_processes_on_other_library_versions_are_refused(results):
+def test_processes_on_other_library_versions_or_code_are_refused(results):
   for r in results:
     assert r['versions_error'].startswith("the processes did not start alike: the library "
                                           "versions of process(es) 1 differ"), r['versions_error']
+    assert r['code_error'].startswith("the processes did not start alike: rloo_jax's code of "
+                                      "process(es) 1 differ"), r['code_error']
 
 
 def test_each_process_reads_only_its_devices_slices(results):
