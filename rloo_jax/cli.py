@@ -104,9 +104,9 @@ def unshared_cache_line(path: str):
   """Multi-process: the line process 0 prints when another process cannot read the compilation
   cache `path` (each host's own disk), else None. JAX writes the cache from process 0 only, so
   such a process compiles every program at every start, a preempted job's restart included.
-  Every process calls this (`workdir.blind_processes`)."""
+  Every process calls this (`workdir.blind_processes`), its cache off ('') too."""
   blind = workdir_lib.blind_processes(path)
-  if not blind or jax.process_index() != 0:
+  if not path or not blind or jax.process_index() != 0:
     return None
   return (f"[compile] {len(blind)} of {jax.process_count()} processes "
           f"({', '.join(map(str, blind))}) cannot read the compilation cache {path} (JAX writes "

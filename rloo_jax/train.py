@@ -55,7 +55,7 @@ def main(argv):
   multi = sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
                                           _PROCESS_ID.value, _CPU_DEVICES.value)
   cache = cli.setup_compilation_cache(_CONFIG.value)
-  line = cli.unshared_cache_line(cache) if multi and cache else None
+  line = cli.unshared_cache_line(cache) if multi else None  # a collective: every process
   if line:
     print(line, flush=True)
   try:

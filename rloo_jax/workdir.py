@@ -124,8 +124,8 @@ def check_config(workdir: str, config, *, log: Callable[[str], None] = print) ->
 
 def blind_processes(path: str) -> list:
   """The processes that cannot see a file process 0 writes in directory `path` (another host's
-  own disk where one shared directory was meant); [] in a single process. Every process of a
-  multi-process run calls this, and all get the same answer."""
+  own disk where one shared directory was meant; '' sees nothing); [] in a single process.
+  Every process of a multi-process run calls this, and all get the same answer."""
   if jax.process_count() == 1:
     return []
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -140,12 +140,13 @@ def blind_processes(path: str) -> list:
 
   marker = lambda t: epath.Path(path) / f".rloo_jax_shared_{t}"
   token = np.int32(int.from_bytes(os.urandom(4), "little") >> 1)
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and path:
     attempt(lambda: epath.Path(path).mkdir(parents=True, exist_ok=True)
             or marker(int(token)).write_text(""))
   token = int(multihost_utils.broadcast_one_to_all(token))  # process 0's, after its write
-  seen = np.asarray(multihost_utils.process_allgather(np.bool_(attempt(marker(token).exists))))
-  if jax.process_index() == 0:
+  seen = bool(path) and attempt(marker(token).exists)
+  seen = np.asarray(multihost_utils.process_allgather(np.bool_(seen)))
+  if jax.process_index() == 0 and path:
     attempt(lambda: marker(token).unlink(missing_ok=True))  # every process has looked (gather)
   return [i for i, s in enumerate(seen.reshape(-1)) if not s]
 

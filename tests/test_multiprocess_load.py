@@ -70,7 +70,10 @@ def _worker(process_id: int, port: int, out_path: str):
   from rloo_jax import cli
   root = os.path.dirname(out_path)
   cache_lines = [cli.unshared_cache_line(os.path.join(root, f'own_cache_{process_id}')),
-                 cli.unshared_cache_line(os.path.join(root, 'shared_cache'))]
+                 cli.unshared_cache_line(os.path.join(root, 'shared_cache')),
+                 # process 1's cache off (its directory could not be written): no hang, no line
+                 cli.unshared_cache_line('' if process_id else os.path.join(root, 'shared_cache')),
+                 cli.unshared_cache_line(os.path.join(root, 'shared_cache') if process_id else '')]
   # A workdir of each process's own: refused on every process before anything is written.
   from conftest import load_config
   from rloo_jax import algorithms
@@ -157,12 +160,13 @@ def test_each_process_holds_its_devices_blocks_equal_to_the_host_load(results):
 def test_process_0_says_when_another_process_cannot_read_the_compilation_cache(results):
   """JAX writes the cache from process 0 only: with each process's own directory, process 1
   compiles every start. Process 0 says so in one line naming the fix; a shared one is silent."""
-  own, shared = results[0]['cache_lines']
+  own, shared, one_off, zero_off = results[0]['cache_lines']
   assert own.startswith('[compile] 1 of 2 processes (1) cannot read the compilation cache ')
   assert own.endswith('own_cache_0 (JAX writes it from process 0 only), so they compile every '
                       'program at every start; set --config.train.compilation_cache_dir (or env '
                       'JAX_COMPILATION_CACHE_DIR) to a directory every host reads')
-  assert shared is None and results[1]['cache_lines'] == [None, None]  # process 1 prints nothing
+  assert shared is None and results[1]['cache_lines'] == [None] * 4  # process 1 prints nothing
+  assert one_off.startswith('[compile] 1 of 2 processes (1) cannot read') and zero_off is None
   assert os.listdir(results[0]['shared_cache']) == []  # the marker is gone
 
 
