@@ -12,6 +12,7 @@ new key keeps equal to the behaviour before it.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import socket
@@ -68,9 +69,9 @@ def versions() -> dict[str, str]:
   return out
 
 
-def flat_config(config) -> dict[str, Any]:
-  """The config as {'section.key': JSON value}; callables and other objects by their repr."""
-  tree = json.loads(json.dumps(config.to_dict(), default=repr))
+def flat_config(config, default: Callable[[Any], str] = repr) -> dict[str, Any]:
+  """The config as {'section.key': JSON value}; callables and other objects by `default`."""
+  tree = json.loads(json.dumps(config.to_dict(), default=default))
   flat = traverse_util.flatten_dict(tree, sep=".", keep_empty_nodes=True)
   return {k: {} if v is traverse_util.empty_node else v for k, v in flat.items()}
 
@@ -162,11 +163,9 @@ def check_same_config(config) -> None:
   on another config runs other programs, and the rest wait on collectives it never joins."""
   if jax.process_count() == 1:
     return
-  import hashlib  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  tree = json.loads(json.dumps(config.to_dict(), default=_portable_name))
-  flat = {k: v for k, v in traverse_util.flatten_dict(tree, sep=".").items()
+  flat = {k: v for k, v in flat_config(config, default=_portable_name).items()
           if k not in PER_HOST_KEYS}
   sections = sorted(base_config().keys())  # the same list on every process
   digest = lambda kv: int(hashlib.sha256(json.dumps(sorted(kv), default=str).encode())
@@ -189,7 +188,6 @@ def check_same_config(config) -> None:
 def code_digest() -> str:
   """rloo_jax's own Python files, hashed: a host on a stale checkout differs here even where the
   version string does not."""
-  import hashlib  # pylint: disable=import-outside-toplevel
   root, h = os.path.dirname(os.path.abspath(__file__)), hashlib.sha256()
   for folder, subfolders, files in os.walk(root):
     subfolders.sort()
