@@ -77,14 +77,17 @@ def _worker(process_id: int, port: int, out_path: str):
   # A workdir of each process's own: refused on every process before anything is written.
   from conftest import load_config
   from rloo_jax import algorithms
+  def refusal(fn, *args):  # the ValueError's message, or None
+    try:
+      fn(*args)
+    except ValueError as e:
+      return str(e)
+    return None
+
   own_workdir = os.path.join(root, f'own_workdir_{process_id}')
   config = load_config()
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2  # test_sharding's two processes
-  try:
-    algorithms.run(config, own_workdir, log=lambda *a: None)
-    workdir_error = None
-  except ValueError as e:
-    workdir_error = str(e)
+  workdir_error = refusal(lambda: algorithms.run(config, own_workdir, log=lambda *a: None))
   # Process 1 on another config: refused on both, naming the sections. A reward function and a
   # per-host path (its checkpoint's copy on each host) are no difference.
   from rloo_jax import workdir as workdir_lib
@@ -93,28 +96,16 @@ def _worker(process_id: int, port: int, out_path: str):
   workdir_lib.check_same_config(config)
   config.rloo.k += process_id
   config.train.log_every += process_id
-  try:
-    workdir_lib.check_same_config(config)
-    config_error = None
-  except ValueError as e:
-    config_error = str(e)
+  config_error = refusal(workdir_lib.check_same_config, config)
   real = workdir_lib.versions  # process 1 on another jax (the same config again)
   workdir_lib.versions = lambda: dict(real(), jax='0.0.1') if process_id else real()
   config.rloo.k -= process_id
   config.train.log_every -= process_id
-  try:
-    workdir_lib.check_same_config(config)
-    versions_error = None
-  except ValueError as e:
-    versions_error = str(e)
+  versions_error = refusal(workdir_lib.check_same_config, config)
   workdir_lib.versions = real  # process 1 on a stale checkout of the same version
   code = workdir_lib.code_digest
   workdir_lib.code_digest = lambda: code() + ('stale' if process_id else '')
-  try:
-    workdir_lib.check_same_config(config)
-    code_error = None
-  except ValueError as e:
-    code_error = str(e)
+  code_error = refusal(workdir_lib.check_same_config, config)
   with open(out_path, 'w') as f:
     owners = [[d.process_index for d in row.reshape(-1)] for row in np.moveaxis(
         layout.mesh.devices, layout.mesh.axis_names.index('fsdp'), 0)]
