@@ -179,8 +179,9 @@ class TrainStep:
     """{'update_gradients', 'update_apply'}: both programs lowered on (abstract) arguments."""
     if self.packer is not None:
       rows = self.packer.abstract(rows)
-    grads, value, _ = jax.eval_shape(self.grad_fn, *self._grad_args(state, rows))
-    return {"update_gradients": self.grad_fn.lower(*self._grad_args(state, rows)),
+    gradients_lowered = self.grad_fn.lower(*self._grad_args(state, rows))
+    grads, value, _ = gradients_lowered.out_info  # traced once: no eval_shape beside the lower
+    return {"update_gradients": gradients_lowered,
             "update_apply": self.apply_fn.lower(state, grads, value)}
 
   def _grad_args(self, state, rows) -> tuple:

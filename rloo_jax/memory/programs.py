@@ -283,10 +283,11 @@ def _compile_programs(algo, names, options) -> Compiled:
   sample_output *= c.rloo.num_prompts // r.chunk
   rows_bytes = per_device_bytes(x.rows)
   rows_sh, shape_bk = exp.layout.batch_sharding, (c.rloo.num_prompts, c.rloo.k)
-  score_args = (state.ref_params, state.adv_state, x.rows,
+  # The scoring pass's outputs (KL, advantages, reference log-probs), split like the rows; the
+  # advantages' program on the reference's float32 [N, T] log-probs (no model traced for it).
+  score_args = (_struct(x.rows.cmask_nt.shape, jnp.float32, rows_sh), state.adv_state, x.rows,
                 _struct(shape_bk, jnp.float32, rows_sh), _struct(shape_bk, jnp.bool_, rows_sh))
-  # The scoring pass's outputs (KL, advantages, reference log-probs), split like the rows.
-  scores = per_device_bytes(_with(jax.eval_shape(algo.score_fn, *score_args)[0], rows_sh))
+  scores = per_device_bytes(_with(jax.eval_shape(algo.advantage_fn, *score_args)[0], rows_sh))
   if "score" in names:
     # The scoring pass's program of any size: the reference's log-probs (the KL and advantages
     # after it are a few [B, k] operations, `RLOO.advantage_fn`).
