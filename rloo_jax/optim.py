@@ -6,6 +6,8 @@ recipe in one place, so the stages cannot drift apart and no stage imports anoth
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -20,21 +22,29 @@ class NonFiniteError(FloatingPointError):
 
 def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
   """`c` holds learning_rate, warmup_steps, schedule, weight_decay, b1, b2 and max_grad_norm
-  (config.optim, or a stage's own section); `total_steps` sizes the cosine decay."""
-  warmup = max(int(c.warmup_steps), 0)
-  if c.schedule == "constant":
-    after = optax.constant_schedule(c.learning_rate)
-  elif c.schedule == "cosine":
-    after = optax.cosine_decay_schedule(c.learning_rate, max(total_steps - warmup, 1))
-  else:
+  (config.optim, or a stage's own section); `total_steps` sizes the cosine decay. Equal settings
+  give the same object, so the programs that take it are shared (`platform.jit`)."""
+  if c.schedule not in SCHEDULES:
     raise ValueError(f"unknown schedule {c.schedule!r}; choose one of {SCHEDULES} "
                      "(config.optim.schedule)")
-  schedule = optax.join_schedules(
-      [optax.linear_schedule(0.0, c.learning_rate, max(warmup, 1)), after], [warmup]) \
+  return _optimizer(c.schedule, float(c.learning_rate), max(int(c.warmup_steps), 0),
+                    int(total_steps), float(c.weight_decay), float(c.b1), float(c.b2),
+                    float(c.max_grad_norm))
+
+
+@functools.lru_cache(maxsize=64)
+def _optimizer(schedule: str, learning_rate: float, warmup: int, total_steps: int,
+               weight_decay: float, b1: float, b2: float, max_grad_norm: float):
+  if schedule == "constant":
+    after = optax.constant_schedule(learning_rate)
+  else:
+    after = optax.cosine_decay_schedule(learning_rate, max(total_steps - warmup, 1))
+  lr = optax.join_schedules(
+      [optax.linear_schedule(0.0, learning_rate, max(warmup, 1)), after], [warmup]) \
       if warmup else after
   return optax.chain(
-      clip_by_global_norm(c.max_grad_norm) if c.max_grad_norm > 0 else optax.identity(),
-      optax.adamw(schedule, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
+      clip_by_global_norm(max_grad_norm) if max_grad_norm > 0 else optax.identity(),
+      optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

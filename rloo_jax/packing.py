@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import head_loss, loss
+from rloo_jax import head_loss, loss, platform
 
 # A row's unused tail: each token a segment of its own (PAD_SEGMENT + its column), above any
 # group's, so ids never decrease along a row and the blockwise kernel visits one block per tail
@@ -322,9 +322,8 @@ class Packer:
   def __post_init__(self):
     static = dict(k=self.k, budget=self.budget, rows_per_microbatch=self.rows_per_microbatch,
                   max_microbatches=self.max_microbatches)
-    object.__setattr__(self, "_pack", jax.jit(
-        functools.partial(pack, **static),
-        out_shardings=self.rows_sharding))
+    object.__setattr__(self, "_pack", platform.jit(functools.partial(pack, **static),
+                                                   out_shardings=self.rows_sharding))
 
   def plan(self, rows) -> Plan:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel

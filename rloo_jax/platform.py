@@ -3,6 +3,7 @@ jit that applies them (`jit_by_platform`), so one code path serves CPU, TPU and 
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Optional
 
@@ -49,3 +50,36 @@ class jit_by_platform:  # pylint: disable=invalid-name
 
   def _cache_size(self) -> int:
     return sum(j._cache_size() for j in self._jits.values())  # pylint: disable=protected-access
+
+
+# The programs `jit` shared, least recently asked for first: enough for a run, its memory plan
+# and a rebuilt experiment or two (jax.clear_caches() still drops their compiled executables).
+_SHARED: collections.OrderedDict = collections.OrderedDict()
+_SHARED_MAX = 256
+
+
+def _key(x):
+  """A hashable value equal for equal static arguments (a function by identity, a pytree by its
+  structure and leaves); TypeError where a leaf is unhashable (an array)."""
+  if isinstance(x, functools.partial):  # compared by identity otherwise
+    return x.func, _key(x.args), _key(x.keywords)
+  leaves, treedef = jax.tree.flatten(x)
+  if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+    hash(x)
+    return x
+  return treedef, tuple(_key(leaf) for leaf in leaves)
+
+
+def jit(fn, *, sharding=None, **kw) -> jit_by_platform:
+  """`jit_by_platform(fn, sharding, **kw)`, one object for equal arguments (`fn` a
+  functools.partial of equal arguments, equal shardings): an experiment built again, a memory
+  plan's candidates or a notebook's second run trace and lower each program once."""
+  try:
+    key = _key((fn, sharding, kw))
+  except TypeError:  # an array among the arguments: a program of its own
+    return jit_by_platform(fn, sharding, **kw)
+  hit = _SHARED.pop(key, None) or jit_by_platform(fn, sharding, **kw)
+  _SHARED[key] = hit
+  if len(_SHARED) > _SHARED_MAX:
+    _SHARED.popitem(last=False)
+  return hit

@@ -3,18 +3,15 @@ own small model trained from scratch by the SFT stage (`rloo_jax.sft`, cached in
 
 from __future__ import annotations
 
-import jax
-
-from rloo_jax import sft
+from rloo_jax import platform, sft
 from rloo_jax.models import hf, lora, transformer
 
 
 def create_params(exp, seed: int = 0):
   """A freshly initialised policy, created directly sharded (never whole on one device). With
   LoRA it is the base (no adapters): the starting policy is the same either way."""
-  # The module-level init: a second experiment of the same model and shardings reuses its trace.
-  init = jax.jit(transformer.init_params, static_argnums=(0, 1),
-                 out_shardings=exp.state_shardings.ref_params)
+  init = platform.jit(transformer.init_params, static_argnums=(0, 1),
+                      out_shardings=exp.state_shardings.ref_params)
   return init(lora.base_config(exp.model_config), seed)
 
 

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from rloo_jax import config_utils
-from rloo_jax import loss
+from rloo_jax import config_utils, loss, platform
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import pipeline
 from rloo_jax.checkpoint import Checkpointer
@@ -88,7 +87,7 @@ def train(config, workdir: str, fns, params, task, *, log=print, layout=None):
       os.makedirs(os.path.dirname(directory), exist_ok=True)
       with open(directory + ".json", "w") as f:  # what this cache entry was trained with
         json.dump(_settings(config), f, indent=1, sort_keys=True)
-    step_fn = jax.jit(functools.partial(sft_step, fns=fns, tx=tx), donate_argnums=0)
+    step_fn = platform.jit(functools.partial(sft_step, fns=fns, tx=tx), donate_argnums=0)
     start, skipped = time.time(), 0
     every = max(int(c.get("checkpoint_every", 0)) or c.steps, 1)
     for i in range(int(state.step), c.steps):

@@ -157,13 +157,13 @@ class TrainStep:
     # LoRA: the frozen base is a third, read-only argument of the gradient program.
     self.lora = getattr(state_shardings, "lora", False)
     frozen_sh = (state_shardings.ref_params,) if self.lora else ()
-    self.grad_fn = platform.jit_by_platform(
+    self.grad_fn = platform.jit(
         functools.partial(gradients, fns=fns, spec=spec, k=k, chunk_size=chunk_size,
                           microbatches=microbatches, param_shardings=params_sh,
                           rows_sharding=rows_sharding, fused_head=fused_head),
         in_shardings=(params_sh, rows_sharding, *frozen_sh),
         out_shardings=(params_sh, replicated, replicated), sharding=replicated)
-    self.apply_fn = platform.jit_by_platform(
+    self.apply_fn = platform.jit(
         functools.partial(apply_gradients, tx=tx),
         in_shardings=(state_shardings, params_sh, replicated),
         out_shardings=(state_shardings, replicated), donate_argnums=0, sharding=replicated)
@@ -222,7 +222,7 @@ class ReferencePass:
   def __init__(self, *, fns, k: int, chunk_size: int, microbatches: int, ref_sharding,
                rows_sharding, packer: packing.Packer | None = None, frozen_sharding=None):
     self.packer = packer
-    self.fn = platform.jit_by_platform(
+    self.fn = platform.jit(
         functools.partial(reference_logprobs, fns=fns, k=k, chunk_size=chunk_size,
                           microbatches=microbatches, rows_sharding=rows_sharding),
         in_shardings=(ref_sharding, rows_sharding,
@@ -272,6 +272,12 @@ def advantages_of(ref_logp, adv_state, rows, rewards_bk, usable_bk, *, beta: flo
                                       state=adv_state, **dict(options))
   return dict(kl_bk=kl.reshape(b, k), penalised_bk=penalised.reshape(b, k), advantages_bk=adv,
               ref_logp_nt=ref_logp), new_adv_state
+
+
+def take_units(rows, idx, *, k: int):
+  """Rollout units `idx` of the rows (whole groups of k, or samples): `minibatch_updates`'
+  take_fn, jitted by its caller."""
+  return rows.take(idx, k)
 
 
 def minibatch_updates(step_fn: Callable, take_fn: Callable, state, rows, rng, *,

@@ -269,6 +269,36 @@ def test_shared_prefix_equals_tiled_rows(tmp_path):
   assert int(state.opt_state[1][0].count) == 2 and np.isfinite(m["loss"]) and m["grad_norm"] > 0
 
 
+def test_an_experiment_built_again_traces_none_of_its_programs(tmp_path, monkeypatch):
+  """`platform.jit`: equal settings give one program object, so a second build of the same
+  config (a notebook's second run, a memory plan's candidates) traces nothing again, and a
+  changed setting retraces only the programs it enters (kl.beta: the advantages, not the
+  gradient)."""
+  from rloo_jax import update  # pylint: disable=import-outside-toplevel
+  traced = {name: count_traces(monkeypatch, update, name)
+            for name in ("gradients", "apply_gradients", "reference_logprobs", "advantages_of",
+                         "take_units")}
+  config = load_config()
+  config.train.num_minibatches = 2  # the minibatch gather runs too
+
+  def iteration():
+    exp = experiment.build(config, str(tmp_path))
+    algo = RLOO(exp)
+    algo.iteration(algo.init_state(models.create(exp.model_config)[1]), _first_batch(exp))
+    return algo
+
+  first = iteration()
+  once = {name: len(calls) for name, calls in traced.items()}
+  assert all(once.values()), once
+  again = iteration()
+  assert again.step_fn.grad_fn is first.step_fn.grad_fn
+  assert {name: len(calls) for name, calls in traced.items()} == once
+  config.kl.beta = 2 * config.kl.beta
+  iteration()
+  assert {name: len(calls) for name, calls in traced.items()} == dict(
+      once, advantages_of=2 * once["advantages_of"])
+
+
 def test_grouped_rows_take_keeps_each_prompt_with_its_samples():
   b, k = 3, 2
   n = b * k

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import load_config
+from conftest import count_traces, load_config
 from numerics import FIXTURE_TERMS, assert_f32_close
 from rloo_jax import engine as engine_lib
 from rloo_jax import experiment, models, rollout, sampler, update
@@ -148,6 +148,10 @@ def test_trimmed_rows_score_and_train_the_same(tmp_path, shared_prefix):
 def test_iterations_compile_the_train_step_once_per_bucket(tmp_path, monkeypatch):
   """Rollouts whose longest samples end at 2, 7, 12, 3 and 6 of the 12 columns are trained on
   4, 8, 12, 4 and 8 columns: three train-step shapes, ceil(12 / 4), however many iterations."""
+  # Counted from a function of their own: programs shared with other tests (`platform.jit`)
+  # would hide traces.
+  traced = {name: count_traces(monkeypatch, update, name)
+            for name in ("gradients", "reference_logprobs", "advantages_of")}
   exp = experiment.build(tiny_config(trim_bucket=BUCKET), str(tmp_path))
   algo = RLOO(exp)
   state = algo.init_state(models.create(exp.model_config)[1])
@@ -173,8 +177,9 @@ def test_iterations_compile_the_train_step_once_per_bucket(tmp_path, monkeypatch
     np.testing.assert_allclose(n * (p + m["update_columns"]) / m["update_tokens_per_s"],
                                m["update_s"], rtol=1e-6)
   assert columns == [4, 8, 12, 4, 8]
-  assert algo.step_fn._cache_size() == 3 == math.ceil(MAX_NEW_TOKENS / BUCKET)
-  assert algo.reference_fn._cache_size() <= 3 and algo.advantage_fn._cache_size() <= 3
+  assert len(traced["gradients"]) == 3 == math.ceil(MAX_NEW_TOKENS / BUCKET)
+  assert algo.step_fn._cache_size() == 3
+  assert len(traced["reference_logprobs"]) <= 3 and len(traced["advantages_of"]) <= 3
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from rloo_jax import adapters, dynamic_sampling, packing, policy_init, rollout, update
+from rloo_jax import adapters, dynamic_sampling, packing, platform, policy_init, rollout, update
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms.base import AlgorithmBase
 
@@ -142,16 +142,17 @@ class RLOO(AlgorithmBase):
         rows_sharding=rows_sh, packer=packer_of(exp, per="rollout"),
         frozen_sharding=state_sh.ref_params if lora_base else None,
     ) if c.loss.get("old_logprobs", "sampler") == "recompute" else None
-    self.advantage_fn = jax.jit(functools.partial(
+    self.advantage_fn = platform.jit(functools.partial(
         update.advantages_of, beta=float(c.kl.beta), kl_estimator=c.kl.estimator,
         kl_reduction=c.kl.reduction, estimator=c.advantage.estimator,
         options=tuple(sorted(dict(c.advantage.options).items()))),
         in_shardings=(rows_sh, state_sh.adv_state, rows_sh, rows_sh, rows_sh),
         out_shardings=(rows_sh, state_sh.adv_state))
-    self.rows_fn = jax.jit(functools.partial(rollout.make_rows, k=self.k,
-                                             shared_prefix=bool(c.train.shared_prefix)),
-                           in_shardings=(rows_sh,) * 5, out_shardings=rows_sh)
-    self.take_fn = jax.jit(lambda rows, idx: rows.take(idx, self.k), out_shardings=rows_sh)
+    self.rows_fn = platform.jit(functools.partial(rollout.make_rows, k=self.k,
+                                                  shared_prefix=bool(c.train.shared_prefix)),
+                                in_shardings=(rows_sh,) * 5, out_shardings=rows_sh)
+    self.take_fn = platform.jit(functools.partial(update.take_units, k=self.k),
+                                out_shardings=rows_sh)
     self.dynamic = (dynamic_sampling.DynamicSampler(
         exp, k=self.k, max_rounds=int(c.rloo.dynamic_sampling_max_rounds))
         if c.rloo.get("dynamic_sampling", False) else None)
