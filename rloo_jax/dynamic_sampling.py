@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rloo_jax import advantage, rollout, sampler
+from rloo_jax import advantage, platform, rollout, sampler
 
 
 def check_config(config) -> None:
@@ -71,14 +71,17 @@ class Groups(NamedTuple):
   informative: np.ndarray  # bool [B]
 
 
+def _take(a, b, idx):
+  """Rows `idx` of two rounds' arrays, concatenated."""
+  return jax.tree.map(lambda x, y: jnp.concatenate([x, y])[idx], a, b)
+
+
 class DynamicSampler:
   """Rolls out until the batch holds num_prompts informative groups, or the bound."""
 
   def __init__(self, exp, *, k: int, max_rounds: int):
     self.exp, self.k, self.max_rounds = exp, k, max_rounds
-    self._take = jax.jit(
-        lambda a, b, idx: jax.tree.map(lambda x, y: jnp.concatenate([x, y])[idx], a, b),
-        out_shardings=exp.layout.batch_sharding)
+    self._take = platform.jit(_take, out_shardings=exp.layout.batch_sharding)
 
   def __call__(self, params, batch: dict, batches, rng):
     """(the trained groups' local data batch, SampleOutput, rewards_bk, usable_bk, non-finite

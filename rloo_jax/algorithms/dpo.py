@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rloo_jax import config_utils, loss, rollout, sampling
+from rloo_jax import config_utils, loss, platform, rollout, sampling
 from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import pipeline
 from rloo_jax.models import transformer
@@ -206,7 +206,7 @@ def dataset_pairs(config, exp) -> list[dict]:
 def reference_logprobs(fns, ref_params, rows: dict, batch_size: int, chunk_size: int
                        ) -> np.ndarray:
   """Frozen reference log-probs of every row, in fixed-size batches (one compile)."""
-  f = jax.jit(functools.partial(sequence_logprobs, fns, chunk_size=chunk_size))
+  f = platform.jit(functools.partial(sequence_logprobs, fns, chunk_size=chunk_size))
   n = rows["tokens"].shape[0]
   out = []
   for s in range(0, n, batch_size):
@@ -257,7 +257,7 @@ class DPO(AlgorithmBase):
     super().__init__(exp)
     d = exp.config.dpo
     self.tx = make_optimizer(with_learning_rate(exp.config.optim, d.learning_rate), d.steps)
-    self.step_fn = jax.jit(functools.partial(
+    self.step_fn = platform.jit(functools.partial(
         train_step, fns=exp.fns, tx=self.tx, beta=float(d.beta),
         chunk_size=int(exp.config.train.logprob_chunk_size)), donate_argnums=0)
     self.rows = self.ref_logp = None

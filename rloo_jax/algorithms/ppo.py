@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rloo_jax import adapters, config_utils, loss, rollout
+from rloo_jax import adapters, config_utils, loss, platform, rollout, update
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms import ppo_math
 from rloo_jax.algorithms.base import AlgorithmBase
@@ -172,7 +172,7 @@ class PPO(AlgorithmBase):
     self.value_fns = transformer.model_fns(transformer.abstract(self.value_config)[0])
     steps = c.train.num_iterations * exp.updates_per_iteration
     self.value_tx = make_optimizer(with_learning_rate(c.optim, p.value_learning_rate), steps)
-    self.score_fn = jax.jit(functools.partial(
+    self.score_fn = platform.jit(functools.partial(
         score, fns=exp.fns, value_fns=self.value_fns, beta=float(c.kl.beta),
         kl_estimator=c.kl.estimator, gamma=float(p.gamma), lam=float(p.lam),
         whiten_advantages=bool(p.whiten_advantages),
@@ -183,12 +183,13 @@ class PPO(AlgorithmBase):
         train_step, fns=exp.fns, value_fns=self.value_fns, tx=exp.tx, value_tx=self.value_tx,
         clip_eps=float(c.loss.clip_eps), value_clip=float(p.value_clip),
         aggregation=p.aggregation, chunk_size=int(c.train.logprob_chunk_size))
-    self.step_fn = jax.jit(step, in_shardings=(self.state_shardings, rows_sh),
-                           out_shardings=(self.state_shardings, exp.layout.replicated),
-                           donate_argnums=0)
-    self.rows_fn = jax.jit(functools.partial(rollout.make_rows, k=self.k, shared_prefix=False),
-                           out_shardings=rows_sh)
-    self.take_fn = jax.jit(lambda rows, idx: rows.take(idx, self.k), out_shardings=rows_sh)
+    self.step_fn = platform.jit(step, in_shardings=(self.state_shardings, rows_sh),
+                                out_shardings=(self.state_shardings, exp.layout.replicated),
+                                donate_argnums=0)
+    self.rows_fn = platform.jit(functools.partial(rollout.make_rows, k=self.k,
+                                                  shared_prefix=False), out_shardings=rows_sh)
+    self.take_fn = platform.jit(functools.partial(update.take_units, k=self.k),
+                                out_shardings=rows_sh)
 
   def init_critic(self, policy_params, seed: int):
     if self.exp.config.ppo.critic_init == "random":

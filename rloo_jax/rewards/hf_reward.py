@@ -35,8 +35,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from rloo_jax import config_utils
-from rloo_jax import sharding
+from rloo_jax import config_utils, platform, sharding
 from rloo_jax.models import hf
 from rloo_jax.models import hf_export
 from rloo_jax.models import transformer
@@ -86,9 +85,9 @@ class HFRewardModel:
     # The fill of padding slots: any id works (masked), the pad id keeps the embedding in range.
     self._fill = next((i for i in (pad_token_id, tokenizer.pad_id) if i is not None), 0)
     self.fns = transformer.model_fns(transformer.abstract(config)[0], layout.param_gather(params))
-    # Built once per model: the jit cache (one entry per bucket) lives as long as the scorer.
-    self._score = jax.jit(functools.partial(scorer.sequence_scores, self.fns),
-                          out_shardings=layout.batch_sharding)
+    # One program per model and layout, shared by its scorers: one compile per bucket.
+    self._score = platform.jit(functools.partial(scorer.sequence_scores, self.fns),
+                               out_shardings=layout.batch_sharding)
 
   @property
   def __name__(self):  # RewardSet names its parts by __name__

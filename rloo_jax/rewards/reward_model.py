@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from rloo_jax import platform
 from rloo_jax.data import pipeline
 from rloo_jax.models import transformer
 from rloo_jax.optim import apply_if_finite, make_optimizer
@@ -210,7 +211,7 @@ def train(policy_config: transformer.TransformerConfig, policy_params, tokenizer
   state = RMState(jnp.zeros((), jnp.int32), params, tx.init(params))
   if layout is not None:
     state = layout.replicate_unplaced(state)  # the counters: one compile of the step, not two
-  step_fn = jax.jit(functools.partial(train_step, fns=fns, tx=tx), donate_argnums=0)
+  step_fn = platform.jit(functools.partial(train_step, fns=fns, tx=tx), donate_argnums=0)
 
   def make(records):
     return make_pair_batch([r["prompt"] for r in records], [r["chosen"] for r in records],
