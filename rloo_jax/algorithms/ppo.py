@@ -38,8 +38,8 @@ from rloo_jax import adapters, config_utils, loss, platform, rollout, update
 from rloo_jax import experiment as experiment_lib
 from rloo_jax.algorithms import ppo_math
 from rloo_jax.algorithms.base import AlgorithmBase
-from rloo_jax.algorithms.rloo import (rollout_metrics, rollout_rows, timed_updates,
-                                     trim_rollout)
+from rloo_jax.algorithms.rloo import (rollout_metrics, rollout_rows, sample_rows,
+                                     timed_updates, trim_rollout)
 from rloo_jax.models import transformer
 from rloo_jax.optim import apply_if_finite, make_optimizer, with_learning_rate
 from rloo_jax.rewards import reward_model
@@ -186,8 +186,8 @@ class PPO(AlgorithmBase):
     self.step_fn = platform.jit(step, in_shardings=(self.state_shardings, rows_sh),
                                 out_shardings=(self.state_shardings, exp.layout.replicated),
                                 donate_argnums=0)
-    self.rows_fn = platform.jit(functools.partial(rollout.make_rows, k=self.k,
-                                                  shared_prefix=False), out_shardings=rows_sh)
+    self.rows_fn = platform.jit(functools.partial(sample_rows, k=self.k, shared_prefix=False),
+                                out_shardings=rows_sh)
     self.take_fn = platform.jit(functools.partial(update.take_units, k=self.k),
                                 out_shardings=rows_sh)
 

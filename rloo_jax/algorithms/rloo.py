@@ -47,15 +47,22 @@ def timed_updates(algo, state, rows, rng, timings: dict):
 
 
 def rollout_rows(algo, batch, out):
-  """The rollout's rows (`algo.rows_fn`, i.e. `rollout.make_rows`) from this process's data
-  batch and the global sample output, every array split over the batch axes."""
+  """The rollout's rows (`algo.rows_fn`, i.e. `sample_rows`) from this process's data batch and
+  the global sample output, every array split over the batch axes."""
   layout = algo.exp.layout
-  n = out.tokens_bkt.shape[0] * out.tokens_bkt.shape[1]
   return algo.rows_fn(layout.shard_batch(batch["prompt_tokens"]),
                       layout.shard_batch(batch["prompt_lengths"]),
-                      layout.reshard_batch(out.tokens_bkt.reshape(n, -1)),
-                      layout.reshard_batch(out.mask_bkt.reshape(n, -1)),
-                      layout.reshard_batch(out.policy_logprobs_bkt.reshape(n, -1)))
+                      *(layout.reshard_batch(x) for x in (out.tokens_bkt, out.mask_bkt,
+                                                           out.policy_logprobs_bkt)))
+
+
+def sample_rows(prompt_tokens_bp, prompt_lengths_b, tokens_bkt, mask_bkt, logp_bkt, *, k: int,
+                shared_prefix: bool):
+  """`rollout.make_rows` of a sample output's [B, k, T] arrays, flattened to [B * k, T] inside
+  the program: reshaped eagerly, each global array was a program of its own every rollout."""
+  flat = lambda x: x.reshape(x.shape[0] * x.shape[1], -1)  # noqa: E731
+  return rollout.make_rows(prompt_tokens_bp, prompt_lengths_b, flat(tokens_bkt), flat(mask_bkt),
+                           flat(logp_bkt), k=k, shared_prefix=shared_prefix)
 
 
 def trim_rollout(exp, out, aggregation: str, max_len=None):
@@ -148,7 +155,7 @@ class RLOO(AlgorithmBase):
         options=tuple(sorted(dict(c.advantage.options).items()))),
         in_shardings=(rows_sh, state_sh.adv_state, rows_sh, rows_sh, rows_sh),
         out_shardings=(rows_sh, state_sh.adv_state))
-    self.rows_fn = platform.jit(functools.partial(rollout.make_rows, k=self.k,
+    self.rows_fn = platform.jit(functools.partial(sample_rows, k=self.k,
                                                   shared_prefix=bool(c.train.shared_prefix)),
                                 in_shardings=(rows_sh,) * 5, out_shardings=rows_sh)
     self.take_fn = platform.jit(functools.partial(update.take_units, k=self.k),
