@@ -26,7 +26,7 @@ from rloo_jax.config_utils import sequence_length
 from rloo_jax.data import chat, pipeline
 from rloo_jax.models import config as model_config_lib
 from rloo_jax.models import hf, lora, presets, transformer
-from rloo_jax.optim import make_optimizer
+from rloo_jax.optim import SCHEDULES, make_optimizer
 from rloo_jax.rewards import RewardReturnError, RewardSet, RewardTimeoutError, overlong
 
 
@@ -147,7 +147,8 @@ def validate_config(config) -> None:
       ("rewards.nan_policy", config.rewards.nan_policy, ("raise", "mask")),
       ("rloo.sampler_mode", r.sampler_mode, sampler_args.MODES),
       ("model.remat", m.get("remat", "none"), model_config_lib.REMAT_POLICIES),
-      ("model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES)):
+      ("model.ref_dtype", m.get("ref_dtype", ""), REF_DTYPES),
+      ("optim.schedule", config.optim.schedule, SCHEDULES)):
     _check_choice(f"config.{name}", value, choices)
   n = r.num_prompts * r.k
   if n % t.num_minibatches:

@@ -186,6 +186,8 @@ def test_sigkill_at_a_random_moment_then_resume_is_bit_identical(smoke_run, tmp_
     (dict(model=dict(init_from="/no/such/checkpoint")),
      r"config\.model\.init_from='/no/such/checkpoint' is not a directory"),
     (dict(loss=dict(type="ppo")), r"unknown config\.loss\.type 'ppo'"),
+    (dict(optim=dict(schedule="linear")),
+     r"unknown config\.optim\.schedule 'linear'; choose one of \('constant', 'cosine'\)"),
     (dict(rewards=dict(weights=[1.0, 2.0])), r"rewards\.fns has 1 entries but .*weights has 2"),
     (dict(rewards=dict(fns=["rloo_jax.rewards.verifiers:no_such_fn"])), r"no attribute 'no_such_fn'"),
 ])
