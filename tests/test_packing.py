@@ -206,8 +206,11 @@ def test_a_packed_run_trains_and_reports_the_loss_of_the_unpacked_one(tmp_path):
     out[budget] = algorithms.run(config, str(tmp_path / str(budget)))["last_metrics"]
   plain, packed = out.values()
   assert abs(plain["loss"]) > 1e-3 and plain["grad_norm"] > 1e-3
-  for key in ("loss", "grad_norm", "entropy", "kl", "reward_mean"):
+  for key in ("loss", "grad_norm", "entropy", "reward_mean"):
     np.testing.assert_allclose(packed[key], plain[key], rtol=1e-4, atol=1e-7, err_msg=key)
+  # The first iteration's policy is the reference: both KLs are 0 up to float32 rounding, whose
+  # sign depends on the CPU (6e-8 against -7e-8, packed and not, on an AVX-512 host).
+  assert abs(plain["kl"]) < 1e-6 and abs(packed["kl"]) < 1e-6, (plain["kl"], packed["kl"])
 
 
 def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path, monkeypatch):
