@@ -102,11 +102,34 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
 
 
+# The settings that enter every program's compilation-cache key beside the program (the cache
+# directory is XLA's autotune directory in the compile options): a file that changes one makes
+# every later file on its worker compile anew, in every run.
+_CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                   "jax_persistent_cache_min_compile_time_secs")
+
+
+def _cache_settings() -> dict:
+  return {**{name: getattr(jax.config, name) for name in _CACHE_SETTINGS},
+          "XLA_FLAGS": os.environ.get("XLA_FLAGS")}
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
+def _release_compiled_programs(request):
   """Each test file's compiled programs released after it (the disk cache keeps them): kept,
   a worker's executables' memory mappings near Linux's vm.max_map_count by the suite's end, where
-  XLA segfaults mapping one more, and the suite runs no faster."""
+  XLA segfaults mapping one more, and the suite runs no faster. A file that changed the cache's
+  settings fails here, and they are put back."""
+  before = _cache_settings()
   yield
   jax.clear_caches()
   gc.collect()  # the file's garbage cycles, which the thresholds above leave for later
+  changed = {k: v for k, v in _cache_settings().items() if v != before[k]}
+  if changed:
+    for name in set(changed) & set(_CACHE_SETTINGS):
+      jax.config.update(name, before[name])
+    if "XLA_FLAGS" in changed:
+      os.environ["XLA_FLAGS"] = before["XLA_FLAGS"]
+    pytest.fail(f"{request.module.__name__} changed {changed} (was "
+                f"{ {k: before[k] for k in changed} }): later files on this worker would compile "
+                "anew; monkeypatch jax.config.update or the environment instead")

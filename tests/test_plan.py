@@ -449,9 +449,14 @@ def test_a_missing_compiler_and_two_device_flags_are_one_line_errors(monkeypatch
   def missing(*args, **kw):
     raise RuntimeError("Unable to initialize backend 'tpu': no libtpu")
   monkeypatch.setattr(topologies, "get_topology_desc", missing)
+  # Recorded, not applied: with the compilation cache turned off in this worker, every later
+  # program's cache key would change (XLA's autotune cache directory is in its options).
+  updates = []
+  monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
   with pytest.raises(ValueError, match=r"--target=tpu-v5e-8: the TPU compiler is not available "
                                        r"here .*pip install -e \"\.\[plan\]\""):
     targets.devices(targets.parse("tpu-v5e-8"))
+  assert updates == [("jax_platforms", "cpu"), ("jax_enable_compilation_cache", False)]
   out = subprocess.run([sys.executable, "-m", "rloo_jax.plan", "--config=configs/arithmetic.py:smoke",
                         "--target=h100-8", "--devices=8"], cwd=REPO, capture_output=True, text=True)
   assert out.returncode == 1
