@@ -26,6 +26,9 @@ if _MISSING and os.environ.get("RLOO_JAX_ACCELERATOR_COMPILERS"):
                      'pip install -e ".[plan]"')
 pytestmark = pytest.mark.skipif(
     bool(_MISSING), reason=f"no {'/'.join(_MISSING)} compiler here (pip install -e \".[plan]\")")
+# Deviceless compiles turn the compilation cache off (`targets.devices`), as `rloo_jax.plan
+# --target` does; conftest puts it back after this file instead of failing it.
+CHANGES_COMPILATION_CACHE = True
 
 # Four chips: the TPU compiler's smallest slice (a data-parallel mesh; each smoke config's batch
 # grows to a minibatch of at least one prompt per chip).
