@@ -9,8 +9,8 @@
 
 One run is four steps, each trusting the one before: `validate` (every check on the config,
 once, before anything is read, written or compiled), `experiment.build`, the memory preflight
-(`memory.check`), `loop.run`. Each algorithm is an `base.AlgorithmBase`, which implements the
-protocol the loop drives (`base.Algorithm`).
+(`algo.preflight`: RLOO's plans the job, `memory.check`), `loop.run`. Each algorithm is an
+`base.AlgorithmBase`, which implements the protocol the loop drives (`base.Algorithm`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple, Optional
 
-from rloo_jax import experiment, loop, memory, sharding
+from rloo_jax import experiment, loop, sharding
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms import dpo, ppo
 from rloo_jax.algorithms.rloo import RLOO
-from rloo_jax.memory import budget
 from rloo_jax.models import attention_ops, traced_mesh
 from rloo_jax.rewards import RewardSet
 
@@ -97,7 +96,7 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   """Trains the configured algorithm in `workdir` (resuming); the summary.
 
   validate -> (the workdir's config compared, the workdir locked) -> build -> memory preflight
-  -> loop. Nothing is built, read or written before the config passed every check and matched
+  (`algo.preflight`) -> loop. Nothing is built, read or written before the config passed every check and matched
   the one the workdir was started with."""
   checked = validate(config, devices=devices, rewards=rewards)
   workdir = os.path.abspath(workdir)
@@ -108,8 +107,5 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
     log(algo.exp.rollout_shape.line)
     # config.train.check_memory: on an accelerator a job that cannot fit is refused here,
     # before the SFT stage and the first iteration compile anything.
-    report = None
-    if isinstance(algo, RLOO):  # config.train.microbatch_tokens='auto', planned on the mesh
-      algo, report = budget.resolve(algo, log=log)
-    memory.check(algo, log=log, report=report)
+    algo = algo.preflight(log=log)
     return loop.run(algo, workdir, log=log)

@@ -52,6 +52,10 @@ class Algorithm(Protocol):
   def checkpoint_state(self, state) -> Any:
     """What of the state a checkpoint holds."""
 
+  def preflight(self, log) -> "Algorithm":
+    """Before the loop (config.train.check_memory): the algorithm as it will run on its mesh,
+    or an error for a job that cannot fit its devices' memory."""
+
   def prepare(self, state) -> None:
     """Work that needs the state before the first iteration (DPO's pairs)."""
 
@@ -95,6 +99,15 @@ class AlgorithmBase:
 
   def checkpoint_state(self, state):
     return state
+
+  def preflight(self, log=print):
+    """The memory plan covers the RLOO programs only: on an accelerator mesh this algorithm
+    runs unchecked, and `log` says so."""
+    c = self.exp.config
+    if c.train.get("check_memory", True) and self.exp.layout.platform != "cpu":
+      log(f"[plan] config.train.check_memory: the memory plan covers the RLOO programs only; "
+          f"{self.name} is not checked")
+    return self
 
   def prepare(self, state) -> None:
     del state

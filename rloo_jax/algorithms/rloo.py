@@ -15,7 +15,9 @@ import numpy as np
 
 from rloo_jax import adapters, dynamic_sampling, packing, platform, policy_init, rollout, update
 from rloo_jax import experiment as experiment_lib
+from rloo_jax import memory
 from rloo_jax.algorithms.base import AlgorithmBase
+from rloo_jax.memory import budget
 
 
 def mean_step_metrics(step_metrics) -> dict:
@@ -193,6 +195,14 @@ class RLOO(AlgorithmBase):
 
   def init_state(self, params):
     return experiment_lib.init_state(self.exp, params)
+
+  def preflight(self, log=print):
+    """config.train.microbatch_tokens='auto' resolved on the mesh (`memory.budget.resolve`),
+    then, on an accelerator, the job planned against its devices' memory (`memory.check`, which
+    raises DoesNotFit naming the settings to turn). Returns the algorithm to run."""
+    algo, report = budget.resolve(self, log=log)
+    memory.check(algo, log=log, report=report)
+    return algo
 
   def eval_params(self, state):
     """With LoRA the policy is base + adapters, and the reference the base as the policy's

@@ -354,16 +354,12 @@ def check(algo, *, log=print, bytes_limit: Optional[int] = None,
           report: Optional[dict] = None) -> Optional[dict]:
   """config.train.check_memory: when the job's mesh is of accelerators, plans the RLOO job with
   their memory (`bytes_limit`: default, `device_memory_gb`) and raises DoesNotFit naming the
-  settings to turn; on a mesh of CPU devices (or for PPO / DPO, which the plan does not cover)
-  it does nothing. `report`: this job's plan at that memory, already made (`budget.resolve`)."""
+  settings to turn; on a mesh of CPU devices it does nothing (`RLOO.preflight` calls it; PPO
+  and DPO, which the plan does not cover, only say so). `report`: this job's plan at that memory, already made (`budget.resolve`)."""
   exp = algo.exp
   if not exp.config.train.get("check_memory", True):
     return None
   if exp.layout.platform == "cpu":
-    return None
-  if algo.name != "rloo":  # the plan covers the RLOO programs
-    log(f"[plan] config.train.check_memory: the memory plan covers the RLOO programs only; "
-        f"{algo.name} is not checked")
     return None
   gb = bytes_limit / GIB if bytes_limit else device_memory_gb(exp, log)
   if report is None:

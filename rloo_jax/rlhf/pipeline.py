@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rloo_jax import algorithms, experiment, loop, memory, policy_init
+from rloo_jax import algorithms, experiment, loop, policy_init
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.algorithms.rloo import RLOO
 from rloo_jax.config_utils import sequence_length
@@ -201,8 +201,8 @@ def run(config, workdir: str, *, log=print) -> dict:
       eval_rewards=RewardSet([gold_fn, scorer], [1.0, 0.0], ["gold", "proxy"]))
   rl_dir = os.path.join(workdir, "rloo")
   workdir_lib.check_config(rl_dir, rl_config, log=log)
-  rl_algo = RLOO(rl_exp)
-  memory.check(rl_algo, log=log)  # config.train.check_memory, before the loop compiles
+  # config.train.check_memory and microbatch_tokens='auto', before the loop compiles.
+  rl_algo = RLOO(rl_exp).preflight(log=log)
   # A copy: the policy's buffers are donated by the train step, the SFT params are reused.
   result = loop.run(rl_algo, rl_dir, log=log, keep_checkpoints=2,
                     initial_params=jax.tree.map(jnp.copy, sft_params))
