@@ -9,7 +9,7 @@ batches, iteration, eval_params, log_line, summary_extra).
 
 The config reaching the loop was validated once, before anything was built
 (`rloo_jax.algorithms.validate`), and an accelerator job's memory was planned before the loop
-starts (`rloo_jax.memory.check`, the step before `loop.run` in `algorithms.run`).
+starts (`algo.preflight`, the step before `loop.run` in `algorithms.run`).
 """
 
 from __future__ import annotations
