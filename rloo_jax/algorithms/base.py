@@ -1,9 +1,10 @@
 """What the outer loop (`rloo_jax.loop`) needs of an algorithm: the `Algorithm` protocol, and
 `AlgorithmBase`, its defaults, which RLOO, PPO and DPO extend.
 
-The loop calls every member below and probes for none: an algorithm that has nothing to do at a
-step (no work before the first iteration, a checkpoint that is the state itself) inherits the
-default that does nothing.
+The loop calls every member below but `preflight` (the step before it: `algorithms.run`, the
+RLHF pipeline's RL stage) and probes for none: an algorithm that has nothing to do at a step (no
+work before the first iteration, a checkpoint that is the state itself) inherits the default
+that does nothing.
 """
 
 from __future__ import annotations
