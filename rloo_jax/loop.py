@@ -5,7 +5,7 @@ work from being lost (docs/RELIABILITY.md). Side effects live here and only here
 algorithm brings its state, its batches and one iteration through the protocol
 `rloo_jax.algorithms.base.Algorithm`, every member of which the loop calls (exp, name, label,
 num_iterations, eval_every, abstract_state, init_state, resume_state, checkpoint_state, prepare,
-batches, iteration, eval_params, log_line, summary_extra).
+batches, iteration, eval_params, log_line, summary_extra) but `preflight`, the step before it.
 
 The config reaching the loop was validated once, before anything was built
 (`rloo_jax.algorithms.validate`), and an accelerator job's memory was planned before the loop

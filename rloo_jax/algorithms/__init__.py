@@ -96,8 +96,8 @@ def run(config, workdir: str, *, log=print, devices=None, rewards: Optional[Rewa
   """Trains the configured algorithm in `workdir` (resuming); the summary.
 
   validate -> (the workdir's config compared, the workdir locked) -> build -> memory preflight
-  (`algo.preflight`) -> loop. Nothing is built, read or written before the config passed every check and matched
-  the one the workdir was started with."""
+  (`algo.preflight`) -> loop. Nothing is built, read or written before the config passed every
+  check and matched the one the workdir was started with."""
   checked = validate(config, devices=devices, rewards=rewards)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)

@@ -355,7 +355,8 @@ def check(algo, *, log=print, bytes_limit: Optional[int] = None,
   """config.train.check_memory: when the job's mesh is of accelerators, plans the RLOO job with
   their memory (`bytes_limit`: default, `device_memory_gb`) and raises DoesNotFit naming the
   settings to turn; on a mesh of CPU devices it does nothing (`RLOO.preflight` calls it; PPO
-  and DPO, which the plan does not cover, only say so). `report`: this job's plan at that memory, already made (`budget.resolve`)."""
+  and DPO, which the plan does not cover, only say so). `report`: this job's plan at that
+  memory, already made (`budget.resolve`)."""
   exp = algo.exp
   if not exp.config.train.get("check_memory", True):
     return None
