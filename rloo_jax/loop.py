@@ -151,7 +151,9 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     if restored is not None:
       step, state, meta = restored
       before = meta.get("before")
-      state = algo.resume_state(state, initial_params)  # LoRA: the base checkpoints leave out
+      # LoRA: the base the checkpoints leave out is the starting policy, loaded here if asked.
+      state = algo.resume_state(state, lambda: initial_params if initial_params is not None
+                                else policy_init.initial_params(exp, log=log))
       log(f"[{algo.name}] resumed from iteration {step} in {ckpt.directory}")
     else:
       params = initial_params if initial_params is not None else policy_init.initial_params(

@@ -30,7 +30,7 @@ from flax import traverse_util
 import ml_collections
 import numpy as np
 
-from rloo_jax import algorithms, rollout, sampler, sampler_args, sampling
+from rloo_jax import algorithms, policy_init, rollout, sampler, sampler_args, sampling
 from rloo_jax import workdir as workdir_lib
 from rloo_jax.checkpoint import Checkpointer
 from rloo_jax.data import chat, pipeline
@@ -247,7 +247,8 @@ def _load_workdir(workdir: str, step: Optional[int]) -> Policy:
     raise ValueError(f"checkpoint {step} in {ckpt_dir} is unreadable (moved to "
                      f"checkpoints_corrupt/); the newest readable one before it is step {got}")
   exp = algo.exp
-  state = algo.resume_state(state)  # LoRA: the base that checkpoints leave out
+  # LoRA: the base that checkpoints leave out, the run's starting policy.
+  state = algo.resume_state(state, lambda: policy_init.initial_params(exp))
   return Policy(exp.fns, algo.eval_params(state)[0], exp.tokenizer,
                 max_new_tokens=config.rloo.max_new_tokens,
                 max_prompt_len=config.data.max_prompt_len,

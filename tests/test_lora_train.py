@@ -125,9 +125,12 @@ def test_checkpoints_hold_no_base_and_resume_after_sigkill_is_bit_identical(tmp_
                     for shape, dtype in specs.values())
   # Adapters, two moments, and the scalars (step, rng, counters).
   assert saved_bytes < 3 * adapter_bytes + 1024
+  logged = []
   resumed = algorithms.run(lora_smoke(num_iterations=6, checkpoint_every=1, eval_every=0), wd,
-                           log=quiet)
+                           log=logged.append)
   assert resumed["iterations"] == 6
+  # The base comes back from the cached SFT policy, loaded by the loop with the run's log.
+  assert any(line.startswith("[sft] restored the cached SFT policy") for line in logged), logged
   state = resumed["state"]
   for name in ("params", "opt_state", "ref_params"):
     for a, b in zip(jax.tree.leaves(getattr(reference, name)),

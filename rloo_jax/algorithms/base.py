@@ -9,7 +9,7 @@ that does nothing.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from rloo_jax import experiment as experiment_lib
 from rloo_jax import loop
@@ -47,8 +47,9 @@ class Algorithm(Protocol):
   def init_state(self, params) -> Any:
     """The state at iteration 0 from the starting policy's params."""
 
-  def resume_state(self, state, initial_params=None) -> Any:
-    """A restored state made whole (LoRA: the base that checkpoints leave out)."""
+  def resume_state(self, state, base_params: Callable[[], Any]) -> Any:
+    """A restored state made whole (LoRA: the base that checkpoints leave out, `base_params()`:
+    the starting policy, which the caller loads, and logs, only when it is called)."""
 
   def checkpoint_state(self, state) -> Any:
     """What of the state a checkpoint holds."""
@@ -94,8 +95,8 @@ class AlgorithmBase:
   def eval_every(self) -> int:
     return int(self.exp.config.train.eval_every)
 
-  def resume_state(self, state, initial_params=None):
-    del initial_params
+  def resume_state(self, state, base_params):
+    del base_params
     return state
 
   def checkpoint_state(self, state):

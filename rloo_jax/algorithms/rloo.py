@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from rloo_jax import adapters, dynamic_sampling, packing, platform, policy_init, rollout, update
+from rloo_jax import adapters, dynamic_sampling, packing, platform, rollout, update
 from rloo_jax import experiment as experiment_lib
 from rloo_jax import memory
 from rloo_jax.algorithms.base import AlgorithmBase
@@ -184,14 +184,11 @@ class RLOO(AlgorithmBase):
   def checkpoint_state(self, state):
     return adapters.checkpoint_state(state)
 
-  def resume_state(self, state, initial_params=None):
-    """A restored state made whole: with LoRA, the base put back from `initial_params` (default:
-    config.model.init_from or the cached SFT policy, `policy_init.initial_params`)."""
+  def resume_state(self, state, base_params):
+    """A restored state made whole: with LoRA, the base put back from `base_params()`."""
     if not state.lora:
       return state
-    if initial_params is None:
-      initial_params = policy_init.initial_params(self.exp)
-    return adapters.resume_state(self.exp, state, initial_params)
+    return adapters.resume_state(self.exp, state, base_params())
 
   def init_state(self, params):
     return experiment_lib.init_state(self.exp, params)
