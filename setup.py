@@ -44,9 +44,9 @@ setup(
         # The viewer of the event files every run writes: tensorboard --logdir <workdir>/tensorboard
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
-        # Live parity checks against transformers and the TRL / HF-generate benchmarks. torch 2.13.0
-        # is pinned so pip takes the CPU wheel rather than a multi-GB CUDA build.
-        "hf": ["torch==2.13.0", "transformers>=4.50"],
+        # Live parity checks against transformers and PEFT, and the TRL / HF-generate benchmarks.
+        # torch 2.13.0 is pinned so pip takes the CPU wheel rather than a multi-GB CUDA build.
+        "hf": ["torch==2.13.0", "transformers>=4.50", "peft"],
         # The TPU and GPU compilers, run deviceless by `python -m rloo_jax.plan --target=...`
         # (libtpu; the CUDA plugin compiles with no GPU, and with cuDNN's libraries, which
         # attention='cudnn' compiles against, what 'auto' picks on a GPU). Pinned to jax's version.
