@@ -254,7 +254,14 @@ def test_rlhf_pipeline_smoke(tmp_path, monkeypatch):
   config = load_config(name="summarize")
   sft_traces = count_traces(monkeypatch, sft, "sft_step")
   rm_traces = count_traces(monkeypatch, rm, "train_step")
+  # The RL stage goes through the algorithm's preflight, as algorithms.run does (its budget).
+  from rloo_jax.algorithms.rloo import RLOO  # pylint: disable=import-outside-toplevel
+  preflights = []
+  real_preflight = RLOO.preflight
+  monkeypatch.setattr(RLOO, "preflight", lambda self, log=print: (
+      preflights.append(self), real_preflight(self, log))[1])
   summary = pipeline.run(config, workdir, log=quiet)
+  assert len(preflights) == 1
   # The SFT and reward-model steps compile once each: their counters start on the mesh the
   # steps return them on (started on one device, each step compiled again at step 2).
   assert len(sft_traces) == 1 and len(rm_traces) == 1, (sft_traces, rm_traces)
