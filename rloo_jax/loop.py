@@ -147,18 +147,20 @@ def _run(algo, workdir, *, log, initial_params, evaluator, keep_checkpoints, eva
     if eval_every is None:
       eval_every = algo.eval_every
     total = algo.num_iterations
+    def starting_policy():
+      if initial_params is not None:
+        return initial_params
+      return policy_init.initial_params(exp, log=log)
+
     restored = ckpt.restore(algo.abstract_state()) if ckpt.latest_step() is not None else None
     if restored is not None:
       step, state, meta = restored
       before = meta.get("before")
-      # LoRA: the base the checkpoints leave out is the starting policy, loaded here if asked.
-      state = algo.resume_state(state, lambda: initial_params if initial_params is not None
-                                else policy_init.initial_params(exp, log=log))
+      # LoRA: the base the checkpoints leave out is the starting policy, loaded only if asked.
+      state = algo.resume_state(state, starting_policy)
       log(f"[{algo.name}] resumed from iteration {step} in {ckpt.directory}")
     else:
-      params = initial_params if initial_params is not None else policy_init.initial_params(
-          exp, log=log)
-      state, meta, before = algo.init_state(params), None, None
+      state, meta, before = algo.init_state(starting_policy()), None, None
     algo.prepare(state)
     data = algo.batches()
     for what, n, of in (("training", data.num_dropped, data.num_records),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from rloo_jax import experiment as experiment_lib
-from rloo_jax import loop
+from rloo_jax import loop, memory
 
 
 class Batches(Protocol):
@@ -105,8 +105,7 @@ class AlgorithmBase:
   def preflight(self, log=print):
     """The memory plan covers the RLOO programs only: on an accelerator mesh this algorithm
     runs unchecked, and `log` says so."""
-    c = self.exp.config
-    if c.train.get("check_memory", True) and self.exp.layout.platform != "cpu":
+    if memory.checks(self.exp):
       log(f"[plan] config.train.check_memory: the memory plan covers the RLOO programs only; "
           f"{self.name} is not checked")
     return self

@@ -350,6 +350,11 @@ def device_memory_gb(exp, log=None) -> float:
   return DEFAULT_DEVICE_MEMORY_GB
 
 
+def checks(exp) -> bool:
+  """Whether config.train.check_memory plans this job: on, and its mesh of accelerators."""
+  return bool(exp.config.train.get("check_memory", True)) and exp.layout.platform != "cpu"
+
+
 def check(algo, *, log=print, bytes_limit: Optional[int] = None,
           report: Optional[dict] = None) -> Optional[dict]:
   """config.train.check_memory: when the job's mesh is of accelerators, plans the RLOO job with
@@ -358,9 +363,7 @@ def check(algo, *, log=print, bytes_limit: Optional[int] = None,
   and DPO, which the plan does not cover, only say so). `report`: this job's plan at that
   memory, already made (`budget.resolve`)."""
   exp = algo.exp
-  if not exp.config.train.get("check_memory", True):
-    return None
-  if exp.layout.platform == "cpu":
+  if not checks(exp):
     return None
   gb = bytes_limit / GIB if bytes_limit else device_memory_gb(exp, log)
   if report is None:
