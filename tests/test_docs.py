@@ -1,0 +1,136 @@
+"""Every command README.md and docs/ give still parses: the flags of `python -m rloo_jax.*` and
+of the scripts in experiments/ exist, and each `--config=FILE[:ARG]` with its `--config.*`
+overrides loads through ml_collections as the command line would. Nothing runs or compiles."""
+import argparse
+import ast
+import functools
+import glob
+import os
+import re
+import runpy
+import shlex
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from rloo_jax import cli  # noqa: F401  (registers the comma-list parser the CLI uses)
+
+from conftest import REPO
+
+# absl's own flags, which every `python -m rloo_jax.*` entry point accepts.
+ABSL_FLAGS = {"verbosity", "v", "logtostderr", "alsologtostderr", "log_dir", "help", "helpfull"}
+# config_flags loads a config file with importlib's load_module.
+pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
+PLACEHOLDER = re.compile(r"\.\.\.|<|~|/ckpt/")  # a path the reader fills in
+
+
+def _commands():
+  """(doc, program, argument string) for each `python -m rloo_jax.X` / `python experiments/X.py`
+  in README.md and docs/*.md, continuation lines joined."""
+  found = []
+  for path in ["README.md"] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))):
+    text = re.sub(r"\\\n\s*", " ", open(os.path.join(REPO, path)).read())
+    # An inline `command` the prose wraps onto the next line is one command.
+    parts = re.split(r"(```.*?```)", text, flags=re.S)
+    text = "".join(p if p.startswith("```") else
+                   re.sub(r"`[^`]+`", lambda m: m.group(0).replace("\n", " "), p) for p in parts)
+    for m in re.finditer(r"python3? (-m rloo_jax\.\w+|experiments/\w+\.py)([^`|#\n]*)", text):
+      found.append((os.path.relpath(os.path.join(REPO, path), REPO), m.group(1), m.group(2)))
+  return found
+
+
+COMMANDS = _commands()
+
+
+@functools.lru_cache(maxsize=None)
+def _absl_flags(source: str) -> frozenset:
+  """The names a module defines with absl's DEFINE_* (read from its source: importing two entry
+  points would define --config twice in absl's global flags)."""
+  names = set()
+  for node in ast.walk(ast.parse(open(os.path.join(REPO, source)).read())):
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+      f = node.func
+      if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")).startswith("DEFINE"):
+        names.add(node.args[0].value)
+  return frozenset(names)
+
+
+def _check_absl(source, args):
+  names = _absl_flags(source) | ABSL_FLAGS
+  for arg in args:
+    name = arg[2:].split("=")[0].split(".")[0]
+    assert name in names or (name[:2] == "no" and name[2:] in names), (
+        f"{source} defines no flag --{name} (given as {arg})")
+
+
+def _check_config(args):
+  """The config file and overrides, parsed exactly as `config_flags` does for the CLI."""
+  argv = ["prog"] + [a for a in args if a.split("=")[0].split(".")[0] == "--config"]
+  if not any(a.startswith("--config=") for a in argv) or PLACEHOLDER.search(" ".join(argv)):
+    return  # no file named, or one the reader fills in
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True,
+                                  sys_argv=argv)
+  fv(argv)
+  assert fv.config is not None
+
+
+class _Parsed(Exception):
+  pass
+
+
+def _check_argparse(script, args, monkeypatch, capsys):
+  """Runs the script's own argument parsing with the doc's arguments, and stops there."""
+  real = argparse.ArgumentParser.parse_args
+
+  def parse_and_stop(self, argv=None, namespace=None):
+    real(self, argv, namespace)
+    raise _Parsed
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+  monkeypatch.setattr(sys, "argv", [script] + args)
+  monkeypatch.syspath_prepend(os.path.join(REPO, "experiments"))  # as `python experiments/x.py`
+  environ = dict(os.environ)  # a script may set variables before its parsing
+  try:
+    runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+  except _Parsed:
+    return
+  except SystemExit as e:
+    pytest.fail(f"{script} {' '.join(args)}: {capsys.readouterr().err.strip() or e}")
+  finally:
+    os.environ.clear()
+    os.environ.update(environ)
+  pytest.fail(f"{script} returned without parsing its arguments")
+
+
+def test_the_docs_name_commands():
+  programs = {p for _, p, _ in COMMANDS}
+  assert {"-m rloo_jax.train", "-m rloo_jax.plan", "-m rloo_jax.export",
+          "-m rloo_jax.winrate"} <= programs and len(COMMANDS) > 100
+
+
+@pytest.mark.parametrize("doc,program,rest", COMMANDS,
+                         ids=[f"{d}:{p.split('/')[-1]}:{i}" for i, (d, p, _) in
+                              enumerate(COMMANDS)])
+def test_a_documented_command_parses(doc, program, rest, monkeypatch, capsys):
+  args = [a for a in shlex.split(rest) if a not in ("[", "]")]
+  flags_given = [a.strip("[]") for a in args if a.startswith(("--", "[--"))]
+  if program.startswith("-m "):
+    _check_absl(program[3:].replace(".", "/") + ".py", flags_given)
+    _check_config(flags_given)
+    return
+  assert os.path.exists(os.path.join(REPO, program)), f"{doc} runs {program}, which is gone"
+  source = open(os.path.join(REPO, program)).read()
+  if not args:
+    return  # the script named in prose, not a command
+  if "argparse" in source:
+    if PLACEHOLDER.search(rest):
+      args = [a for a in args if not PLACEHOLDER.search(a)]
+    _check_argparse(program, args, monkeypatch, capsys)
+  elif "DEFINE" in source:
+    _check_absl(program, flags_given)
+    _check_config(flags_given)
+  else:  # run_notebook.py: its one argument names a notebook
+    for name in args:
+      assert os.path.exists(os.path.join(REPO, "notebooks", f"{name}.ipynb")), (doc, name)
