@@ -1,8 +1,8 @@
 """Every command README.md, docs/ and the docstrings of configs/, rloo_jax/ and experiments/ give
 still parses: the flags of `python -m rloo_jax.*` and of the scripts in experiments/ exist (a
 script's own argparse parses the arguments), and each `--config=FILE[:ARG]` with its
-`--config.*` overrides loads through ml_collections as the command line would. Nothing trains
-or compiles."""
+`--config.*` overrides loads through ml_collections as the command line would and passes the
+settings' own checks. Nothing trains or compiles."""
 import argparse
 import ast
 import functools
@@ -18,6 +18,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from rloo_jax import algorithms, experiment
 from rloo_jax import cli  # noqa: F401  (registers the comma-list parser the CLI uses)
 
 from conftest import REPO
@@ -81,12 +82,20 @@ def _check_config(args):
   """The config file and overrides, parsed exactly as `config_flags` does for the CLI."""
   argv = ["prog"] + [a for a in args if a.split("=")[0].split(".")[0] == "--config"]
   if not any(a.startswith("--config=") for a in argv) or PLACEHOLDER.search(" ".join(argv)):
-    return  # no file named, or one the reader fills in
+    return None  # no file named, or one the reader fills in
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True,
                                   sys_argv=argv)
   fv(argv)
-  assert fv.config is not None
+  return fv.config
+
+
+def _check_settings(config):
+  """The settings' own checks (`experiment.validate_config`: each a one-line error), which need
+  no devices; a hub id's files are not fetched here."""
+  init = config.model.init_from
+  if not init or os.path.isdir(init):
+    experiment.validate_config(algorithms.resolve(config)[1])
 
 
 class _Parsed(Exception):
@@ -138,7 +147,9 @@ def test_a_documented_command_parses(doc, program, rest, monkeypatch, capsys):
   flags_given = [a for a in args if a.startswith("--")]
   if program.startswith("-m "):
     _check_absl(program[3:].replace(".", "/") + ".py", flags_given)
-    _check_config(flags_given)
+    config = _check_config(flags_given)
+    if config is not None and program in ("-m rloo_jax.train", "-m rloo_jax.plan"):
+      _check_settings(config)
     return
   assert os.path.exists(os.path.join(REPO, program)), f"{doc} runs {program}, which is gone"
   source = open(os.path.join(REPO, program)).read()
