@@ -93,11 +93,12 @@ def _check(attend_fn, ref_fn, args, valid):
   """Values and gradients of attend_fn against ref_fn on the rows `valid` marks."""
   w = jnp.asarray(np.random.default_rng(9).standard_normal(valid.shape + (H, G, D)), jnp.float32)
   loss = lambda f: lambda *a: jnp.sum(jnp.where(valid[..., None, None, None], f(*a), 0.0) * w)
-  got, want = attend_fn(*args), ref_fn(*args)
+  # Jitted, as the model runs them: one program each, not hundreds of eager ops.
+  got, want = jax.jit(attend_fn)(*args), jax.jit(ref_fn)(*args)
   terms = jax.tree.leaves(args[1])[0].size // B  # a row's keys x head_dim: bounds both sums
   assert_f32_close(np.asarray(got)[valid], np.asarray(want)[valid], terms)
-  grads_got = jax.grad(loss(attend_fn), argnums=(0, 1, 2))(*args)
-  grads_want = jax.grad(loss(ref_fn), argnums=(0, 1, 2))(*args)
+  grads_got = jax.jit(jax.grad(loss(attend_fn), argnums=(0, 1, 2)))(*args)
+  grads_want = jax.jit(jax.grad(loss(ref_fn), argnums=(0, 1, 2)))(*args)
   for a, b in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want)):
     assert_f32_close(a, b, terms)
 
