@@ -142,8 +142,9 @@ def test_the_docs_name_commands():
                          ids=[f"{d}:{p.split('/')[-1]}:{i}" for i, (d, p, _) in
                               enumerate(COMMANDS)])
 def test_a_documented_command_parses(doc, program, rest, monkeypatch, capsys):
-  args = [a.strip("[]") for a in shlex.split(rest)]  # [--optional flags] of a usage line
-  args = [a for a in args if a]
+  # A usage line's [--optional flags]; a value's own brackets (`=[1,2]`) stay.
+  args = [a[1:] if a.startswith("[--") else a for a in shlex.split(rest) if a not in "[]"]
+  args = [a[:-1] if a.endswith("]") and "[" not in a else a for a in args]
   flags_given = [a for a in args if a.startswith("--")]
   if program.startswith("-m "):
     _check_absl(program[3:].replace(".", "/") + ".py", flags_given)
