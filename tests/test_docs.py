@@ -157,9 +157,7 @@ def test_a_documented_command_parses(doc, program, rest, monkeypatch, capsys):
   if not args:
     return  # the script named in prose, not a command
   if "argparse" in source:
-    if PLACEHOLDER.search(rest):
-      args = [a for a in args if not PLACEHOLDER.search(a)]
-    _check_argparse(program, args, monkeypatch, capsys)
+    _check_argparse(program, [a for a in args if not PLACEHOLDER.search(a)], monkeypatch, capsys)
   elif "DEFINE" in source:
     _check_absl(program, flags_given)
     _check_config(flags_given)
