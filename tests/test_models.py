@@ -159,12 +159,17 @@ def test_grouped_forward_equals_tiled_rows(model, monkeypatch):
                                  np.concatenate([tile(ppos), cpos], 1),
                                  np.concatenate([tile(pmask), cmask], 1), head_slice=(P - 1, T))
   grouped = lambda prm: fns.grouped(prm, ptok, ppos, pmask, ctok, cpos, cmask)
-  a, b = jax.jit(flat)(params), jax.jit(grouped)(params)
+  w = jnp.asarray(rng.standard_normal((B * K, T, config.vocab_size)), jnp.float32)
+
+  def with_grad(f):
+    """f's logits and the gradient of their sum weighted by w: one program, as a train step."""
+    weighted = lambda prm: (lambda y: (jnp.sum(y * w), y))(f(prm))
+    (_, y), g = jax.jit(jax.value_and_grad(weighted, has_aux=True))(params)
+    return y, g
+
+  (a, ga), (b, gb) = with_grad(flat), with_grad(grouped)
   assert b.shape == (B * K, T, config.vocab_size) and b.dtype == jnp.float32
   assert_f32_close(b, a, FIXTURE_TERMS)
-  w = jnp.asarray(rng.standard_normal(a.shape), jnp.float32)
-  ga = jax.jit(jax.grad(lambda prm: jnp.sum(flat(prm) * w)))(params)
-  gb = jax.jit(jax.grad(lambda prm: jnp.sum(grouped(prm) * w)))(params)
   scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(ga))
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5 * scale)
@@ -175,8 +180,8 @@ def test_grouped_forward_equals_tiled_rows(model, monkeypatch):
   monkeypatch.setattr(traced_mesh, 'batch_ways', lambda: 6)
   split = lambda prm: fns.grouped(prm, ptok, ppos, pmask, ctok, cpos, cmask)
   assert f'i32[6,{P}]' in str(jax.make_jaxpr(split)(params))
-  assert_f32_close(jax.jit(split)(params), a, FIXTURE_TERMS)
-  gc = jax.jit(jax.grad(lambda prm: jnp.sum(split(prm) * w)))(params)
+  c, gc = with_grad(split)
+  assert_f32_close(c, a, FIXTURE_TERMS)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gc)):
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5 * scale)
 
