@@ -107,6 +107,9 @@ def _check_argparse(script, args, monkeypatch, capsys):
   real = argparse.ArgumentParser.parse_args
 
   def parse_and_stop(self, argv=None, namespace=None):
+    # A doc's flag by its whole name: a prefix argparse accepts today is ambiguous once a
+    # script gains a flag that starts the same.
+    self.allow_abbrev = False
     real(self, argv, namespace)
     raise _Parsed
   monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
