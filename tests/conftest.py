@@ -27,13 +27,16 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 # Every program, however small: the tests build the same few tiny models again and again, and a
 # warm suite loads them from disk (the suite at 0.2 s: a third slower, cold or warm).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# The suite's own CPU codegen, unless the caller chose one (.ci/run's numerics rerun compiles
-# with XLA's default emitters at LLVM's full optimisation): compiling the tests' tiny programs
-# costs more than running them, and LLVM unoptimised with XLA:CPU's older fusion emitters (not
-# the MLIR ones) compiles the whole suite in about half the time (README, Quickstart).
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                             " --xla_cpu_use_fusion_emitters=false").strip()
+# The suite's own CPU codegen where the caller set no optimisation level (.ci/run's numerics
+# rerun sets one, and compiles with XLA's default emitters), a flag the caller set kept: the tests
+# tiny programs cost more to compile than to run, and LLVM unoptimised with XLA:CPU's older fusion
+# emitters (not the MLIR ones) compiles the whole suite in about half the time (README).
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_backend_optimization_level" not in _flags:
+  _flags += " --xla_backend_optimization_level=0"
+  if "--xla_cpu_use_fusion_emitters" not in _flags:
+    _flags += " --xla_cpu_use_fusion_emitters=false"
+  os.environ["XLA_FLAGS"] = _flags.strip()
 
 # Tracing makes millions of short-lived objects: at Python's default thresholds a collection
 # runs every 700 allocations and the older generations' walk every live jaxpr again and again.
