@@ -28,7 +28,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 # warm suite loads them from disk (the suite at 0.2 s: a third slower, cold or warm).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The suite's own CPU codegen where the caller set no optimisation level (.ci/run's numerics
-# rerun sets one, and compiles with XLA's default emitters), a flag the caller set kept: the tests
+# rerun sets one, and compiles with XLA's default emitters), a flag the caller set kept: the tests'
 # tiny programs cost more to compile than to run, and LLVM unoptimised with XLA:CPU's older fusion
 # emitters (not the MLIR ones) compiles the whole suite in about half the time (README).
 _flags = os.environ.get("XLA_FLAGS", "")
