@@ -163,7 +163,9 @@ def test_grouped_forward_equals_tiled_rows(model, monkeypatch):
 
   def with_grad(f):
     """f's logits and the gradient of their sum weighted by w: one program, as a train step."""
-    weighted = lambda prm: (lambda y: (jnp.sum(y * w), y))(f(prm))
+    def weighted(prm):
+      y = f(prm)
+      return jnp.sum(y * w), y
     (_, y), g = jax.jit(jax.value_and_grad(weighted, has_aux=True))(params)
     return y, g
 
