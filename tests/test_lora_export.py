@@ -49,6 +49,18 @@ def test_merged_export_reloads_as_the_lora_policy(family, tmp_path):
   assert_f32_close(again[mask], ours[mask], FIXTURE_TERMS)
 
 
+def _assert_same_logits(torch, model, fns, params, rows):
+  """A torch model's logits on the fixture's rows equal ours, where the mask is set."""
+  tokens, positions, mask = rows
+  ours = np.asarray(fns.forward(params, tokens, positions, mask))
+  with torch.no_grad():
+    theirs = model(input_ids=torch.tensor(tokens).long(),
+                   attention_mask=torch.tensor(mask.astype(np.int64)),
+                   position_ids=torch.tensor(positions).long()).logits.numpy()
+  m = mask.astype(bool)
+  assert_f32_close(theirs[m], ours[m], FIXTURE_TERMS)
+
+
 def _state(params):
   """A minimal train-state stand-in for `adapters.reference_as_policy`."""
   ad, base = lora.split(params)
@@ -58,18 +70,12 @@ def _state(params):
 def test_transformers_loads_the_merged_export_within_1e4(tmp_path):
   torch = pytest.importorskip('torch', reason='needs torch + transformers (the "hf" extra)')
   transformers = pytest.importorskip('transformers')
-  src, cfg, fns, params, (tokens, positions, mask) = _lora_model('llama')
+  src, cfg, fns, params, rows = _lora_model('llama')
   hf_export.save_pretrained(params, cfg, str(tmp_path), dtype='float32', tokenizer_dir=src)
   model, info = transformers.AutoModelForCausalLM.from_pretrained(
       str(tmp_path), dtype=torch.float32, output_loading_info=True)
   assert not any(info.values()), info
-  ours = np.asarray(fns.forward(params, tokens, positions, mask))
-  with torch.no_grad():
-    theirs = model(input_ids=torch.tensor(tokens).long(),
-                   attention_mask=torch.tensor(mask.astype(np.int64)),
-                   position_ids=torch.tensor(positions).long()).logits.numpy()
-  m = mask.astype(bool)
-  assert_f32_close(theirs[m], ours[m], FIXTURE_TERMS)
+  _assert_same_logits(torch, model, fns, params, rows)
 
 
 def test_peft_directory_layout(tmp_path):
@@ -96,17 +102,11 @@ def test_peft_loads_the_adapter_onto_the_base_with_the_same_logits(family, tmp_p
   torch = pytest.importorskip('torch', reason='needs torch + transformers + peft')
   transformers = pytest.importorskip('transformers')
   peft = pytest.importorskip('peft')
-  src, cfg, fns, params, (tokens, positions, mask) = _lora_model(family)
+  src, cfg, fns, params, rows = _lora_model(family)
   peft_export.save_adapter(params, cfg, str(tmp_path / 'adapter'), base_model=src)
   base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
   model = peft.PeftModel.from_pretrained(base, str(tmp_path / 'adapter'))
-  ours = np.asarray(fns.forward(params, tokens, positions, mask))
-  with torch.no_grad():
-    theirs = model(input_ids=torch.tensor(tokens).long(),
-                   attention_mask=torch.tensor(mask.astype(np.int64)),
-                   position_ids=torch.tensor(positions).long()).logits.numpy()
-  m = mask.astype(bool)
-  assert_f32_close(theirs[m], ours[m], FIXTURE_TERMS)
+  _assert_same_logits(torch, model, fns, params, rows)
 
 
 def test_export_cli_of_a_lora_run_merges_or_writes_the_adapters(tmp_path):
