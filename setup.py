@@ -7,11 +7,14 @@ setup(
     description="REINFORCE Leave-One-Out (RLOO) for RLHF in JAX / Flax NNX",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # as flax 0.12's
     packages=find_packages(include=["rloo_jax", "rloo_jax.*"]),
     install_requires=[
-        "jax>=0.7",
-        "flax>=0.12",
+        # The jax the suite passes on, on every Python (3.12 and 3.13 would otherwise get jax 0.12:
+        # no --xla_cpu_use_fusion_emitters, other XLA:CPU memory plans, a two-process CPU run
+        # that hangs on a program loaded from another run's cache); older ones fail its tests.
+        "jax>=0.10.2,<0.11",
+        "flax>=0.12.8",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
         "chex>=0.1.90",

@@ -27,15 +27,28 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 # Every program, however small: the tests build the same few tiny models again and again, and a
 # warm suite loads them from disk (the suite at 0.2 s: a third slower, cold or warm).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def _xla_knows(flag: str) -> bool:
+  """Whether this jaxlib's XLA takes `flag`: one it does not know in XLA_FLAGS aborts the process
+  (jaxlib 0.12 has no --xla_cpu_use_fusion_emitters), so a child process tries it."""
+  probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                         env=dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu"),
+                         capture_output=True, check=False)
+  return probe.returncode == 0
+
+
 # The suite's own CPU codegen where the caller set no optimisation level (.ci/run's numerics
 # rerun sets one, and compiles with XLA's default emitters), a flag the caller set kept: the tests'
 # tiny programs cost more to compile than to run, and LLVM unoptimised with XLA:CPU's older fusion
-# emitters (not the MLIR ones) compiles the whole suite in about half the time (README).
+# emitters (not the MLIR ones) compiles the whole suite in about half the time (README). The
+# xdist workers inherit the flags, so only the first process probes.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
-  if "--xla_cpu_use_fusion_emitters" not in _flags:
-    _flags += " --xla_cpu_use_fusion_emitters=false"
+  _emitters = "--xla_cpu_use_fusion_emitters=false"
+  if "--xla_cpu_use_fusion_emitters" not in _flags and _xla_knows(_emitters):
+    _flags += " " + _emitters
   os.environ["XLA_FLAGS"] = _flags.strip()
 
 # Tracing makes millions of short-lived objects: at Python's default thresholds a collection
