@@ -141,6 +141,22 @@ def test_the_docs_name_commands():
           "-m rloo_jax.winrate"} <= programs and len(COMMANDS) > 100
 
 
+def test_every_pinned_jax_is_the_one_setup_py_holds():
+  """A jax (or jaxlib, or its TPU or CUDA package) pinned anywhere, the extras, constraints.txt or
+  an install line of the docs and notebooks, is the lower bound of setup.py's jax range (the
+  version the suite passes on): a later bump of that range cannot leave a doc installing another."""
+  setup = open(os.path.join(REPO, "setup.py")).read()
+  held = re.search(r'"jax>=([\d.]+),<[\d.]+"', setup).group(1)
+  pins = {}
+  for path in ["setup.py", "constraints.txt", "README.md"] + sorted(
+      glob.glob("docs/*.md", root_dir=REPO) + glob.glob("notebooks/*.ipynb", root_dir=REPO)):
+    for m in re.finditer(r"\bjax(?:lib|-cuda12-\w+)?(?:\[\w+\])?==([\d.]+)",
+                         open(os.path.join(REPO, path)).read()):
+      pins.setdefault(path, set()).add(m.group(1))
+  assert {"setup.py", "constraints.txt", "notebooks/quickstart.ipynb"} <= set(pins), pins
+  assert all(found == {held} for found in pins.values()), (held, pins)
+
+
 @pytest.mark.parametrize("doc,program,rest", COMMANDS,
                          ids=[f"{d}:{p.split('/')[-1]}:{i}" for i, (d, p, _) in
                               enumerate(COMMANDS)])
