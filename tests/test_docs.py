@@ -183,3 +183,32 @@ def test_a_documented_command_parses(doc, program, rest, monkeypatch, capsys):
   else:  # run_notebook.py: its one argument names a notebook
     for name in args:
       assert os.path.exists(os.path.join(REPO, "notebooks", f"{name}.ipynb")), (doc, name)
+
+
+def _requirements():
+  """setup.py's install_requires and its test and hf extras, as written."""
+  call = next(n for n in ast.walk(ast.parse(open(os.path.join(REPO, "setup.py")).read()))
+              if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+  kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords
+        if k.arg in ("install_requires", "extras_require")}
+  return kw["install_requires"] + kw["extras_require"]["test"] + kw["extras_require"]["hf"]
+
+
+def test_every_requirement_has_the_lower_bound_readme_measured():
+  """Each requirement has a lower bound (pip keeps any preinstalled version that meets it, and
+  `--resolution lowest-direct` takes it), and README's lowest-versions install names those
+  bounds: a bound raised or lowered without rerunning that measurement fails here."""
+  bounds = {}
+  for req in _requirements():
+    m = re.match(r"([A-Za-z0-9_.-]+)(?:\[\w+\])?\s*(?:>=|==)\s*([\w.+]+)", req)
+    assert m, f"setup.py: {req!r} has no lower bound"
+    bounds[m.group(1).lower().replace("_", "-")] = m.group(2)
+  readme = open(os.path.join(REPO, "README.md")).read()
+  para = readme[readme.index("--resolution lowest-direct"):]
+  para = para[:para.index("Below those bounds")]  # then the versions that failed
+  named = {n.lower().replace("_", "-"): v
+           for n, v in re.findall(r"\b([a-z][\w-]*) (\d+\.\d+\.\d+)\b", para)}
+  assert len(named) >= 10 and set(named) <= set(bounds), (named, set(named) - set(bounds))
+  version = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")) + (0,) * 2
+  assert {n: version(v)[:3] for n, v in named.items()} == \
+      {n: version(bounds[n])[:3] for n in named}, (named, bounds)

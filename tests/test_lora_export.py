@@ -73,7 +73,7 @@ def test_transformers_loads_the_merged_export_within_1e4(tmp_path):
   src, cfg, fns, params, rows = _lora_model('llama')
   hf_export.save_pretrained(params, cfg, str(tmp_path), dtype='float32', tokenizer_dir=src)
   model, info = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path), dtype=torch.float32, output_loading_info=True)
+      str(tmp_path), dtype=torch.float32, output_loading_info=True, attn_implementation='eager')
   assert not any(info.values()), info
   _assert_same_logits(torch, model, fns, params, rows)
 
@@ -104,7 +104,8 @@ def test_peft_loads_the_adapter_onto_the_base_with_the_same_logits(family, tmp_p
   peft = pytest.importorskip('peft')
   src, cfg, fns, params, rows = _lora_model(family)
   peft_export.save_adapter(params, cfg, str(tmp_path / 'adapter'), base_model=src)
-  base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+  base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                                           attn_implementation='eager')
   model = peft.PeftModel.from_pretrained(base, str(tmp_path / 'adapter'))
   _assert_same_logits(torch, model, fns, params, rows)
 
