@@ -22,7 +22,8 @@ setup(
         "optax>=0.2.6,!=0.2.7",
         "orbax-checkpoint>=0.11.17",
         "chex>=0.1.90",
-        "ml_collections>=1.0",
+        # 1.0.0 compiles with a SyntaxWarning on Python 3.12+: a line before a run's one-line error.
+        "ml_collections>=1.1.0",
         # Datasets are tfds builders stored as array_record and read with tfds.data_source / grain:
         # no TensorFlow anywhere.
         # 4.9.9 and older read dataset features through a protobuf field protobuf 7 removed.
