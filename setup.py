@@ -28,8 +28,8 @@ setup(
         # no TensorFlow anywhere.
         # 4.9.9 and older read dataset features through a protobuf field protobuf 7 removed.
         "tensorflow-datasets>=4.9.10",
-        # Its tensorflow-metadata 1.21 is protobuf 6.31 gencode but asks only for protobuf>=4.25:
-        # under an older protobuf (Colab's 5.29) `import tensorflow_datasets` fails.
+        # Its tensorflow-metadata 1.21 is protobuf 6.31 gencode but asks only for protobuf>=4.25;
+        # under protobuf 5 (wandb before 0.19.10 holds it below 6) tfds does not import.
         "protobuf>=6.31.1",
         "array_record>=0.7.1",
         "grain>=0.2.10",

@@ -292,8 +292,8 @@ def test_transformers_loads_the_export_with_the_same_logits(family, tmp_path):
   params = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape)
                                      for x, k in zip(leaves, keys)])
   hf_export.save_pretrained(params, config, str(tmp_path), dtype='float32', tokenizer_dir=src)
-  # Eager: transformers' reference attention. Its SDPA path drops Gemma 2's logit soft-cap
-  # before 5.21 (logits 0.4 apart), which would test transformers, not the export.
+  # Eager: transformers' reference attention. Its SDPA path drops Gemma 2's attention soft-cap
+  # before 5.21 (docs/EXPORT.md), which would test transformers, not the export.
   model, info = transformers.AutoModelForCausalLM.from_pretrained(
       str(tmp_path), dtype=torch.float32, output_loading_info=True, attn_implementation='eager')
   assert not any(info.values()), info
