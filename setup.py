@@ -9,8 +9,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",  # as flax 0.12's
     packages=find_packages(include=["rloo_jax", "rloo_jax.*"]),
-    # Each lower bound is what `uv pip install --resolution lowest-direct -e ".[test]"` takes, and
-    # the suite passes there (README): pip keeps an installed version (Colab's) that meets it.
+    # Each lower bound here and in [test] / [hf] is what `uv pip install --resolution lowest-direct`
+    # takes, and the tests pass there (README): pip keeps an installed version that meets it.
     install_requires=[
         # The jax the suite passes on, on every Python (3.12 and 3.13 would otherwise get jax 0.12:
         # no --xla_cpu_use_fusion_emitters, other XLA:CPU memory plans, a two-process CPU run
