@@ -54,10 +54,13 @@ setup(
         # wandb: the optional Weights & Biases writer is tested offline (WANDB_MODE=offline).
         # pytest-xdist 3.8: pytest.ini's --no-loadscope-reorder.
         "test": ["pytest>=8", "pytest-xdist>=3.8", "nbclient>=0.10", "nbformat>=5.10",
-                 "ipykernel>=6.29", "wandb>=0.19.10"],
+                 "ipykernel>=6.29", "wandb>=0.19.10", "math-verify>=0.7.0"],
         # The viewer of the event files every run writes: tensorboard --logdir <workdir>/tensorboard
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb>=0.19.10"],
+        # rloo_jax.rewards.math_answer (configs/math.py). Before 0.7 several boxed answers
+        # counted as right when one was: boxing every candidate would be rewarded.
+        "math": ["math-verify>=0.7.0"],
         # Live parity checks against transformers and PEFT, and the TRL / HF-generate benchmarks.
         # torch 2.13.0 is pinned so pip takes the CPU wheel rather than a multi-GB CUDA build.
         # transformers 4.57 fails the parity tests on padded rows (llama3, gemma3, PEFT adapters).

@@ -28,6 +28,7 @@ import numpy as np
 
 from rloo_jax import passk, rollout, sampler_args, sampling
 from rloo_jax.data import gsm8k_answer, pipeline
+from rloo_jax.rewards.answers import last_boxed
 from rloo_jax.rewards.preferences import win_rate_stats
 
 
@@ -166,10 +167,15 @@ class Evaluator:
 
 def answer_ids(texts, k: int) -> np.ndarray:
   """int32 [len(texts) / k, k]: for each group of k texts, the index of the first text in the
-  group with the same final answer (the number a GSM8K-style completion ends on, else the
-  stripped text), so equal ids mean equal answers."""
-  numbers = [gsm8k_answer.extract_answer(t) for t in texts]
-  answers = [t.strip() if x is None else str(x) for t, x in zip(texts, numbers)]
+  group with the same final answer (its last \\boxed{} without spaces, else the number a
+  GSM8K-style completion ends on, else the stripped text), so equal ids mean equal answers."""
+  def key(text):
+    boxed = last_boxed(text)
+    if boxed is not None:
+      return "boxed:" + "".join(boxed.split())
+    number = gsm8k_answer.extract_answer(text)
+    return text.strip() if number is None else gsm8k_answer.normalize(number)  # 4.0 is 4
+  answers = [key(t) for t in texts]
   groups = [answers[i:i + k] for i in range(0, len(answers), k)]
   return np.asarray([[g.index(a) for a in g] for g in groups], np.int32).reshape(-1, k)
 

@@ -1,6 +1,6 @@
-"""The paper's configs (configs/tldr.py, hh.py, gsm8k.py): their settings, their tasks' data (the
-paper's prompt formats and length filters, with counts), DPO on the tasks' own preference data,
-and each `:smoke` variant end to end on a tiny random checkpoint of its family."""
+"""The paper's configs (configs/tldr.py, hh.py, gsm8k.py) and configs/math.py: their settings,
+their tasks' data (the paper's prompt formats and length filters, with counts), DPO on the tasks'
+own preference data, and each `:smoke` variant end to end on a tiny random checkpoint."""
 import json
 import os
 import subprocess
@@ -12,7 +12,7 @@ from conftest import REPO, load_config
 from rloo_jax import algorithms, experiment, tasks
 from rloo_jax.data.builder import stats
 
-SMOKE_RUNS = ("tldr", "hh", "gsm8k")
+SMOKE_RUNS = ("tldr", "hh", "gsm8k", "math")
 
 
 @pytest.mark.parametrize("name,model,beta,prompt_len", [
@@ -48,6 +48,21 @@ def test_gsm8k_is_verls_rloo_example():
   assert single.model.lora.rank == 16 and single.rloo.num_prompts == 128
   assert single.model.remat == "full"  # one device: the room goes to the batch
   assert load_config("single", "gsm8k").model.init_from == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_math_is_deepscalers_first_stage():
+  c = load_config("", "math")
+  assert (c.rloo.num_prompts, c.rloo.k, c.data.max_prompt_len, c.rloo.max_new_tokens) == (
+      128, 8, 1024, 8192)
+  assert (c.rloo.temperature, c.optim.learning_rate, c.train.num_minibatches) == (0.6, 1e-6, 2)
+  assert c.model.init_from == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" and c.sft.steps == 0
+  assert list(c.rewards.fns) == ["rloo_jax.rewards.math_answer:math_answer"]
+  assert c.train.microbatch_tokens == "auto" and c.train.eval_samples == 16
+  assert c.rloo.decode_layers == "unstacked"  # what the plan advises (docs/USAGE.md)
+  later = load_config("max_new_tokens=24576,lora=16,model=deepseek-r1-distill-qwen-1.5b", "math")
+  assert later.rloo.max_new_tokens == 24576
+  assert later.model.preset == "deepseek-r1-distill-qwen-1.5b"
+  assert later.model.lora.rank == 16 and later.rloo.decode_layers == "auto"
 
 
 def test_a_paper_task_without_a_checkpoint_or_reward_model_names_the_fix(tmp_path):
@@ -123,7 +138,7 @@ def test_the_smoke_config_trains_end_to_end(name, tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   train = [r for r in rows if "train/reward_mean" in r]
   assert len(train) == 2 and all(r["train/reward_mean"] == r["train/reward_mean"] for r in train)
-  if name == "gsm8k":
+  if name in ("gsm8k", "math"):
     return
   # The paper's evaluation on the trained run: greedy win rate against the references (TL;DR's
   # summaries, HH's chosen responses), judged by the tiny reward model (Bradley-Terry).

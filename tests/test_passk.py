@@ -26,6 +26,11 @@ def test_pass_at_k_is_the_chance_a_k_subset_holds_a_correct_sample(n, c, k):
 def test_answer_ids_name_each_sample_by_the_first_in_its_group_with_its_answer():
   texts = ["so the answer is 4", "4", "#### 5", " 4 ", "x", "y", "x ", "The total is 7."]
   np.testing.assert_array_equal(evaluation.answer_ids(texts, 4), [[0, 0, 2, 0], [0, 1, 0, 3]])
+  # Math answers vote by their last boxed answer (nested braces whole, spaces ignored), not by
+  # the last number in it: 3/4 and 1/4 differ, \\frac{3}{4} twice agrees; 4.0 is 4.
+  texts = ["so \\boxed{\\frac{3}{4}}", "\\boxed{\\frac{1}{4}}", "\\boxed{ \\frac{3}{4} }",
+           "\\boxed{3} then \\boxed{\\frac{3}{4}} and \\boxed{1", "4", "\\boxed{4}", "4.0", "x"]
+  np.testing.assert_array_equal(evaluation.answer_ids(texts, 4), [[0, 1, 0, 0], [0, 1, 0, 3]])
 
 
 def test_majority_vote_takes_the_most_common_answer_ties_first_given():

@@ -28,6 +28,8 @@ PUBLISHED = {
     "gemma-2-2b": 2_614_341_888, "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952,
     # Llama-3.1-70B's hub page: 70.6B. Llama-2-7B's exact count (6,738,415,616).
     "llama-3-70b": 70.6e9, "llama-2-7b": 6_738_415_616,
+    # DeepSeek-R1-Distill-Qwen-1.5B's hub page: 1.78B (Qwen2.5-1.5B's with an untied head).
+    "deepseek-r1-distill-qwen-1.5b": 1.78e9,
 }
 
 

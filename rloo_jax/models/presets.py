@@ -65,6 +65,11 @@ PRESETS = types.MappingProxyType({
                         vocab_size=151936, max_seq_len=32768, tie_embeddings=True),
     'qwen2.5-7b': _arch(_QWEN2, e=3584, layers=28, heads=28, kv=4, ff=18944,
                         vocab_size=152064, max_seq_len=131072, tie_embeddings=False),
+    # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B (DeepScaleR's start): Qwen2.5-Math-1.5B's
+    # shapes, RoPE base 10k, its head untied from the embedding.
+    'deepseek-r1-distill-qwen-1.5b': _arch(_QWEN2, e=1536, layers=28, heads=12, kv=2, ff=8960,
+                                           vocab_size=151936, max_seq_len=131072,
+                                           tie_embeddings=False, rope_theta=10000.0),
     # Qwen/Qwen2-7B: the same shapes as Qwen2.5-7B.
     'qwen2-7b': _arch(_QWEN2, e=3584, layers=28, heads=28, kv=4, ff=18944,
                       vocab_size=152064, max_seq_len=131072, tie_embeddings=False),

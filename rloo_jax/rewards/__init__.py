@@ -4,6 +4,7 @@
                   'hf_reward_model:<dir or hub id>'
   reward_set      RewardSet: the weighted sum a run optimises, with per-function parts
   verifiers       programmatic rewards (arithmetic exact match) and load_reward_fn
+  math_answer     competition-math answers by math-verify (the [math] extra; not imported here)
   noise           reward noise for robustness ablations
   reward_model    Bradley-Terry reward-model training
   scorer          RewardModelScorer: a trained reward model as a reward function; save/load

@@ -18,6 +18,24 @@ def cut(text: str, stop: str | None) -> str:
   return text
 
 
+def last_boxed(text: str) -> str | None:
+  """The content of the last `\\boxed{...}` in `text` (its braces matched), or None."""
+  start = text.rfind("\\boxed")
+  while start >= 0:
+    i = start + len("\\boxed")
+    while i < len(text) and text[i].isspace():
+      i += 1
+    depth, j = 0, i
+    for j in range(i, len(text)):
+      depth += {"{": 1, "}": -1}.get(text[j], 0)
+      if depth == 0:
+        break
+    if i < len(text) and text[i] == "{" and depth == 0:
+      return text[i + 1:j]
+    start = text.rfind("\\boxed", 0, start)  # unclosed (cut off): the one before
+  return None
+
+
 def num_rows(prompts: Sequence[str], completions: Sequence[str]) -> int:
   n = len(completions)
   if len(prompts) != n:

@@ -3,6 +3,9 @@
   arithmetic_exact_match   the arithmetic task's exact answer
   gsm8k, gsm8k_format      GSM8K final-number match and answer format (rloo_jax.rewards.gsm8k)
 
+Competition math (a \\boxed{} answer equal to the reference as mathematics) is
+`rloo_jax.rewards.math_answer:math_answer`, in a module of its own: it needs the [math] extra.
+
 Fields arrive aligned with the completions (one entry per sample); a function ignores the ones it
 does not use, which is why every reward takes `**fields`.
 """

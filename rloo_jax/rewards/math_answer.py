@@ -1,0 +1,116 @@
+r"""Competition-math answers (MATH, AIME, DeepScaleR's data) checked for mathematical equality by
+Hugging Face's math-verify (`pip install 'rloo_jax[math]'`).
+
+  math_answer(prompts, completions, *, answer, stop=None)   1.0 / 0.0 / NaN per completion
+
+The completion's answer is its \boxed{...} or, failing that, a LaTeX answer after "final answer
+is"; several boxed answers read as one set, so boxing every candidate scores 0. The reference
+(`answer`: bare LaTeX such as `\frac{3}{4}`, or a solution holding a \boxed{}) is read as if
+boxed. Equality is math-verify's: 0.75 = 3/4 = \dfrac{3}{4}, 2\sqrt{3} = \sqrt{12}, intervals,
+sets, equations, percentages and units normalised. The extraction settings are TRL's and
+open-r1's accuracy reward. NaN (unscorable, masked out of the baselines) where the reference is
+missing or holds no answer math-verify can read.
+
+math-verify bounds each parse and comparison with SIGALRM, which only a main thread may set, and
+rewards run on a thread under config.rewards.timeout_s: so the checks run in worker processes
+(rewards/math_worker.py, started at the first call, one per CPU up to WORKERS), each in its
+main thread, where an answer such as 9^{9^{9^{9}}} times out after TIMEOUT_S and scores 0
+instead of hanging sympy. They are plain subprocesses of a script that imports only
+math-verify, not multiprocessing's: a spawned child would first re-run the script that started
+training.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from rloo_jax.rewards import answers
+
+try:
+  import math_verify  # noqa: F401  (the workers' import, failing here, at resolve time)
+except ImportError as e:  # an optional extra: say how to get it
+  raise ImportError(f"config.rewards.fns names rloo_jax.rewards.math_answer, which needs "
+                    f"math-verify ({e}): pip install 'rloo_jax[math]'") from None
+
+TIMEOUT_S = 5  # per parse and per comparison (math-verify's own default)
+WORKERS = min(8, os.cpu_count() or 1)
+
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_worker.py")
+_workers: list = []
+_lock = threading.Lock()  # one batch at a time over the workers' pipes
+
+
+def _start() -> subprocess.Popen:
+  # -P: the script's folder stays off sys.path (its module names must not shadow a library's).
+  return subprocess.Popen([sys.executable, "-P", _WORKER], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE)
+
+
+@atexit.register
+def _stop() -> None:
+  for w in _workers:
+    w.kill()
+  _workers.clear()
+
+
+def _run(chunks: list) -> list:
+  """math_worker.score of each chunk, one chunk a worker."""
+  with _lock:
+    for i, w in enumerate(_workers):
+      if w.poll() is not None:  # exited between calls (killed): its batch is not lost
+        print(f"[math_answer] a worker process had exited (code {w.returncode}); starting "
+              "another", file=sys.stderr)
+        _workers[i] = _start()
+    while len(_workers) < len(chunks):
+      _workers.append(_start())
+    busy = _workers[:len(chunks)]
+    try:
+      for w, chunk in zip(busy, chunks):
+        pickle.dump((chunk, TIMEOUT_S), w.stdin)
+        w.stdin.flush()
+      return [pickle.load(w.stdout) for w in busy]
+    except (EOFError, BrokenPipeError, pickle.UnpicklingError):
+      codes = [_exit_code(w) for w in busy]
+      _stop()  # the next call starts afresh
+      raise RuntimeError(f"rloo_jax.rewards.math_answer: a worker process died scoring a batch "
+                         f"(exit codes {codes}; killed, or out of memory); its error is above"
+                         ) from None
+
+
+def _exit_code(worker):
+  try:
+    return worker.wait(timeout=1)  # the pipe closes a moment before the process ends
+  except subprocess.TimeoutExpired:
+    return None  # still running: another worker's pipe broke
+
+
+def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
+                answer: Sequence[Any] | None = None, stop: str | None = None,
+                **fields: Any) -> np.ndarray:
+  """float32 [N]: 1.0 where the completion (cut at `stop`, an eos string for tokenizers that
+  decode it) states an answer equal to the reference, 0.0 where it does not or states none, NaN
+  where the reference is missing or unreadable."""
+  del fields
+  n = answers.num_rows(prompts, completions)
+  out = np.full((n,), np.nan, np.float32)
+  if answer is None:
+    return out
+  if len(answer) != n:
+    raise ValueError(f"{len(answer)} answers but {n} completions")
+  rows = [i for i in range(n) if not answers.missing(answer[i])]
+  pairs = [(answers.cut(str(completions[i]), stop), str(answer[i]).strip()) for i in rows]
+  if not pairs:
+    return out
+  # Contiguous chunks keep a prompt's k completions together: its reference is parsed once.
+  chunks = np.array_split(np.arange(len(pairs)), min(len(pairs), WORKERS))
+  scores = _run([[pairs[j] for j in c] for c in chunks])
+  out[rows] = np.concatenate(scores)
+  return out

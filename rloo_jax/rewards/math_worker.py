@@ -1,0 +1,56 @@
+"""The worker process of rloo_jax.rewards.math_answer, run as a script: lists of (completion,
+reference) in on stdin, their scores out on stdout (pickled), until stdin closes.
+
+It imports math-verify and nothing of rloo_jax (no JAX: a worker holds tens of MB, not
+hundreds), and checks in its main thread, where math-verify's SIGALRM timeouts work.
+"""
+
+import functools
+import math
+import pickle
+import sys
+
+import math_verify
+
+# TRL's / open-r1's accuracy reward: a boxed answer first, no bare-expression fallback.
+_COMPLETION = (math_verify.LatexExtractionConfig(
+    normalization_config=math_verify.LatexNormalizationConfig(
+        nits=False, malformed_operators=False, basic_latex=True, boxed="all", units=True),
+    boxed_match_priority=0, try_extract_without_anchor=False),)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reference(text: str, timeout_s: int) -> tuple:
+  text = text if "\\boxed" in text else "\\boxed{" + text + "}"
+  return tuple(math_verify.parse(text, extraction_mode="first_match", parsing_timeout=timeout_s))
+
+
+def score(pairs, timeout_s: int) -> list:
+  """1.0 / 0.0 per (completion, reference); NaN where the reference holds no readable answer."""
+  out = []
+  for completion, reference in pairs:
+    gold = _reference(reference, timeout_s)
+    if not gold:
+      out.append(math.nan)
+      continue
+    pred = math_verify.parse(completion, extraction_config=_COMPLETION,
+                             extraction_mode="first_match", parsing_timeout=timeout_s)
+    out.append(float(bool(pred) and math_verify.verify(list(gold), pred,
+                                                         timeout_seconds=timeout_s)))
+  return out
+
+
+def main() -> None:
+  stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+  sys.stdout = sys.stderr  # nothing a library prints may reach the pipe
+  while True:
+    try:
+      pairs, timeout_s = pickle.load(stdin)
+    except EOFError:
+      return
+    pickle.dump(score(pairs, timeout_s), stdout)
+    stdout.flush()
+
+
+if __name__ == "__main__":
+  main()
