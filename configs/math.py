@@ -53,6 +53,7 @@ def get_config(arg=None):
   c.kl.update(beta=0.001, estimator="k1", reduction="sum")
   c.optim.update(learning_rate=1e-5 if arg.lora else 1e-6, warmup_steps=0,
                  schedule="constant")
+  # Evaluation streams 16 problems x 16 samples through the engine: the rollout's 256 slots.
   c.train.update(num_iterations=1000, num_epochs=1, num_minibatches=2, microbatch_tokens="auto",
                  eval_every=50, eval_prompts=64, eval_batch_size=16, eval_samples=16,
                  checkpoint_every=10, keep_checkpoints=3)

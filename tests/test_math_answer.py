@@ -40,6 +40,12 @@ def test_wrong_hedged_and_unboxed_answers_score_zero_and_no_reference_is_nan():
     _score(["\\boxed{1}"], ["1", "2"])
 
 
+def test_a_reasoning_models_answer_is_read_after_its_thoughts():
+  completions = ["<think>maybe \\boxed{3}? no.</think> So \\boxed{5}.",
+                 "<think>\\boxed{5}</think> \\boxed{3}", "<think>so \\boxed{5}"]
+  np.testing.assert_array_equal(_score(completions, ["5"] * 3), [1.0, 0.0, 1.0])
+
+
 def test_the_spec_resolves_and_scores_through_a_reward_set():
   fn = rewards.resolve(SPEC)
   rs = reward_set.RewardSet([fn], [1.0], ["math_answer"], timeout_s=60)

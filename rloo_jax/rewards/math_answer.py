@@ -4,7 +4,9 @@ Hugging Face's math-verify (`pip install 'rloo_jax[math]'`).
   math_answer(prompts, completions, *, answer, stop=None)   1.0 / 0.0 / NaN per completion
 
 The completion's answer is its \boxed{...} or, failing that, a LaTeX answer after "final answer
-is"; several boxed answers read as one set, so boxing every candidate scores 0. The reference
+is", read after its last `</think>` when it has one (a reasoning model's answer follows its
+thoughts, which may box drafts); several boxed answers read as one set, so boxing every
+candidate scores 0. The reference
 (`answer`: bare LaTeX such as `\frac{3}{4}`, or a solution holding a \boxed{}) is read as if
 boxed. Equality is math-verify's: 0.75 = 3/4 = \dfrac{3}{4}, 2\sqrt{3} = \sqrt{12}, intervals,
 sets, equations, percentages and units normalised. The extraction settings are TRL's and
@@ -42,6 +44,7 @@ except ImportError as e:  # an optional extra: say how to get it
 
 TIMEOUT_S = 5  # per parse and per comparison (math-verify's own default)
 WORKERS = min(8, os.cpu_count() or 1)
+THINK_END = "</think>"  # R1-style reasoning models' end of thoughts
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_worker.py")
 _workers: list = []
@@ -85,6 +88,11 @@ def _run(chunks: list) -> list:
                          ) from None
 
 
+def _answer_part(text: str) -> str:
+  i = text.rfind(THINK_END)
+  return text if i < 0 else text[i + len(THINK_END):]
+
+
 def _exit_code(worker):
   try:
     return worker.wait(timeout=1)  # the pipe closes a moment before the process ends
@@ -106,7 +114,8 @@ def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
   if len(answer) != n:
     raise ValueError(f"{len(answer)} answers but {n} completions")
   rows = [i for i in range(n) if not answers.missing(answer[i])]
-  pairs = [(answers.cut(str(completions[i]), stop), str(answer[i]).strip()) for i in rows]
+  pairs = [(_answer_part(answers.cut(str(completions[i]), stop)), str(answer[i]).strip())
+           for i in rows]
   if not pairs:
     return out
   # Contiguous chunks keep a prompt's k completions together: its reference is parsed once.
