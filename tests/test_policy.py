@@ -198,3 +198,19 @@ def test_uncached_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
   # Not an id and not a directory: a path error, the hub never asked.
   with pytest.raises(FileNotFoundError, match=r"init_from='/no/such/dir' is not a directory"):
     hf.resolve_path("/no/such/dir")
+
+
+def test_an_unreachable_hub_is_a_one_line_error(monkeypatch):
+  import huggingface_hub
+  monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+  monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+  def no_network(*args, **kwargs):  # huggingface_hub's own message spans lines
+    raise ConnectionError("Name or service not known\nAn error happened while trying to locate "
+                          "the files on the Hub.")
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+  with pytest.raises(FileNotFoundError) as e:
+    hf.resolve_path("org/name")
+  assert "\n" not in str(e.value) and "the hub could not serve it" in str(e.value)
+  assert "Name or service not known An error happened" in str(e.value)

@@ -66,4 +66,4 @@ def resolve_path(path_or_id: str, *, what: str = 'config.model.init_from') -> st
             'HF_TOKEN)')
     raise FileNotFoundError(f'{what}={path_or_id!r} is not a local directory and could not be '
                             f'loaded as a Hugging Face hub id: {hint} ({type(e).__name__}: '
-                            f'{str(e)[:300]})') from e
+                            f'{" ".join(str(e).split())[:300]})') from e  # one line

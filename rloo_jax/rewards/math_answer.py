@@ -6,12 +6,11 @@ Hugging Face's math-verify (`pip install 'rloo_jax[math]'`).
 The completion's answer is its \boxed{...} or, failing that, a LaTeX answer after "final answer
 is", read after its last `</think>` when it has one (a reasoning model's answer follows its
 thoughts, which may box drafts); several boxed answers read as one set, so boxing every
-candidate scores 0. The reference
-(`answer`: bare LaTeX such as `\frac{3}{4}`, or a solution holding a \boxed{}) is read as if
-boxed. Equality is math-verify's: 0.75 = 3/4 = \dfrac{3}{4}, 2\sqrt{3} = \sqrt{12}, intervals,
-sets, equations, percentages and units normalised. The extraction settings are TRL's and
-open-r1's accuracy reward. NaN (unscorable, masked out of the baselines) where the reference is
-missing or holds no answer math-verify can read.
+candidate scores 0. The reference (`answer`: bare LaTeX such as `\frac{3}{4}`, or a solution
+holding a \boxed{}) is read as if boxed. Equality is math-verify's: 0.75 = 3/4 = \dfrac{3}{4},
+2\sqrt{3} = \sqrt{12}, intervals, sets, equations, percentages and units normalised. The
+extraction settings are TRL's and open-r1's accuracy reward. NaN (unscorable, masked out of the
+baselines) where the reference is missing or holds no answer math-verify can read.
 
 math-verify bounds each parse and comparison with SIGALRM, which only a main thread may set, and
 rewards run on a thread under config.rewards.timeout_s: so the checks run in worker processes
