@@ -237,6 +237,10 @@ def test_auto_takes_the_largest_budget_that_fits_the_device(tmp_path, monkeypatc
   assert got.exp.config.train.microbatch_tokens == tried[i], (lines, peaks)
   assert got.step_fn.packer.budget == tried[i]
   assert report["peak_gb_per_device"] == peaks[i]  # the pick's plan, handed to memory.check
+  # The next candidate was planned over the memory: the line says so (an accelerator's compiler
+  # warns about it above the line).
+  over = lines[-1][lines[-1].rindex("["):lines[-1].index("did not")]
+  assert str(tried[i + 1]) in over and "warning of XLA above is theirs" in lines[-1], lines
   compiled = []  # the bisection's two plans, no advice compiled for what does not fit
   compile_programs = memory.programs_lib.compile_programs
   monkeypatch.setattr(memory.programs_lib, "compile_programs",

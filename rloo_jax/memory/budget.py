@@ -46,7 +46,7 @@ def resolve(algo, *, device_memory_gb: Optional[float] = None, accelerator: bool
   if device_memory_gb is None:
     device_memory_gb = memory.device_memory_gb(algo.exp)
   tried = candidates(algo.exp.config, algo.exp.layout.batch_parallelism)
-  lo, hi, best = 0, len(tried) - 1, None
+  lo, hi, best, over = 0, len(tried) - 1, None, []
   while lo <= hi:
     mid = (lo + hi) // 2
     candidate = with_budget(algo, tried[mid])
@@ -56,12 +56,15 @@ def resolve(algo, *, device_memory_gb: Optional[float] = None, accelerator: bool
     if report["fits"]:
       best, lo = (candidate, tried[mid], report), mid + 1
     else:
-      hi = mid - 1
+      hi, over = mid - 1, over + [tried[mid]]
+  # An accelerator's compiler warns as it fails to rematerialise a candidate under the memory.
+  why = (f"; {sorted(over)} did not (any \"Can't reduce memory use below\" warning of XLA "
+         "above is theirs)" if over else "")
   if best is None:
     log(f"[plan] config.train.microbatch_tokens='auto': none of {tried} fits "
         f"{device_memory_gb:.2f} GiB; the least, {tried[0]}")
     return with_budget(algo, tried[0]), None
   log(f"[plan] config.train.microbatch_tokens='auto': {best[1]} tokens a packed row (the "
       f"largest of {tried} that fits {device_memory_gb:.2f} GiB: peak "
-      f"{best[2]['peak_gb_per_device']:.3g} GiB)")
+      f"{best[2]['peak_gb_per_device']:.3g} GiB){why}")
   return best[0], best[2]
