@@ -1,8 +1,8 @@
 """The worker process of rloo_jax.rewards.math_answer, run as a script: lists of (completion,
 reference) in on stdin, their scores out on stdout (pickled), until stdin closes.
 
-It imports math-verify and nothing of rloo_jax (no JAX: a worker holds tens of MB, not
-hundreds), and checks in its main thread, where math-verify's SIGALRM timeouts work.
+It imports math-verify and nothing of rloo_jax (no JAX in every worker), and checks in its main
+thread, where math-verify's SIGALRM timeouts work.
 """
 
 import functools
