@@ -25,13 +25,12 @@ def last_boxed(text: str) -> str | None:
     i = start + len("\\boxed")
     while i < len(text) and text[i].isspace():
       i += 1
-    depth, j = 0, i
-    for j in range(i, len(text)):
-      depth += {"{": 1, "}": -1}.get(text[j], 0)
-      if depth == 0:
-        break
-    if i < len(text) and text[i] == "{" and depth == 0:
-      return text[i + 1:j]
+    if i < len(text) and text[i] == "{":
+      depth = 0
+      for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+          return text[i + 1:j]
     start = text.rfind("\\boxed", 0, start)  # unclosed (cut off): the one before
   return None
 
@@ -53,10 +52,22 @@ def against_answers(prompts: Sequence[str], completions: Sequence[str],
   """float32 [N]: score(completion cut at `stop`, answer) per sample, NaN where the answer is
   missing or '' (all NaN without answers); `score` may return NaN for an answer it cannot
   read."""
+  return against_answers_batch(prompts, completions, answer, stop,
+                               lambda pairs: [score(c, a) for c, a in pairs])
+
+
+def against_answers_batch(prompts: Sequence[str], completions: Sequence[str],
+                          answer: Sequence[Any] | None, stop: str | None,
+                          score_all: Callable[[list], Sequence[float]]) -> np.ndarray:
+  """`against_answers` with one call for the batch: score_all([(completion cut at `stop`,
+  answer), ...]) over the samples whose answer is present, a score each."""
   n = num_rows(prompts, completions)
+  out = np.full((n,), np.nan, np.float32)
   if answer is None:
-    return np.full((n,), np.nan, np.float32)
+    return out
   if len(answer) != n:
     raise ValueError(f"{len(answer)} answers but {n} completions")
-  return np.array([np.nan if missing(a) else score(cut(str(c), stop), str(a))
-                   for c, a in zip(completions, answer)], np.float32).reshape(n)
+  rows = [i for i in range(n) if not missing(answer[i])]
+  if rows:
+    out[rows] = score_all([(cut(str(completions[i]), stop), str(answer[i])) for i in rows])
+  return out

@@ -106,19 +106,10 @@ def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
   decode it) states an answer equal to the reference, 0.0 where it does not or states none, NaN
   where the reference is missing or unreadable."""
   del fields
-  n = answers.num_rows(prompts, completions)
-  out = np.full((n,), np.nan, np.float32)
-  if answer is None:
-    return out
-  if len(answer) != n:
-    raise ValueError(f"{len(answer)} answers but {n} completions")
-  rows = [i for i in range(n) if not answers.missing(answer[i])]
-  pairs = [(_answer_part(answers.cut(str(completions[i]), stop)), str(answer[i]).strip())
-           for i in rows]
-  if not pairs:
-    return out
-  # Contiguous chunks keep a prompt's k completions together: its reference is parsed once.
-  chunks = np.array_split(np.arange(len(pairs)), min(len(pairs), WORKERS))
-  scores = _run([[pairs[j] for j in c] for c in chunks])
-  out[rows] = np.concatenate(scores)
-  return out
+
+  def score_all(pairs):
+    pairs = [(_answer_part(c), a.strip()) for c, a in pairs]
+    # Contiguous chunks keep a prompt's k completions together: its reference is parsed once.
+    chunks = np.array_split(np.arange(len(pairs)), min(len(pairs), WORKERS))
+    return np.concatenate(_run([[pairs[j] for j in c] for c in chunks]))
+  return answers.against_answers_batch(prompts, completions, answer, stop, score_all)
