@@ -3,7 +3,8 @@
 pass@k is the unbiased estimator of Chen et al. (2021): of n samples with c correct, the chance
 that k drawn without replacement hold a correct one, 1 - C(n - c, k) / C(n, k), averaged over
 prompts. maj@n: the prompt counts as solved when the answer most of its n samples give (ties:
-the one given first) is a correct one.
+the one given first) is a correct one. The correct samples vote as one answer: each equals the
+reference under the reward (0.5 and \\frac{1}{2} alike), however their texts differ.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_correct(answers: Sequence[Hashable], correct: Sequence[bool]) -> bool:
-  """Whether the most common answer (ties: the first given) is one of a correct sample."""
+  """Whether the most common answer (ties: the first given) is one of a correct sample; the
+  correct samples count as one answer."""
+  answers = [True if ok else ("wrong", a) for a, ok in zip(answers, correct)]
   counts = Counter(answers)
   top = max(counts.values())
   choice = next(a for a in answers if counts[a] == top)

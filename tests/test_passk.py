@@ -37,6 +37,9 @@ def test_majority_vote_takes_the_most_common_answer_ties_first_given():
   assert passk.majority_correct(["3", "4", "4"], [True, False, False]) is False
   assert passk.majority_correct(["3", "4", "3"], [True, False, True]) is True
   assert passk.majority_correct(["4", "3"], [False, True]) is False  # tie: "4" came first
+  # Correct samples vote together however written: 0.5 and 1/2 (2 votes) beat 3 (2), given first.
+  assert passk.majority_correct(["0.5", "3", "1/2", "3"], [True, False, True, False]) is True
+  assert passk.majority_correct(["3", "0.5", "1/2", "3"], [False, True, True, False]) is False
   assert passk.ks_of(8) == [1, 2, 4, 8] and passk.ks_of(6) == [1, 2, 4, 6]
 
 
