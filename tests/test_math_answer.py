@@ -53,16 +53,19 @@ def test_the_spec_resolves_and_scores_through_a_reward_set():
   np.testing.assert_array_equal(total, [1.0, 0.0])
 
 
-def test_a_hanging_answer_times_out_to_zero_on_the_reward_thread(monkeypatch):
+def test_a_hanging_answer_times_out_to_zero_on_the_reward_thread():
   """The reward set calls it on a thread (config.rewards.timeout_s), where SIGALRM cannot be set:
-  in the worker processes math-verify's timeout still stops sympy on 9^(9^(9^9))."""
-  monkeypatch.setattr(math_answer, "TIMEOUT_S", 1)
+  in the worker processes math-verify's timeout (the spec's, 1 s) still stops sympy on
+  9^(9^(9^9))."""
   start = time.time()
   out = reward_set.call_with_deadline(
-      math_answer.math_answer, (["p"] * 3, ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{5}", "\\boxed{4}"]),
+      rewards.resolve(SPEC + "?timeout_s=1&workers=2"),
+      (["p"] * 3, ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{5}", "\\boxed{4}"]),
       {"answer": ["5", "5", "5"]}, 120, "math_answer", "a test")
   np.testing.assert_array_equal(out, [0.0, 1.0, 0.0])
   assert time.time() - start < 30
+  with pytest.raises(ValueError, match=r"timeout_s=0 and workers=2 must be whole numbers >= 1"):
+    rewards.resolve(SPEC + "?timeout_s=0&workers=2")(["p"], ["\\boxed{5}"], answer=["5"])
 
 
 def test_a_worker_killed_between_calls_is_replaced_and_one_dying_in_a_call_is_an_error(

@@ -177,6 +177,24 @@ def test_a_reward_function_by_file_path_is_loaded_once_and_keeps_its_state(tmp_p
     rewards.resolve(f"{path}:nope")
 
 
+def test_a_reward_function_spec_takes_its_defaulted_parameters_as_typed_options(tmp_path):
+  path = tmp_path / "scaled.py"
+  path.write_text("import numpy as np\n"
+                  "def scaled(prompts, completions, *, scale=1.0, n=1, flip=False, tag='a', "
+                  "answer=None, **fields):\n"
+                  "  return np.full(len(completions), scale * n * (-1 if flip else 1) "
+                  "* len(tag), np.float32)\n")
+  fn = rewards.resolve(f"{path}:scaled?scale=0.5&n=3&flip=true&tag=abcd")
+  np.testing.assert_array_equal(fn(["p"], ["c"], answer=["x"]), [-6.0])
+  assert reward_name(f"{path}:scaled?scale=0.5") == "scaled"
+  for option, message in (("size=2", r"unknown or valueless option 'size=2'; options are "
+                                     r"\['flip', 'n', 'scale', 'tag'\]"),
+                          ("n=2.5", r"option n='2.5' is not a int"),
+                          ("flip=maybe", r"option flip='maybe' is not a bool")):
+    with pytest.raises(ValueError, match=message):
+      rewards.resolve(f"{path}:scaled?{option}")
+
+
 def test_a_reward_that_never_returns_stops_at_its_deadline_naming_it():
   import time  # pylint: disable=import-outside-toplevel
   from rloo_jax.rewards import RewardTimeoutError  # pylint: disable=import-outside-toplevel

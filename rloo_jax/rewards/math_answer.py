@@ -1,7 +1,8 @@
 r"""Competition-math answers (MATH, AIME, DeepScaleR's data) checked for mathematical equality by
 Hugging Face's math-verify (`pip install 'rloo_jax[math]'`).
 
-  math_answer(prompts, completions, *, answer, stop=None)   1.0 / 0.0 / NaN per completion
+  math_answer(prompts, completions, *, answer, stop=None, timeout_s=5, workers=min(8, CPUs))
+                                                             1.0 / 0.0 / NaN per completion
 
 The completion's answer is its \boxed{...} or, failing that, a LaTeX answer after "final answer
 is", read after its last `</think>` when it has one (a reasoning model's answer follows its
@@ -14,11 +15,11 @@ baselines) where the reference is missing or holds no answer math-verify can rea
 
 math-verify bounds each parse and comparison with SIGALRM, which only a main thread may set, and
 rewards run on a thread under config.rewards.timeout_s: so the checks run in worker processes
-(rewards/math_worker.py, started at the first call, one per CPU up to WORKERS), each in its
-main thread, where an answer such as 9^{9^{9^{9}}} times out after TIMEOUT_S and scores 0
-instead of hanging sympy. They are plain subprocesses of a script that imports only
-math-verify, not multiprocessing's: a spawned child would first re-run the script that started
-training.
+(rewards/math_worker.py, started at the first call, `workers` of them), each in its main
+thread, where an answer such as 9^{9^{9^{9}}} times out after `timeout_s` and scores 0 instead
+of hanging sympy. They are plain subprocesses of a script that imports only math-verify, not
+multiprocessing's: a spawned child would first re-run the script that started training. A
+config sets both in the spec: `rloo_jax.rewards.math_answer:math_answer?timeout_s=10&workers=16`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ except ImportError as e:  # an optional extra: say how to get it
   raise ImportError(f"config.rewards.fns names rloo_jax.rewards.math_answer, which needs "
                     f"math-verify ({e}): pip install 'rloo_jax[math]'") from None
 
-TIMEOUT_S = 5  # per parse and per comparison (math-verify's own default)
+TIMEOUT_S = 5  # whole seconds (SIGALRM's) per parse and per comparison (math-verify's default)
 WORKERS = min(8, os.cpu_count() or 1)
 THINK_END = "</think>"  # R1-style reasoning models' end of thoughts
 
@@ -63,7 +64,7 @@ def _stop() -> None:
   _workers.clear()
 
 
-def _run(chunks: list) -> list:
+def _run(chunks: list, timeout_s: int) -> list:
   """math_worker.score of each chunk, one chunk a worker."""
   with _lock:
     for i, w in enumerate(_workers):
@@ -76,7 +77,7 @@ def _run(chunks: list) -> list:
     busy = _workers[:len(chunks)]
     try:
       for w, chunk in zip(busy, chunks):
-        pickle.dump((chunk, TIMEOUT_S), w.stdin)
+        pickle.dump((chunk, timeout_s), w.stdin)
         w.stdin.flush()
       return [pickle.load(w.stdout) for w in busy]
     except (EOFError, BrokenPipeError, pickle.UnpicklingError):
@@ -101,15 +102,19 @@ def _exit_code(worker):
 
 def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
                 answer: Sequence[Any] | None = None, stop: str | None = None,
+                timeout_s: int = TIMEOUT_S, workers: int = WORKERS,
                 **fields: Any) -> np.ndarray:
   """float32 [N]: 1.0 where the completion (cut at `stop`, an eos string for tokenizers that
   decode it) states an answer equal to the reference, 0.0 where it does not or states none, NaN
   where the reference is missing or unreadable."""
   del fields
+  if not (isinstance(timeout_s, int) and timeout_s >= 1 and workers >= 1):
+    raise ValueError(f"rloo_jax.rewards.math_answer: timeout_s={timeout_s!r} and workers="
+                     f"{workers!r} must be whole numbers >= 1 (math_answer?timeout_s=5&workers=8)")
 
   def score_all(pairs):
     pairs = [(_answer_part(c), a.strip()) for c, a in pairs]
     # Contiguous chunks keep a prompt's k completions together: its reference is parsed once.
-    chunks = np.array_split(np.arange(len(pairs)), min(len(pairs), WORKERS))
-    return np.concatenate(_run([[pairs[j] for j in c] for c in chunks]))
+    chunks = np.array_split(np.arange(len(pairs)), min(len(pairs), workers))
+    return np.concatenate(_run([[pairs[j] for j in c] for c in chunks], timeout_s))
   return answers.against_answers_batch(prompts, completions, answer, stop, score_all)

@@ -5,15 +5,19 @@
 file (once per path), 'reward_model:<dir>' loads a trained reward model
 (`rloo_jax.rewards.scorer`) as a jit-compiled scorer, and 'hf_reward_model:<dir or hub id>' a
 Hugging Face *ForSequenceClassification checkpoint sharded over the mesh
-(`rloo_jax.rewards.hf_reward`). Options follow as a query string, overriding what was saved:
+(`rloo_jax.rewards.hf_reward`). Options follow as a query string, overriding what was saved; a
+function's are its parameters that have a bool, int, float or str default, typed by it:
 
     reward_model:/tmp/rlhf/reward_model
     reward_model:/tmp/rlhf/reward_model?whiten=false&clip=3&batch_size=128
     hf_reward_model:/ckpt/rm_hf?dtype=bfloat16&batch_size=64&max_len=1024
+    rloo_jax.rewards.math_answer:math_answer?timeout_s=10&workers=16
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 from rloo_jax.rewards import hf_reward
@@ -107,4 +111,14 @@ def resolve(spec, layout=None):
     return load_hf_reward_model(spec, layout)
   if isinstance(spec, str) and spec.startswith(REWARD_MODEL_PREFIX):
     return load_reward_model(spec)
+  if isinstance(spec, str) and "?" in spec:
+    return _with_options(spec)
   return load_reward_fn(spec)
+
+
+def _with_options(spec: str):
+  """'pkg.module:fn?name=value&...' as fn with those keyword arguments."""
+  fn = load_reward_fn(spec.partition("?")[0])
+  kinds = {p.name: type(p.default) for p in inspect.signature(fn).parameters.values()
+           if type(p.default) in (bool, int, float, str)}
+  return functools.partial(fn, **_parse_spec(spec, "", kinds, "function")[1])

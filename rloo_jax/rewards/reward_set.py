@@ -22,7 +22,7 @@ from rloo_jax.rewards import registry
 
 
 def reward_name(spec) -> str:
-  """A short metric name: 'pkg.mod:fn' -> 'fn', 'a/b.py:fn' -> 'fn',
+  """A short metric name: 'pkg.mod:fn' -> 'fn', 'a/b.py:fn?x=1' -> 'fn',
   'reward_model:/runs/rm' -> 'reward_model', 'hf_reward_model:org/rm' -> 'hf_reward_model',
   a callable -> its __name__."""
   if not isinstance(spec, str):
@@ -31,7 +31,7 @@ def reward_name(spec) -> str:
     return "hf_reward_model"
   if spec.startswith(registry.REWARD_MODEL_PREFIX):
     return "reward_model"
-  return spec.rsplit(":", 1)[-1]
+  return spec.partition("?")[0].rsplit(":", 1)[-1]
 
 
 DEFAULT_TIMEOUT_S = 600.0
