@@ -13,8 +13,9 @@ setup(
     # takes, and the tests pass there (README): pip keeps an installed version that meets it.
     install_requires=[
         # The jax the suite passes on, on every Python (3.12 and 3.13 would otherwise get jax 0.12:
-        # no --xla_cpu_use_fusion_emitters, other XLA:CPU memory plans, a two-process CPU run
-        # that hangs on a program loaded from another run's cache); older ones fail its tests.
+        # other XLA:CPU memory plans, and its CPU compilation-cache keys differ between processes,
+        # so a restarted multi-process run loads programs on process 0 that the others compile
+        # anew, and they deadlock in their first collective); older ones fail its tests.
         "jax>=0.10.2,<0.11",
         "flax>=0.12.8",
         # optax.init_empty_state came in 0.2.6; 0.2.7 sets a jax option jax 0.10 lacks;
