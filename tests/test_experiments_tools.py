@@ -51,13 +51,13 @@ def test_gpu_check_figures_follow_from_their_measurements():
 
 def test_bench_attention_blockwise_equals_xla_in_less_memory():
   out = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "bench_attention.py"),
-                        "--lengths", "1024", "--heads", "1,2", "--head_dim", "16", "--prompt",
+                        "--lengths", "2048", "--heads", "1,2", "--head_dim", "16", "--prompt",
                         "64", "--repeats", "1"], check=True, capture_output=True, text=True).stdout
   rows = [json.loads(line) for line in out.splitlines()]
-  assert [(r["layout"], r["tokens"]) for r in rows] == [("causal", 1024), ("group", 1088)]
-  for r in rows:
+  assert [(r["layout"], r["tokens"]) for r in rows] == [("causal", 2048), ("group", 2112)]
+  for r in rows:  # at 2,048 tokens the [S, S] scores outweigh what either kernel holds besides
     assert r["blockwise"]["max_rel_err"] < 1e-5
-    assert r["blockwise"]["temp_mib"] < r["xla"]["temp_mib"]
+    assert r["blockwise"]["temp_mib"] < 0.5 * r["xla"]["temp_mib"], r
 
 
 def test_gpu_check_refuses_an_unknown_decode_layout_before_building_a_model(monkeypatch, capsys):

@@ -256,7 +256,10 @@ def test_an_accelerator_plan_has_no_float32_copy_of_the_bf16_weights(monkeypatch
   accelerator = plan.plan(algo, names=("score",), accelerator=True)
   assert as_compiled["accelerator_view"] is False and accelerator["accelerator_view"] is True
   cpu, acc = as_compiled["programs"]["score"], accelerator["programs"]["score"]
-  assert cpu["temp_gb"] - acc["temp_gb"] >= 0.9 * 4 * layer_params / GIB, (cpu, acc)
+  # The float32 copy is 4 bytes a weight: the plan holds none, whether or not this XLA:CPU
+  # hoists it (jax 0.10's does: its temp is the plan's plus the copy).
+  assert acc["temp_gb"] < 0.5 * 4 * layer_params / GIB and cpu["temp_gb"] >= acc["temp_gb"], \
+      (cpu, acc)
   assert acc["hoisted_gb"] * GIB < 0.02 * 4 * layer_params and cpu["hoisted_gb"] == 0
   assert acc["peak_gb"] == pytest.approx(acc["temp_gb"] + acc["argument_gb"] - acc["alias_gb"]
                                          + acc["output_gb"] + acc["resident_gb"]
