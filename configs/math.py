@@ -13,8 +13,9 @@ run.
   decode on layers gathered once a rollout (decode_layers='unstacked', as `rloo_jax.plan`
   advises: fewer all-gathers, and it fits).
   `max_new_tokens=16384` / `24576` are DeepScaleR's later stages.
-- The reward is `rloo_jax.rewards.math_answer:math_answer` (math-verify: the \boxed{} answer
-  against the reference, equal as mathematics; `pip install 'rloo_jax[math]'`). Every 50
+- The reward is `rloo_jax.rewards.math_answer:math_answer?think=true` (math-verify: the \boxed{}
+  answer after the thoughts against the reference, equal as mathematics; 0 where the thoughts
+  never close, as DeepScaleR's; `pip install 'rloo_jax[math]'`). Every 50
   iterations the first 64 test problems (AIME 2024's 30 whole) are sampled 16 times each:
   pass@1 as DeepScaleR reports it (the mean over the 16), pass@k and maj@16.
 - Data: JSONL files of `{"prompt": ..., "answer": ...}` (docs/YOUR_TASK.md), the prompt holding
@@ -57,7 +58,8 @@ def get_config(arg=None):
   c.train.update(num_iterations=1000, num_epochs=1, num_minibatches=2, microbatch_tokens="auto",
                  eval_every=50, eval_prompts=64, eval_batch_size=16, eval_samples=16,
                  checkpoint_every=10, keep_checkpoints=3)
-  c.rewards.fns = ["rloo_jax.rewards.math_answer:math_answer"]
+  # DeepScaleR's rule: a completion that never closes its thoughts (cut at the cap) scores 0.
+  c.rewards.fns = ["rloo_jax.rewards.math_answer:math_answer?think=true"]
   c.rewards.weights = [1.0]
   c.mesh.update(data=1, fsdp=-1)
   if not arg.lora:  # the plan's advice: every layer gathered once a rollout, not at every token

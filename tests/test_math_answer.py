@@ -44,6 +44,11 @@ def test_a_reasoning_models_answer_is_read_after_its_thoughts():
   completions = ["<think>maybe \\boxed{3}? no.</think> So \\boxed{5}.",
                  "<think>\\boxed{5}</think> \\boxed{3}", "<think>so \\boxed{5}"]
   np.testing.assert_array_equal(_score(completions, ["5"] * 3), [1.0, 0.0, 1.0])
+  # think=true (DeepScaleR's rule): thoughts never closed (cut at the cap) score 0, a missing
+  # reference is still NaN.
+  strict = rewards.resolve(SPEC + "?think=true")
+  np.testing.assert_array_equal(strict(["p"] * 3, completions, answer=["5"] * 3), [1.0, 0.0, 0.0])
+  assert np.isnan(strict(["p"], ["<think>so \\boxed{5}"], answer=[""])).all()
 
 
 def test_the_spec_resolves_and_scores_through_a_reward_set():

@@ -56,7 +56,7 @@ def test_math_is_deepscalers_first_stage():
       128, 8, 1024, 8192)
   assert (c.rloo.temperature, c.optim.learning_rate, c.train.num_minibatches) == (0.6, 1e-6, 2)
   assert c.model.init_from == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" and c.sft.steps == 0
-  assert list(c.rewards.fns) == ["rloo_jax.rewards.math_answer:math_answer"]
+  assert list(c.rewards.fns) == ["rloo_jax.rewards.math_answer:math_answer?think=true"]
   assert c.train.microbatch_tokens == "auto" and c.train.eval_samples == 16
   assert c.rloo.decode_layers == "unstacked"  # what the plan advises (docs/USAGE.md)
   later = load_config("max_new_tokens=24576,lora=16,model=deepseek-r1-distill-qwen-1.5b", "math")

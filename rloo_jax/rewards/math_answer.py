@@ -1,14 +1,16 @@
 r"""Competition-math answers (MATH, AIME, DeepScaleR's data) checked for mathematical equality by
 Hugging Face's math-verify (`pip install 'rloo_jax[math]'`).
 
-  math_answer(prompts, completions, *, answer, stop=None, timeout_s=5, workers=min(8, CPUs))
-                                                             1.0 / 0.0 / NaN per completion
+  math_answer(prompts, completions, *, answer, stop=None, think=False, timeout_s=5,
+              workers=min(8, CPUs))                          1.0 / 0.0 / NaN per completion
 
 The completion's answer is its \boxed{...} or, failing that, a LaTeX answer after "final answer
 is", read after its last `</think>` when it has one (a reasoning model's answer follows its
-thoughts, which may box drafts); several boxed answers read as one set, so boxing every
-candidate scores 0. The reference (`answer`: bare LaTeX such as `\frac{3}{4}`, or a solution
-holding a \boxed{}) is read as if boxed. Equality is math-verify's: 0.75 = 3/4 = \dfrac{3}{4},
+thoughts, which may box drafts). With think=True (`math_answer?think=true`, DeepScaleR's rule
+for R1-style models) a completion that never closes its thoughts, e.g. cut at the token cap,
+scores 0. Several boxed answers read as one set, so boxing every candidate scores 0. The
+reference (`answer`: bare LaTeX such as `\frac{3}{4}`, or a solution holding a \boxed{}) is
+read as if boxed. Equality is math-verify's: 0.75 = 3/4 = \dfrac{3}{4},
 2\sqrt{3} = \sqrt{12}, intervals, sets, equations, percentages and units normalised. The
 extraction settings are TRL's and open-r1's accuracy reward. NaN (unscorable, masked out of the
 baselines) where the reference is missing or holds no answer math-verify can read.
@@ -88,9 +90,11 @@ def _run(chunks: list, timeout_s: int) -> list:
                          ) from None
 
 
-def _answer_part(text: str) -> str:
+def _answer_part(text: str, think: bool) -> str:
   i = text.rfind(THINK_END)
-  return text if i < 0 else text[i + len(THINK_END):]
+  if i < 0:
+    return "" if think else text  # "": no answer, 0 (NaN still where the reference is)
+  return text[i + len(THINK_END):]
 
 
 def _exit_code(worker):
@@ -102,7 +106,7 @@ def _exit_code(worker):
 
 def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
                 answer: Sequence[Any] | None = None, stop: str | None = None,
-                timeout_s: int = TIMEOUT_S, workers: int = WORKERS,
+                think: bool = False, timeout_s: int = TIMEOUT_S, workers: int = WORKERS,
                 **fields: Any) -> np.ndarray:
   """float32 [N]: 1.0 where the completion (cut at `stop`, an eos string for tokenizers that
   decode it) states an answer equal to the reference, 0.0 where it does not or states none, NaN
@@ -113,7 +117,7 @@ def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
                      f"{workers!r} must be whole numbers >= 1 (math_answer?timeout_s=5&workers=8)")
 
   def score_all(pairs):
-    pairs = [(_answer_part(c), a.strip()) for c, a in pairs]
+    pairs = [(_answer_part(c, think), a.strip()) for c, a in pairs]
     # Contiguous chunks keep a prompt's k completions together: its reference is parsed once.
     chunks = np.array_split(np.arange(len(pairs)), min(len(pairs), workers))
     return np.concatenate(_run([[pairs[j] for j in c] for c in chunks], timeout_s))
