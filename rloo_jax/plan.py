@@ -82,7 +82,7 @@ def main(argv):
                                   accelerator=accelerator, log=lambda s: print(s, file=sys.stderr))
     if report is None or _SPEEDUPS.value:  # the speed-ups compile variants the pick did not
       report = memory.plan(algo, device_memory_gb=memory_gb, accelerator=accelerator,
-                           speedups=_SPEEDUPS.value)
+                           speedups=_SPEEDUPS.value, log=lambda s: print(s, file=sys.stderr))
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("RLOO_JAX_TRACEBACK"):
       raise

@@ -219,14 +219,15 @@ def _with_hoists(algo, names, compiled) -> dict:
 
 def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
          names=programs_lib.NAMES, accelerator: bool = False, speedups: bool = False,
-         advise: bool = True) -> dict:
+         advise: bool = True, log=None) -> dict:
   """The memory plan of `algo` (an RLOO algorithm object, built by `experiment.build` or
   `build_abstract`): compiles its programs (`names`, default all) and returns the report.
   accelerator=True: the mesh's CPU devices stand for accelerators, which compute bf16 natively
   (`programs.ACCELERATOR_OPTIONS`); the plan of an N-chip job on simulated devices. A mesh of
   accelerators compiles as it runs, so it ignores the flag.
   speedups=True: a job that fits also gets `speedups`, the faster settings its spare memory
-  allows, each compiled (`memory.speedups`: a few more compiles of the update and decode).
+  allows, each compiled (`memory.speedups`: a few more compiles of the update and decode), said
+  first through `log` when given.
   advise=False: no `advice` for a job that does not fit (its microbatch advice compiles the
   update at other sizes): for a caller that only asks whether it fits."""
   exp = algo.exp
@@ -280,8 +281,8 @@ def plan(algo, *, device_memory_gb: float = DEFAULT_DEVICE_MEMORY_GB,
       # Compiled as for an accelerator on this CPU (programs.ACCELERATOR_OPTIONS).
       accelerator_view=bool(accelerator),
       advice=advice(algo, compiled, limit, accelerator) if advise else [],
-      speedups=(speedups_lib.speedups(algo, compiled, limit, accelerator, shape=shape, flops=f)
-                if speedups and "update" in names else []))
+      speedups=(speedups_lib.speedups(algo, compiled, limit, accelerator, shape=shape, flops=f,
+                                      log=log) if speedups and "update" in names else []))
   return report
 
 

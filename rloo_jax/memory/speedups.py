@@ -154,13 +154,16 @@ def _decode_layers(algo, limit: int, accelerator: bool) -> list:
 
 
 def speedups(algo, compiled, limit: int, accelerator: bool = False, *, shape: dict,
-             flops: dict) -> list[dict]:
+             flops: dict, log=None) -> list[dict]:
   """[{setting, peak_gb, text, ...}]: settings that make the job faster and still fit within
   HEADROOM of `limit` bytes, each compiled. Empty when the job does not fit as it is.
   `shape` and `flops`: the plan's batch shape and its FLOPs an iteration (`memory.plan`: the
   model FLOPs and the backward's recompute, which together are what it executes)."""
   if max(p.peak for p in compiled.programs.values()) > limit:
     return []
+  if log:  # XLA warns of a variant that does not fit (e.g. a remat it cannot reach) as it goes
+    log("[plan] the job fits: compiling the faster settings its spare memory allows "
+        "(--nospeedups skips them); an XLA warning from here on is about one of those")
   names = [n for n in compiled.programs if n.split("_")[0] == "update"]
   hoisted = max(compiled.programs[n].hoisted for n in names)
   current = max(compiled.programs[n].peak for n in names)
