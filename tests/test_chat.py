@@ -39,6 +39,25 @@ TOOLS = (
     "{{ raise_exception('bad role ' + m['role']) }}{%- endif %}"
     "{{- m['role'] }}: {{ m['content'] | tojson }}\n{%- if loop.index > 5 %}{% break %}{% endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}assistant:{% endif %}")
+# DeepSeek-R1-Distill-Qwen's (configs/math.py), its tool-call branch left out: a namespace, str
+# methods, `is none`, and the reply opened inside the thoughts.
+R1_DISTILL = (
+    "{% if not add_generation_prompt is defined %}"
+    "{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
+    "system_prompt='') %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}"
+    "{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
+    "{{'<｜User｜>' + message['content']}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is not none %}"
+    "{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}"
+    "{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
+    "{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\n'}}{% endif %}")
 PROMPT = '  Say "hi" & <b>bye</b>\nplease  '
 
 # transformers 5.24 apply_chat_template output for PROMPT as one user message.
@@ -48,6 +67,8 @@ WANT = {
     'qwen2': ('<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n'
               '  Say "hi" & <b>bye</b>\nplease  <|im_end|>\n<|im_start|>assistant\n'),
     'tools': 'user: "  Say \\"hi\\" & <b>bye</b>\\nplease  "assistant:',
+    # transformers 5.25's
+    'r1_distill': '<s><｜User｜>  Say "hi" & <b>bye</b>\nplease  <｜Assistant｜><think>\n',
 }
 # transformers' apply_chat_template(tokenize=True) of 'Hi there' with LLAMA3 on the fixture.
 WANT_LLAMA3_IDS = [1, 30, 3, 3, 22, 23, 51, 23, 3, 11, 8, 4, 46, 21, 3, 12, 7, 3, 3, 24, 22, 8, 21,
@@ -84,9 +105,20 @@ def _checkpoint(tmp_path, *, template=None, eos_token_id=None, extra_tokens=()):
   return str(d)
 
 
-@pytest.mark.parametrize('name, source', [('llama3', LLAMA3), ('qwen2', QWEN2), ('tools', TOOLS)])
+@pytest.mark.parametrize('name, source', [('llama3', LLAMA3), ('qwen2', QWEN2), ('tools', TOOLS),
+                                          ('r1_distill', R1_DISTILL)])
 def test_render_equals_transformers(name, source):
   assert chat.ChatTemplate(source, '<s>', '</s>').render(PROMPT) == WANT[name]
+
+
+def test_a_reasoning_template_renders_a_conversation_as_transformers_does():
+  # A system prompt, and an earlier reply whose thoughts the template drops (transformers 5.25).
+  messages = [dict(role='system', content='Be brief.'), dict(role='user', content='1+1?'),
+              dict(role='assistant', content='<think>easy</think> 2'),
+              dict(role='user', content=PROMPT)]
+  assert chat.ChatTemplate(R1_DISTILL, '<s>', '</s>').rendered(messages) == (
+      '<s>Be brief.<｜User｜>1+1?<｜Assistant｜> 2<｜end▁of▁sentence｜><｜User｜>  Say "hi" & '
+      '<b>bye</b>\nplease  <｜Assistant｜><think>\n')
 
 
 def test_template_helpers():
