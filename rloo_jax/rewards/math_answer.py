@@ -10,10 +10,10 @@ thoughts, which may box drafts). With think=True (`math_answer?think=true`, Deep
 for R1-style models) a completion that never closes its thoughts, e.g. cut at the token cap,
 scores 0. Several boxed answers read as one set, so boxing every candidate scores 0. The
 reference (`answer`: bare LaTeX such as `\frac{3}{4}`, or a solution holding a \boxed{}) is
-read as if boxed. Equality is math-verify's: 0.75 = 3/4 = \dfrac{3}{4},
-2\sqrt{3} = \sqrt{12}, intervals, sets, equations, percentages and units normalised. The
-extraction settings are TRL's and open-r1's accuracy reward. NaN (unscorable, masked out of the
-baselines) where the reference is missing or holds no answer math-verify can read.
+read as if boxed. Equality is math-verify's: 0.75 = 3/4 = \dfrac{3}{4}, 2\sqrt{3} = \sqrt{12},
+intervals, sets, equations, percentages and units normalised. The extraction settings are TRL's
+and open-r1's accuracy reward. NaN (unscorable, masked out of the baselines) where the reference
+is missing or holds no answer math-verify can read.
 
 math-verify bounds each parse and comparison with SIGALRM, which only a main thread may set, and
 rewards run on a thread under config.rewards.timeout_s: so the checks run in worker processes
@@ -112,7 +112,7 @@ def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
   decode it) states an answer equal to the reference, 0.0 where it does not or states none, NaN
   where the reference is missing or unreadable."""
   del fields
-  if not (isinstance(timeout_s, int) and timeout_s >= 1 and workers >= 1):
+  if not all(isinstance(v, int) and v >= 1 for v in (timeout_s, workers)):
     raise ValueError(f"rloo_jax.rewards.math_answer: timeout_s={timeout_s!r} and workers="
                      f"{workers!r} must be whole numbers >= 1 (math_answer?timeout_s=5&workers=8)")
 
