@@ -189,6 +189,7 @@ def test_a_reward_function_spec_takes_its_defaulted_parameters_as_typed_options(
   assert reward_name(f"{path}:scaled?scale=0.5") == "scaled"
   for option, message in (("size=2", r"unknown or valueless option 'size=2'; options are "
                                      r"\['flip', 'n', 'scale', 'tag'\]"),
+                          ("scal=2", r"did you mean scale\?"),
                           ("n=2.5", r"option n='2.5' is not a int"),
                           ("flip=maybe", r"option flip='maybe' is not a bool")):
     with pytest.raises(ValueError, match=message):

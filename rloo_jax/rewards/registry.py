@@ -16,6 +16,7 @@ function's are its parameters that have a bool, int, float or str default, typed
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import os
@@ -43,8 +44,10 @@ def _parse_spec(spec: str, prefix: str, kinds: dict, what: str, require_path: bo
   for item in filter(None, query.split("&")):
     name, eq, value = item.partition("=")
     if name not in kinds or not eq:
+      near = difflib.get_close_matches(name, kinds, n=1)
       raise ValueError(f"reward function {spec!r}: unknown or valueless option {item!r}; "
-                       f"options are {sorted(kinds)} as '?name=value&...'")
+                       f"options are {sorted(kinds)} as '?name=value&...'"
+                       + (f"; did you mean {near[0]}?" if near and name != near[0] else ""))
     kind = kinds[name]
     if kind is bool and value.lower() not in ("1", "true", "yes", "0", "false", "no"):
       raise ValueError(f"reward function {spec!r}: option {name}={value!r} is not a bool "
