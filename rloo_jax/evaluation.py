@@ -14,8 +14,9 @@ against itself scores exactly 0.5.
 
 With config.train.eval_samples = n > 1 it also draws n samples a prompt and reports pass@k and
 maj@n with bootstrap intervals (`rloo_jax.passk`): a sample is correct when the first evaluation
-reward scores it at least config.train.eval_correct_at; its answer, for the vote, is the last
-number in its text (else the text).
+reward scores it at least config.train.eval_correct_at; its answer, for the vote, is what that
+reward's `answer_key(text)` reads when it has one (math_answer's), else its last \\boxed{}, else
+the last number in its text, else the text.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ class Evaluator:
       for name, v in parts.items():
         per_fn.setdefault(name, []).append(np.asarray(v).reshape(-1, k)[valid].reshape(-1))
       if answers:  # a group's texts are on one process; its ids gathered like its scores
-        ids.append(exp.layout.gather_rows(answer_ids(local_texts, k))[valid].reshape(-1))
+        key = getattr(self.rewards.fns[0], "answer_key", None)  # the first reward's reading
+        ids.append(exp.layout.gather_rows(answer_ids(local_texts, k, key))[valid].reshape(-1))
     out = (texts, np.concatenate(scores), np.concatenate(lengths),
            {name: np.concatenate(chunks) for name, chunks in per_fn.items()})
     return out + (np.concatenate(ids),) if answers else out
@@ -162,22 +164,27 @@ class Evaluator:
     _, _, _, per_fn, ids = self.completions(params, self.exp.method, k=n, answers=True)
     at = float(self.exp.config.train.get("eval_correct_at", 1.0))
     correct = (np.nan_to_num(per_fn[self.rewards.first], nan=-np.inf) >= at).reshape(-1, n)
-    return passk.summarize(correct, ids.reshape(-1, n).tolist())
+    votes = [[None if a < 0 else a for a in row] for row in ids.reshape(-1, n).tolist()]
+    return passk.summarize(correct, votes)
 
 
-def answer_ids(texts, k: int) -> np.ndarray:
+def _final_answer(text: str) -> str:
+  boxed = last_boxed(text)
+  if boxed is not None:
+    return "boxed:" + "".join(boxed.split())
+  number = gsm8k_answer.extract_answer(text)
+  return text.strip() if number is None else gsm8k_answer.normalize(number)  # 4.0 is 4
+
+
+def answer_ids(texts, k: int, key=None) -> np.ndarray:
   """int32 [len(texts) / k, k]: for each group of k texts, the index of the first text in the
-  group with the same final answer (its last \\boxed{} without spaces, else the number a
-  GSM8K-style completion ends on, else the stripped text), so equal ids mean equal answers."""
-  def key(text):
-    boxed = last_boxed(text)
-    if boxed is not None:
-      return "boxed:" + "".join(boxed.split())
-    number = gsm8k_answer.extract_answer(text)
-    return text.strip() if number is None else gsm8k_answer.normalize(number)  # 4.0 is 4
-  answers = [key(t) for t in texts]
+  group with the same answer, so equal ids mean equal answers; -1 where `key` (a reward's
+  `answer_key`) reads none. Without `key`: the last \\boxed{} without spaces, else the number
+  a GSM8K-style completion ends on, else the stripped text."""
+  answers = [(key or _final_answer)(t) for t in texts]
   groups = [answers[i:i + k] for i in range(0, len(answers), k)]
-  return np.asarray([[g.index(a) for a in g] for g in groups], np.int32).reshape(-1, k)
+  return np.asarray([[-1 if a is None else g.index(a) for a in g] for g in groups],
+                    np.int32).reshape(-1, k)
 
 
 def format_summary(summary: dict, *, label: Optional[str] = None) -> str:

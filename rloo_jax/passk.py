@@ -4,7 +4,8 @@ pass@k is the unbiased estimator of Chen et al. (2021): of n samples with c corr
 that k drawn without replacement hold a correct one, 1 - C(n - c, k) / C(n, k), averaged over
 prompts. maj@n: the prompt counts as solved when the answer most of its n samples give (ties:
 the one given first) is a correct one. The correct samples vote as one answer: each equals the
-reference under the reward (0.5 and \\frac{1}{2} alike), however their texts differ.
+reference under the reward (0.5 and \\frac{1}{2} alike), however their texts differ; a wrong
+one that gives no answer (None) does not vote.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def majority_correct(answers: Sequence[Hashable], correct: Sequence[bool]) -> bool:
   """Whether the most common answer (ties: the first given) is one of a correct sample; the
-  correct samples count as one answer."""
-  answers = [True if ok else ("wrong", a) for a, ok in zip(answers, correct)]
-  counts = Counter(answers)
+  correct samples count as one answer, wrong ones without an answer (None) not at all."""
+  votes = [True if ok else ("wrong", a) for a, ok in zip(answers, correct) if ok or a is not None]
+  if not votes:
+    return False
+  counts = Counter(votes)
   top = max(counts.values())
-  choice = next(a for a in answers if counts[a] == top)
-  return any(ok for a, ok in zip(answers, correct) if a == choice)
+  return next(v for v in votes if counts[v] == top) is True  # True: the correct ones
 
 
 def bootstrap_interval(values: np.ndarray, *, reps: int = 1000, alpha: float = 0.05,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rloo_jax import evaluation, passk
+from rloo_jax import evaluation, passk, rewards
 
 
 @pytest.mark.parametrize("n,c,k", [(5, 2, 2), (5, 0, 3), (5, 5, 1), (8, 3, 4), (10, 1, 1),
@@ -31,6 +31,11 @@ def test_answer_ids_name_each_sample_by_the_first_in_its_group_with_its_answer()
   texts = ["so \\boxed{\\frac{3}{4}}", "\\boxed{\\frac{1}{4}}", "\\boxed{ \\frac{3}{4} }",
            "\\boxed{3} then \\boxed{\\frac{3}{4}} and \\boxed{1", "4", "\\boxed{4}", "4.0", "x"]
   np.testing.assert_array_equal(evaluation.answer_ids(texts, 4), [[0, 1, 0, 0], [0, 1, 0, 3]])
+  # A reward's own reading (math_answer's, think=true): -1 where it reads no answer.
+  key = rewards.resolve("rloo_jax.rewards.math_answer:math_answer?think=true").answer_key
+  texts = ["<think>\\boxed{3}</think> \\boxed{ 5 }", "<think>so \\boxed{5}", "</think>\\boxed{5}",
+           "</think> 5"]
+  np.testing.assert_array_equal(evaluation.answer_ids(texts, 4, key), [[0, -1, 0, -1]])
 
 
 def test_majority_vote_takes_the_most_common_answer_ties_first_given():
@@ -40,6 +45,10 @@ def test_majority_vote_takes_the_most_common_answer_ties_first_given():
   # Correct samples vote together however written: 0.5 and 1/2 (2 votes) beat 3 (2), given first.
   assert passk.majority_correct(["0.5", "3", "1/2", "3"], [True, False, True, False]) is True
   assert passk.majority_correct(["3", "0.5", "1/2", "3"], [False, True, True, False]) is False
+  # A wrong sample that gives no answer (None: cut inside its thoughts) does not vote.
+  assert passk.majority_correct([None, None, "17", "5"], [False, False, True, False]) is True
+  assert passk.majority_correct(["17", "5", "5"], [True, False, False]) is False
+  assert passk.majority_correct([None, None], [False, False]) is False
   assert passk.ks_of(8) == [1, 2, 4, 8] and passk.ks_of(6) == [1, 2, 4, 6]
 
 
@@ -59,11 +68,20 @@ def test_summary_means_over_prompts_with_intervals_around_them():
 def test_a_run_evaluates_pass_at_k_when_asked(tmp_path):
   from rloo_jax import algorithms, evaluation  # pylint: disable=import-outside-toplevel
   from test_trim import tiny_config  # pylint: disable=import-outside-toplevel
+
+  def even(prompts, completions, **fields):  # right and wrong samples in most groups
+    del prompts, fields
+    return [float(len(c) % 2 == 0) for c in completions]
+  # The first reward's reading of an answer is the vote: reading none, the wrong samples do not
+  # vote, so a prompt is solved by majority exactly when one sample is right (maj@4 = pass@4;
+  # voting by their texts instead, maj@4 was 0.75 against pass@4's 1.0).
+  even.answer_key = lambda text: None
   config = tiny_config()
   config.train.update(num_iterations=1, eval_samples=4)
+  config.rewards.fns = [even]
   summary = algorithms.run(config, str(tmp_path))
   after = summary["after"]
   for key in ("pass@1", "pass@2", "pass@4", "maj@4"):
     assert 0.0 <= after[f"{key}_lo"] <= after[key] <= after[f"{key}_hi"] <= 1.0, key
-  assert after["pass@1"] <= after["pass@2"] <= after["pass@4"]
+  assert after["pass@1"] <= after["pass@2"] <= after["pass@4"] == after["maj@4"]
   assert "pass@4 (sampled)" in evaluation.format_summary(summary)

@@ -3,6 +3,7 @@ Hugging Face's math-verify (`pip install 'rloo_jax[math]'`).
 
   math_answer(prompts, completions, *, answer, stop=None, think=False, timeout_s=5,
               workers=min(8, CPUs))                          1.0 / 0.0 / NaN per completion
+  math_answer.answer_key(completion, think=False)            the boxed answer maj@n votes by
 
 The completion's answer is its \boxed{...} or, failing that, a LaTeX answer after "final answer
 is", read after its last `</think>` when it has one (a reasoning model's answer follows its
@@ -97,6 +98,14 @@ def _answer_part(text: str, think: bool) -> str:
   return text[i + len(THINK_END):]
 
 
+def answer_key(text: str, think: bool = False) -> str | None:
+  """The answer math_answer reads, as maj@n's vote (`evaluation.answer_ids`): the last \\boxed{}
+  after the thoughts, spaces dropped; None where there is none (no box, or under think=True
+  thoughts never closed), a sample that does not vote."""
+  boxed = answers.last_boxed(_answer_part(text, think))
+  return None if boxed is None else "".join(boxed.split())
+
+
 def _exit_code(worker):
   try:
     return worker.wait(timeout=1)  # the pipe closes a moment before the process ends
@@ -122,3 +131,6 @@ def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
     chunks = np.array_split(np.arange(len(pairs)), min(len(pairs), workers))
     return np.concatenate(_run([[pairs[j] for j in c] for c in chunks], timeout_s))
   return answers.against_answers_batch(prompts, completions, answer, stop, score_all)
+
+
+math_answer.answer_key = answer_key  # what evaluation's majority vote reads
