@@ -29,7 +29,7 @@ import numpy as np
 
 from rloo_jax import passk, rollout, sampler_args, sampling
 from rloo_jax.data import gsm8k_answer, pipeline
-from rloo_jax.rewards.answers import last_boxed
+from rloo_jax.rewards.answers import boxed_answer
 from rloo_jax.rewards.preferences import win_rate_stats
 
 
@@ -102,6 +102,7 @@ class Evaluator:
     if slots:  # the whole set streams through one batch's engine slots, one call
       batches = [{name: np.concatenate([b[name] for b in batches]) for name in batches[0]}]
     texts, scores, lengths, per_fn, ids = [], [], [], {}, []
+    key = getattr(self.rewards.fns[0], "answer_key", None)  # the first reward's reading
     for i, batch in enumerate(batches):
       out, r_bk, local_texts, parts = rollout.rollout(
           exp, params, batch, jax.random.fold_in(self.rng, i), k=k, method=method,
@@ -114,7 +115,6 @@ class Evaluator:
       for name, v in parts.items():
         per_fn.setdefault(name, []).append(np.asarray(v).reshape(-1, k)[valid].reshape(-1))
       if answers:  # a group's texts are on one process; its ids gathered like its scores
-        key = getattr(self.rewards.fns[0], "answer_key", None)  # the first reward's reading
         ids.append(exp.layout.gather_rows(answer_ids(local_texts, k, key))[valid].reshape(-1))
     out = (texts, np.concatenate(scores), np.concatenate(lengths),
            {name: np.concatenate(chunks) for name, chunks in per_fn.items()})
@@ -169,9 +169,9 @@ class Evaluator:
 
 
 def _final_answer(text: str) -> str:
-  boxed = last_boxed(text)
+  boxed = boxed_answer(text)
   if boxed is not None:
-    return "boxed:" + "".join(boxed.split())
+    return "boxed:" + boxed
   number = gsm8k_answer.extract_answer(text)
   return text.strip() if number is None else gsm8k_answer.normalize(number)  # 4.0 is 4
 

@@ -35,6 +35,13 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
+def boxed_answer(text: str) -> str | None:
+  """The last `\\boxed{...}`'s content without whitespace (how a majority vote compares boxed
+  answers: `\\frac{3}{4}` and `\\frac {3}{4}` agree), or None."""
+  boxed = last_boxed(text)
+  return None if boxed is None else "".join(boxed.split())
+
+
 def num_rows(prompts: Sequence[str], completions: Sequence[str]) -> int:
   n = len(completions)
   if len(prompts) != n:

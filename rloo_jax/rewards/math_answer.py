@@ -102,8 +102,7 @@ def answer_key(text: str, think: bool = False) -> str | None:
   """The answer math_answer reads, as maj@n's vote (`evaluation.answer_ids`): the last \\boxed{}
   after the thoughts, spaces dropped; None where there is none (no box, or under think=True
   thoughts never closed), a sample that does not vote."""
-  boxed = answers.last_boxed(_answer_part(text, think))
-  return None if boxed is None else "".join(boxed.split())
+  return answers.boxed_answer(_answer_part(text, think))
 
 
 def _exit_code(worker):
