@@ -14,9 +14,9 @@ against itself scores exactly 0.5.
 
 With config.train.eval_samples = n > 1 it also draws n samples a prompt and reports pass@k and
 maj@n with bootstrap intervals (`rloo_jax.passk`): a sample is correct when the first evaluation
-reward scores it at least config.train.eval_correct_at; its answer, for the vote, is what that
-reward's `answer_key(text)` reads when it has one (math_answer's), else its last \\boxed{}, else
-the last number in its text, else the text.
+reward scores it at least config.train.eval_correct_at; the vote is that reward's
+`answer_ids(texts, k)` when it has one (math_answer's: its answers grouped by math-verify's
+equality), else `answer_ids` below (the last \\boxed{}, else the last number, else the text).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Evaluator:
     if slots:  # the whole set streams through one batch's engine slots, one call
       batches = [{name: np.concatenate([b[name] for b in batches]) for name in batches[0]}]
     texts, scores, lengths, per_fn, ids = [], [], [], {}, []
-    key = getattr(self.rewards.fns[0], "answer_key", None)  # the first reward's reading
+    votes = getattr(self.rewards.fns[0], "answer_ids", None) or answer_ids  # the first's
     for i, batch in enumerate(batches):
       out, r_bk, local_texts, parts = rollout.rollout(
           exp, params, batch, jax.random.fold_in(self.rng, i), k=k, method=method,
@@ -115,7 +115,7 @@ class Evaluator:
       for name, v in parts.items():
         per_fn.setdefault(name, []).append(np.asarray(v).reshape(-1, k)[valid].reshape(-1))
       if answers:  # a group's texts are on one process; its ids gathered like its scores
-        ids.append(exp.layout.gather_rows(answer_ids(local_texts, k, key))[valid].reshape(-1))
+        ids.append(exp.layout.gather_rows(_votes(votes, local_texts, k))[valid].reshape(-1))
     out = (texts, np.concatenate(scores), np.concatenate(lengths),
            {name: np.concatenate(chunks) for name, chunks in per_fn.items()})
     return out + (np.concatenate(ids),) if answers else out
@@ -176,15 +176,20 @@ def _final_answer(text: str) -> str:
   return text.strip() if number is None else gsm8k_answer.normalize(number)  # 4.0 is 4
 
 
-def answer_ids(texts, k: int, key=None) -> np.ndarray:
+def answer_ids(texts, k: int) -> np.ndarray:
   """int32 [len(texts) / k, k]: for each group of k texts, the index of the first text in the
-  group with the same answer, so equal ids mean equal answers; -1 where `key` (a reward's
-  `answer_key`) reads none. Without `key`: the last \\boxed{} without spaces, else the number
-  a GSM8K-style completion ends on, else the stripped text."""
-  answers = [(key or _final_answer)(t) for t in texts]
-  groups = [answers[i:i + k] for i in range(0, len(answers), k)]
-  return np.asarray([[-1 if a is None else g.index(a) for a in g] for g in groups],
-                    np.int32).reshape(-1, k)
+  group with the same answer (`passk.group_ids`), the answer being the last \\boxed{} without
+  spaces, else the number a GSM8K-style completion ends on, else the stripped text."""
+  return passk.group_ids([_final_answer(t) for t in texts], k)
+
+
+def _votes(votes, texts, k: int) -> np.ndarray:
+  ids = np.asarray(votes(texts, k))
+  if ids.shape != (len(texts) // k, k):
+    raise ValueError(f"the first evaluation reward's answer_ids returned shape {ids.shape} for "
+                     f"{len(texts)} texts in groups of {k}: it must return int [{len(texts) // k}"
+                     f", {k}] (rloo_jax.passk.group_ids makes one from an answer a text)")
+  return ids.astype(np.int32)
 
 
 def format_summary(summary: dict, *, label: Optional[str] = None) -> str:

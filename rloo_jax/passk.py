@@ -36,6 +36,14 @@ def majority_correct(answers: Sequence[Hashable], correct: Sequence[bool]) -> bo
   return next(v for v in votes if counts[v] == top) is True  # True: the correct ones
 
 
+def group_ids(answers: Sequence[Hashable], k: int) -> np.ndarray:
+  """int32 [len(answers) / k, k]: for each group of k answers, the index of the first in the
+  group equal to each, so equal ids mean equal answers; -1 for None (no answer, no vote)."""
+  groups = [list(answers[i:i + k]) for i in range(0, len(answers), k)]
+  return np.asarray([[-1 if a is None else g.index(a) for a in g] for g in groups],
+                    np.int32).reshape(-1, k)
+
+
 def bootstrap_interval(values: np.ndarray, *, reps: int = 1000, alpha: float = 0.05,
                        seed: int = 0) -> tuple[float, float]:
   """The (alpha/2, 1 - alpha/2) percentile interval of the mean over resampled prompts."""

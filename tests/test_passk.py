@@ -31,11 +31,27 @@ def test_answer_ids_name_each_sample_by_the_first_in_its_group_with_its_answer()
   texts = ["so \\boxed{\\frac{3}{4}}", "\\boxed{\\frac{1}{4}}", "\\boxed{ \\frac{3}{4} }",
            "\\boxed{3} then \\boxed{\\frac{3}{4}} and \\boxed{1", "4", "\\boxed{4}", "4.0", "x"]
   np.testing.assert_array_equal(evaluation.answer_ids(texts, 4), [[0, 1, 0, 0], [0, 1, 0, 3]])
-  # A reward's own reading (math_answer's, think=true): -1 where it reads no answer.
-  key = rewards.resolve("rloo_jax.rewards.math_answer:math_answer?think=true").answer_key
+  assert passk.group_ids(["a", None, "b", "a"], 2).tolist() == [[0, -1], [0, 1]]
+
+
+def test_math_answers_vote_together_when_math_verify_finds_them_equal_right_or_wrong():
+  # math_answer's votes (think=true, as the spec sets them): -1 where it reads no answer (no box,
+  # or thoughts never closed), and wrong answers written two ways are one answer.
+  votes = rewards.resolve("rloo_jax.rewards.math_answer:math_answer?think=true&workers=2")
   texts = ["<think>\\boxed{3}</think> \\boxed{ 5 }", "<think>so \\boxed{5}", "</think>\\boxed{5}",
-           "</think> 5"]
-  np.testing.assert_array_equal(evaluation.answer_ids(texts, 4, key), [[0, -1, 0, -1]])
+           "</think> 5", "</think>\\boxed{0.5}", "</think>\\boxed{\\frac{1}{3}}",
+           "</think>The final answer is $1/3$", "</think>\\boxed{\\dfrac{1}{2}}"]
+  ids = votes.answer_ids(texts, 4)
+  np.testing.assert_array_equal(ids, [[0, -1, 0, -1], [0, 1, 1, 0]])
+  # So a wrong answer given twice, however written, outvotes a right one given first, which it
+  # did not when \\frac{1}{3} and 1/3 counted as two answers (one vote each, ties to the first).
+  texts[7], correct = "</think>\\boxed{7}", [True, False, False, False]
+  ids = votes.answer_ids(texts[4:], 4)
+  assert ids.tolist() == [[0, 1, 1, 3]] and not passk.majority_correct(ids[0].tolist(), correct)
+  assert passk.majority_correct(evaluation.answer_ids(texts[4:], 4)[0].tolist(), correct)
+  assert votes.answer_ids([], 4).shape == (0, 4)
+  with pytest.raises(ValueError, match=r"answer_ids returned shape \(4,\) for 4 texts in groups"):
+    evaluation._votes(lambda texts, k: [0] * len(texts), texts[:4], 2)  # pylint: disable=W0212
 
 
 def test_majority_vote_takes_the_most_common_answer_ties_first_given():
@@ -75,7 +91,7 @@ def test_a_run_evaluates_pass_at_k_when_asked(tmp_path):
   # The first reward's reading of an answer is the vote: reading none, the wrong samples do not
   # vote, so a prompt is solved by majority exactly when one sample is right (maj@4 = pass@4;
   # voting by their texts instead, maj@4 was 0.75 against pass@4's 1.0).
-  even.answer_key = lambda text: None
+  even.answer_ids = lambda texts, k: passk.group_ids([None] * len(texts), k)
   config = tiny_config()
   config.train.update(num_iterations=1, eval_samples=4)
   config.rewards.fns = [even]

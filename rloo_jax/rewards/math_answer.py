@@ -3,7 +3,7 @@ Hugging Face's math-verify (`pip install 'rloo_jax[math]'`).
 
   math_answer(prompts, completions, *, answer, stop=None, think=False, timeout_s=5,
               workers=min(8, CPUs))                          1.0 / 0.0 / NaN per completion
-  math_answer.answer_key(completion, think=False)            the boxed answer maj@n votes by
+  math_answer.answer_ids(completions, k, think=False, ...)  maj@n's votes, int32 [N / k, k]
 
 The completion's answer is its \boxed{...} or, failing that, a LaTeX answer after "final answer
 is", read after its last `</think>` when it has one (a reasoning model's answer follows its
@@ -67,8 +67,8 @@ def _stop() -> None:
   _workers.clear()
 
 
-def _run(chunks: list, timeout_s: int) -> list:
-  """math_worker.score of each chunk, one chunk a worker."""
+def _run(op: str, chunks: list, timeout_s: int) -> list:
+  """math_worker's `op` (score or group) of each chunk, one chunk a worker."""
   with _lock:
     for i, w in enumerate(_workers):
       if w.poll() is not None:  # exited between calls (killed): its batch is not lost
@@ -80,7 +80,7 @@ def _run(chunks: list, timeout_s: int) -> list:
     busy = _workers[:len(chunks)]
     try:
       for w, chunk in zip(busy, chunks):
-        pickle.dump((chunk, timeout_s), w.stdin)
+        pickle.dump((op, chunk, timeout_s), w.stdin)
         w.stdin.flush()
       return [pickle.load(w.stdout) for w in busy]
     except (EOFError, BrokenPipeError, pickle.UnpicklingError):
@@ -98,11 +98,26 @@ def _answer_part(text: str, think: bool) -> str:
   return text[i + len(THINK_END):]
 
 
-def answer_key(text: str, think: bool = False) -> str | None:
-  """The answer math_answer reads, as maj@n's vote (`evaluation.answer_ids`): the last \\boxed{}
-  after the thoughts, spaces dropped; None where there is none (no box, or under think=True
-  thoughts never closed), a sample that does not vote."""
-  return answers.boxed_answer(_answer_part(text, think))
+def _check(timeout_s, workers) -> None:
+  if not all(isinstance(v, int) and v >= 1 for v in (timeout_s, workers)):
+    raise ValueError(f"rloo_jax.rewards.math_answer: timeout_s={timeout_s!r} and workers="
+                     f"{workers!r} must be whole numbers >= 1 (math_answer?timeout_s=5&workers=8)")
+
+
+def answer_ids(completions: Sequence[str], k: int, *, think: bool = False,
+               timeout_s: int = TIMEOUT_S, workers: int = WORKERS) -> np.ndarray:
+  """int32 [N / k, k], maj@n's votes (rloo_jax.evaluation): for each group of k completions,
+  the index of the first in its group whose answer math-verify finds equal to this one's (the
+  reading and equality of the scores, so \\frac{1}{3} and 1/3 vote together, right or wrong);
+  -1 where it reads no answer (or, under think=True, the thoughts never closed): no vote."""
+  _check(timeout_s, workers)
+  parts = [_answer_part(c, think) for c in completions]
+  groups = [parts[i:i + k] for i in range(0, len(parts), k)]
+  if not groups:
+    return np.zeros((0, k), np.int32)
+  chunks = np.array_split(np.arange(len(groups)), min(len(groups), workers))
+  done = _run("group", [[groups[j] for j in c] for c in chunks], timeout_s)
+  return np.asarray([ids for chunk in done for ids in chunk], np.int32).reshape(-1, k)
 
 
 def _exit_code(worker):
@@ -120,16 +135,14 @@ def math_answer(prompts: Sequence[str], completions: Sequence[str], *,
   decode it) states an answer equal to the reference, 0.0 where it does not or states none, NaN
   where the reference is missing or unreadable."""
   del fields
-  if not all(isinstance(v, int) and v >= 1 for v in (timeout_s, workers)):
-    raise ValueError(f"rloo_jax.rewards.math_answer: timeout_s={timeout_s!r} and workers="
-                     f"{workers!r} must be whole numbers >= 1 (math_answer?timeout_s=5&workers=8)")
+  _check(timeout_s, workers)
 
   def score_all(pairs):
     pairs = [(_answer_part(c, think), a.strip()) for c, a in pairs]
     # Contiguous chunks keep a prompt's k completions together: its reference is parsed once.
     chunks = np.array_split(np.arange(len(pairs)), min(len(pairs), workers))
-    return np.concatenate(_run([[pairs[j] for j in c] for c in chunks], timeout_s))
+    return np.concatenate(_run("score", [[pairs[j] for j in c] for c in chunks], timeout_s))
   return answers.against_answers_batch(prompts, completions, answer, stop, score_all)
 
 
-math_answer.answer_key = answer_key  # what evaluation's majority vote reads
+math_answer.answer_ids = answer_ids  # evaluation's majority vote

@@ -120,15 +120,15 @@ def resolve(spec, layout=None):
 
 
 def _with_options(spec: str):
-  """'pkg.module:fn?name=value&...' as fn with those keyword arguments (and its `answer_key`,
-  maj@n's reading of an answer, with those it takes)."""
+  """'pkg.module:fn?name=value&...' as fn with those keyword arguments (and its `answer_ids`,
+  maj@n's votes, with those it takes)."""
   fn = load_reward_fn(spec.partition("?")[0])
   kinds = {p.name: type(p.default) for p in inspect.signature(fn).parameters.values()
            if type(p.default) in (bool, int, float, str)}
   options = _parse_spec(spec, "", kinds, "function")[1]
   bound = functools.partial(fn, **options)
-  key = getattr(fn, "answer_key", None)
-  if key is not None:
-    takes = inspect.signature(key).parameters
-    bound.answer_key = functools.partial(key, **{k: v for k, v in options.items() if k in takes})
+  votes = getattr(fn, "answer_ids", None)
+  if votes is not None:
+    takes = inspect.signature(votes).parameters
+    bound.answer_ids = functools.partial(votes, **{k: v for k, v in options.items() if k in takes})
   return bound
