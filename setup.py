@@ -12,10 +12,11 @@ setup(
     # Each lower bound here and in [test] / [hf] is what `uv pip install --resolution lowest-direct`
     # takes, and the tests pass there (README): pip keeps an installed version that meets it.
     install_requires=[
-        # The jax the suite passes on, on every Python (3.12 and 3.13 would otherwise get jax 0.12:
-        # other XLA:CPU memory plans, and its CPU compilation-cache keys differ between processes,
-        # so a restarted multi-process run loads programs on process 0 that the others compile
-        # anew, and they deadlock in their first collective); older ones fail its tests.
+        # The jax every check here passes on, on every Python; older ones fail its tests. Python
+        # 3.12 and 3.13 would otherwise get jax 0.12.1, whose suite passes (Python 3.12) but whose
+        # GPU build is CUDA 13 only (no jax-cuda12-plugin 0.12.1): [plan]'s GPU compiler and the
+        # notebooks' GPU installs would move to cuda13, untested here, with the TPU compiles and
+        # HF parity on 0.12.
         "jax>=0.10.2,<0.11",
         "flax>=0.12.8",
         # optax.init_empty_state came in 0.2.6; 0.2.7 sets a jax option jax 0.10 lacks;

@@ -77,7 +77,10 @@ def compilation_cache_dir(config) -> str:
 def setup_compilation_cache(config, log=print) -> str:
   """Turns on JAX's persistent compilation cache before the first compile, so a second start of
   the same job loads its programs instead of compiling them. Returns the directory ('' = off:
-  also when a local directory cannot be written, said in one line)."""
+  also when a local directory cannot be written, said in one line, or the cache is off already:
+  env JAX_ENABLE_COMPILATION_CACHE=false, or processes whose cache keys differ)."""
+  if not jax.config.jax_enable_compilation_cache:
+    return ""
   path = compilation_cache_dir(config)
   if path and "://" not in path:  # a local directory (a URL is etils.epath's, as in JAX)
     try:

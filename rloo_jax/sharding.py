@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any, Mapping, Optional, Sequence
 
 from absl import logging
@@ -328,41 +327,6 @@ def check_batch(name: str, size: int, layout: Layout) -> None:
                      f"choose a multiple of {ways} or a smaller data/fsdp")
   if size % jax.process_count():
     raise ValueError(f"{name} = {size} is not divisible by the {jax.process_count()} processes")
-
-
-# ----------------------------------------------------------------------------------------------
-# Multi-process start-up
-
-
-def initialize_distributed(coordinator_address: Optional[str] = None,
-                           num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None,
-                           num_cpu_devices: Optional[int] = None) -> bool:
-  """Starts jax.distributed when a multi-process run is asked for, and returns whether it did;
-  call before any jax work.
-
-  Arguments default to the env vars JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-  JAX_PROCESS_ID. With none of them set this does nothing (a single-process run), except that
-  `num_cpu_devices` still simulates that many CPU devices.
-  """
-  env = os.environ
-  coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
-  if num_processes is None and env.get("JAX_NUM_PROCESSES"):
-    num_processes = int(env["JAX_NUM_PROCESSES"])
-  if process_id is None and env.get("JAX_PROCESS_ID"):
-    process_id = int(env["JAX_PROCESS_ID"])
-  if num_cpu_devices:
-    jax.config.update("jax_num_cpu_devices", int(num_cpu_devices))
-  if coordinator_address is None and num_processes is None:
-    return False
-  if coordinator_address is None or num_processes is None or process_id is None:
-    raise ValueError("a multi-process run needs --coordinator_address, --num_processes and "
-                     "--process_id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
-                     "JAX_PROCESS_ID); got "
-                     f"{coordinator_address!r}, {num_processes!r}, {process_id!r}")
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=int(num_processes), process_id=int(process_id))
-  return True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from rloo_jax import checkpoint
 from rloo_jax import cli
 from rloo_jax import loop
 from rloo_jax import rewards
-from rloo_jax import sharding
+from rloo_jax import processes
 from rloo_jax import workdir as workdir_lib
 
 
@@ -52,8 +52,8 @@ def main(argv):
     # Orbax logs every file it writes at INFO; --verbosity=0 brings that back.
     logging.set_verbosity(logging.WARNING)
   # Before any other jax call: the device set is fixed once the backend starts.
-  multi = sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
-                                          _PROCESS_ID.value, _CPU_DEVICES.value)
+  multi = processes.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                           _PROCESS_ID.value, _CPU_DEVICES.value)
   cache = cli.setup_compilation_cache(_CONFIG.value)
   line = cli.unshared_cache_line(cache) if multi else None  # a collective: every process
   if line:

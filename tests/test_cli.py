@@ -133,3 +133,9 @@ def test_a_cache_directory_that_cannot_be_written_is_said_and_turned_off(monkeyp
   config.train.compilation_cache_dir = str(tmp_path / "fine")  # made, and set
   assert cli.setup_compilation_cache(config, log=lines.append) == str(tmp_path / "fine")
   assert len(lines) == 1 and ("jax_compilation_cache_dir", str(tmp_path / "fine")) in updates
+  # Off already (processes whose cache keys differ, or env): left off, nothing said.
+  updates.clear()
+  from jax._src import config as jax_config  # pylint: disable=import-outside-toplevel
+  with jax_config.enable_compilation_cache(False):
+    assert cli.setup_compilation_cache(config, log=lines.append) == "" and not updates
+  assert len(lines) == 1

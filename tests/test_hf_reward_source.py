@@ -393,11 +393,9 @@ def test_two_processes_score_their_own_rows(tmp_path):
 
 
 def _mp_worker(process_id: int, port: int, out_path: str) -> None:
-  import jax  # the device count and jax.distributed before any jax work
-  jax.config.update('jax_num_cpu_devices', 2)
-  jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
-                             process_id=process_id)
-  from rloo_jax import sharding
+  import jax
+  from rloo_jax import processes, sharding
+  processes.initialize_distributed(f'127.0.0.1:{port}', 2, process_id, 2)  # before any jax work
   from rloo_jax.rewards import registry
 
   fn = registry.resolve(spec('llama', dtype='float32', batch_size=4))  # FSDP over all 4

@@ -28,9 +28,10 @@ MESH = dict(data=1, fsdp=2, tensor=4, rules=[('vocab', 'tensor'), ('embed', 'fsd
 
 def _worker(process_id: int, port: int, out_path: str):
   import jax
-  jax.config.update('jax_num_cpu_devices', 4)
-  jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=2,
-                             process_id=process_id)
+  from rloo_jax import processes
+  started = []
+  processes.initialize_distributed(f'127.0.0.1:{port}', 2, process_id, 4, log=started.append)
+  fingerprints = list(processes.topology_fingerprints())  # what initialize_distributed read
   from flax import nnx
   import numpy as np
   from rloo_jax import sharding
@@ -114,7 +115,8 @@ def _worker(process_id: int, port: int, out_path: str):
                    cache_lines=cache_lines, shared_cache=os.path.join(root, 'shared_cache'),
                    workdir_error=workdir_error, own_workdir=sorted(os.listdir(own_workdir)),
                    config_error=config_error, versions_error=versions_error,
-                   code_error=code_error,
+                   code_error=code_error, started=started, fingerprints=fingerprints,
+                   cache_on=jax.config.jax_enable_compilation_cache,
                    distinct_block_elements=blocks,
                    read_elements={k: int(m.sum()) for k, m in reads.items()},
                    sizes={k: int(m.size) for k, m in reads.items()},
@@ -159,6 +161,21 @@ def test_process_0_says_when_another_process_cannot_read_the_compilation_cache(r
   assert shared is None and results[1]['cache_lines'] == [None] * 4  # process 1 prints nothing
   assert one_off.startswith('[compile] 1 of 2 processes (1) cannot read') and zero_off is None
   assert os.listdir(results[0]['shared_cache']) == []  # the marker is gone
+
+
+def test_processes_whose_cache_keys_differ_turn_the_cache_off_before_compiling(results):
+  """Multi-process XLA:CPU: each process fingerprints the topology differently, so the cache
+  keys differ; the cache goes off on both (process 0 says why), as it must on jaxlib 0.12, where a
+  loaded program and a compiled one deadlock in their first collective."""
+  fingerprints = results[0]['fingerprints']
+  assert results[1]['fingerprints'] == fingerprints and len(fingerprints) == 2
+  assert fingerprints[0] != fingerprints[1]
+  assert not results[0]['cache_on'] and not results[1]['cache_on']
+  assert results[0]['started'] == [
+      "[compile] compilation cache off for this run: the 2 processes' cache keys differ (each "
+      "process's compiler fingerprints the devices' topology differently), so only process 0 "
+      "could load a program the others compile anyway"]
+  assert results[1]['started'] == []
 
 
 def test_a_workdir_that_is_not_one_directory_for_all_processes_is_refused_before_any_write(
