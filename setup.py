@@ -14,9 +14,9 @@ setup(
     install_requires=[
         # The jax every check here passes on, on every Python; older ones fail its tests. Python
         # 3.12 and 3.13 would otherwise get jax 0.12.1, whose suite passes (Python 3.12) but whose
-        # GPU build is CUDA 13 only (no jax-cuda12-plugin 0.12.1): [plan]'s GPU compiler and the
-        # notebooks' GPU installs would move to cuda13, untested here, with the TPU compiles and
-        # HF parity on 0.12.
+        # GPU build is CUDA 13 only (no jax-cuda12-plugin 0.12.1) and whose jax[tpu] needs a
+        # libtpu (0.0.53) PyPI does not hold: [plan] and the notebooks' accelerator installs
+        # cannot follow it yet.
         "jax>=0.10.2,<0.11",
         "flax>=0.12.8",
         # optax.init_empty_state came in 0.2.6; 0.2.7 sets a jax option jax 0.10 lacks;

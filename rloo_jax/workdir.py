@@ -47,6 +47,9 @@ RESUMABLE_KEYS = (
     "rloo.rollout_slots", "rloo.rollout_prefix_rows", "rloo.rollout_pages",
     "rloo.rollout_page_size",
 )
+# Options of a reward spec (`fn?workers=16`) that say how the reward runs, not what it scores:
+# math_answer's worker processes, a reward model's batch. A run resumes on another host with them.
+RESUMABLE_SPEC_OPTIONS = ("workers", "batch_size")
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "ml_collections",
              "rloo_jax")
 
@@ -84,7 +87,22 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
   def was(k):
     return saved.get(k, defaults.get(k, "<absent>"))
-  return [k for k in keys if k not in RESUMABLE_KEYS and was(k) != current.get(k, "<absent>")]
+  return [k for k in keys if k not in RESUMABLE_KEYS
+          and _scored(was(k)) != _scored(current.get(k, "<absent>"))]
+
+
+def _scored(value):
+  """A list of reward specs without their RESUMABLE_SPEC_OPTIONS (other values as they are)."""
+  if not isinstance(value, list):
+    return value
+  def spec(v):
+    if not isinstance(v, str) or "?" not in v:
+      return v
+    head, _, query = v.partition("?")
+    kept = sorted(p for p in query.split("&")  # in any order
+                  if p.partition("=")[0] not in RESUMABLE_SPEC_OPTIONS)
+    return head + ("?" + "&".join(kept) if kept else "")
+  return [spec(v) for v in value]
 
 
 def check_config(workdir: str, config, *, log: Callable[[str], None] = print) -> None:

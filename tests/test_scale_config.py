@@ -214,6 +214,22 @@ def test_memory_settings_may_change_on_resume_and_the_math_may_not():
       "model.preset", "model.ref_dtype", "rloo.trim_bucket"]
 
 
+def test_a_reward_specs_workers_and_batch_size_may_change_on_resume_and_its_scoring_may_not():
+  def differences(before, after):
+    saved, changed = load_config(), load_config()
+    saved.rewards.fns, changed.rewards.fns = before, after
+    return workdir.config_differences(workdir.flat_config(saved), workdir.flat_config(changed))
+  math = "rloo_jax.rewards.math_answer:math_answer"
+  assert differences([math + "?think=true&timeout_s=9"], [math + "?timeout_s=9&think=true"]) == []
+  assert differences([math + "?think=true"], [math + "?workers=16&think=true"]) == []
+  assert differences(["hf_reward_model:/rm?batch_size=8&dtype=bfloat16", math + "?workers=2"],
+                     ["hf_reward_model:/rm?dtype=bfloat16&batch_size=64", math]) == []
+  # What a sample scores, or which rewards score it, is the run's own.
+  assert differences([math], [math + "?think=true"]) == ["rewards.fns"]
+  assert differences([math + "?workers=2"], [math + "?workers=2&timeout_s=20"]) == ["rewards.fns"]
+  assert differences([math, math], [math]) == ["rewards.fns"]
+
+
 def test_a_preset_builds_with_its_architecture_and_warns_what_it_ignores(tmp_path, caplog):
   config = load_config()
   config.model.update(preset="qwen2.5-0.5b", ref_dtype="bfloat16")
