@@ -54,6 +54,18 @@ def test_math_answers_vote_together_when_math_verify_finds_them_equal_right_or_w
     evaluation._votes(lambda texts, k: [0] * len(texts), texts[:4], 2)  # pylint: disable=W0212
 
 
+def test_gsm8k_votes_by_the_number_it_scores():
+  from rloo_jax.rewards import verifiers  # pylint: disable=import-outside-toplevel
+  texts = ["so \\boxed{5} #### 72", "#### 72.0", "it is $72", "no number",
+           "\\boxed{5}", "#### 5", "5", "x"]
+  np.testing.assert_array_equal(verifiers.gsm8k(["p"] * 4, texts[:4], answer=["72"] * 4),
+                                [1, 1, 1, 0])
+  votes = rewards.resolve("rloo_jax.rewards.verifiers:gsm8k").answer_ids
+  np.testing.assert_array_equal(votes(texts, 4), [[0, 0, 0, -1], [0, 0, 0, -1]])
+  # The default reading takes the box first: the first sample, scored 72, would vote 5.
+  np.testing.assert_array_equal(evaluation.answer_ids(texts, 4), [[0, 1, 1, 3], [0, 1, 1, 3]])
+
+
 def test_majority_vote_takes_the_most_common_answer_ties_first_given():
   assert passk.majority_correct(["3", "4", "4"], [True, False, False]) is False
   assert passk.majority_correct(["3", "4", "3"], [True, False, True]) is True

@@ -2,6 +2,7 @@
 
   gsm8k(prompts, completions, *, answer, stop=None)   1.0 / 0.0 / NaN per completion
   gsm8k_format(prompts, completions, *, stop=None)    1.0 when it ends with a '#### <number>' line
+  gsm8k.answer_ids(completions, k)                     maj@n's votes: the number the score reads
 
 The final number is extracted the way GSM8K graders do: the number right after the last '####'
 when there is one (the dataset's own answer format), else the last number in the text (models
@@ -18,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rloo_jax import passk
 from rloo_jax.rewards import answers
 # The format's parsing lives with the data (the builder normalises references with it).
 from rloo_jax.data.gsm8k_answer import (  # noqa: F401  (re-exported)
@@ -44,6 +46,16 @@ def gsm8k(prompts: Sequence[str], completions: Sequence[str], *,
     predicted = extract_answer(completion)
     return float(predicted is not None and predicted == reference)
   return answers.against_answers(prompts, completions, answer, stop, score)
+
+
+def answer_ids(completions: Sequence[str], k: int) -> np.ndarray:
+  """int32 [N / k, k], maj@n's votes (rloo_jax.evaluation): the final number `gsm8k` scores,
+  as an exact decimal (72.0 and $72 vote together), -1 where there is none. Without it the vote
+  would read a \\boxed{} before the '####' line the score reads."""
+  return passk.group_ids([extract_answer(str(c)) for c in completions], k)
+
+
+gsm8k.answer_ids = answer_ids
 
 
 def gsm8k_format(prompts: Sequence[str], completions: Sequence[str], *, stop: str | None = None,
