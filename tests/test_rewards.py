@@ -186,6 +186,9 @@ def test_a_reward_function_spec_takes_its_defaulted_parameters_as_typed_options(
                   "* len(tag), np.float32)\n")
   fn = rewards.resolve(f"{path}:scaled?scale=0.5&n=3&flip=true&tag=abcd")
   np.testing.assert_array_equal(fn(["p"], ["c"], answer=["x"]), [-6.0])
+  with pytest.raises(ValueError, match=r"the records' field\(s\) \['n'\] have the name of an "
+                                       r"option the spec sets; rename"):
+    fn(["p"], ["c"], answer=["x"], n=[2])  # a record field `n` would have overridden n=3
   assert reward_name(f"{path}:scaled?scale=0.5") == "scaled"
   for option, message in (("size=2", r"unknown or valueless option 'size=2'; options are "
                                      r"\['flip', 'n', 'scale', 'tag'\]"),

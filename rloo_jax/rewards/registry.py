@@ -126,7 +126,14 @@ def _with_options(spec: str):
   kinds = {p.name: type(p.default) for p in inspect.signature(fn).parameters.values()
            if type(p.default) in (bool, int, float, str)}
   options = _parse_spec(spec, "", kinds, "function")[1]
-  bound = functools.partial(fn, **options)
+
+  @functools.wraps(fn)
+  def bound(prompts, completions, **fields):
+    clash = sorted(set(fields) & set(options))
+    if clash:  # a partial would let the field win, silently, on every call
+      raise ValueError(f"reward {spec}: the records' field(s) {clash} have the name of an "
+                       f"option the spec sets; rename the field(s) or drop the option")
+    return fn(prompts, completions, **options, **fields)
   votes = getattr(fn, "answer_ids", None)
   if votes is not None:
     takes = inspect.signature(votes).parameters
