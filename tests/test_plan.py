@@ -466,8 +466,9 @@ def test_a_missing_compiler_and_two_device_flags_are_one_line_errors(monkeypatch
                                        r"here .*pip install -e \"\.\[plan\]\""):
     targets.devices(targets.parse("tpu-v5e-8"))
   assert updates == [("jax_platforms", "cpu"), ("jax_enable_compilation_cache", False)]
-  out = subprocess.run([sys.executable, "-m", "rloo_jax.plan", "--config=configs/arithmetic.py:smoke",
-                        "--target=h100-8", "--devices=8"], cwd=REPO, capture_output=True, text=True)
+  out = subprocess.run([sys.executable, "-m", "rloo_jax.plan",
+                        "--config=configs/arithmetic.py:smoke", "--target=h100-8", "--devices=8"],
+                       cwd=REPO, capture_output=True, text=True)
   assert out.returncode == 1
   assert out.stderr.strip().splitlines()[-1].startswith(
       "rloo_jax.plan: error: --target and --devices: give one")

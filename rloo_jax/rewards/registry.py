@@ -134,6 +134,7 @@ def _with_options(spec: str):
       raise ValueError(f"reward {spec}: the records' field(s) {clash} have the name of an "
                        f"option the spec sets; rename the field(s) or drop the option")
     return fn(prompts, completions, **options, **fields)
+
   votes = getattr(fn, "answer_ids", None)
   if votes is not None:
     takes = inspect.signature(votes).parameters
