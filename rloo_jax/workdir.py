@@ -87,22 +87,19 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
   def was(k):
     return saved.get(k, defaults.get(k, "<absent>"))
+  def scored(k, v):  # the reward specs as they score: no RESUMABLE_SPEC_OPTIONS
+    return [_scored_spec(s) for s in v] if k == "rewards.fns" and isinstance(v, list) else v
   return [k for k in keys if k not in RESUMABLE_KEYS
-          and _scored(was(k)) != _scored(current.get(k, "<absent>"))]
+          and scored(k, was(k)) != scored(k, current.get(k, "<absent>"))]
 
 
-def _scored(value):
-  """A list of reward specs without their RESUMABLE_SPEC_OPTIONS (other values as they are)."""
-  if not isinstance(value, list):
-    return value
-  def spec(v):
-    if not isinstance(v, str) or "?" not in v:
-      return v
-    head, _, query = v.partition("?")
-    kept = sorted(p for p in query.split("&")  # in any order
-                  if p.partition("=")[0] not in RESUMABLE_SPEC_OPTIONS)
-    return head + ("?" + "&".join(kept) if kept else "")
-  return [spec(v) for v in value]
+def _scored_spec(spec):
+  """A reward spec without its RESUMABLE_SPEC_OPTIONS, its other options in sorted order."""
+  if not isinstance(spec, str) or "?" not in spec:
+    return spec
+  head, _, query = spec.partition("?")
+  kept = sorted(p for p in query.split("&") if p.partition("=")[0] not in RESUMABLE_SPEC_OPTIONS)
+  return head + ("?" + "&".join(kept) if kept else "")
 
 
 def check_config(workdir: str, config, *, log: Callable[[str], None] = print) -> None:
